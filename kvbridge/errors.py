@@ -1,0 +1,21 @@
+"""The project's exception hierarchy.
+
+Every refusal names the field, the value received and what would work, e.g.
+"decode tp_size=6 neither divides nor is a multiple of num_kv_heads=8; use 1, 2, 4, 8, 16".
+"""
+
+
+class KVBridgeError(Exception):
+    """Root of every error kvbridge raises on purpose."""
+
+
+class ConfigError(KVBridgeError):
+    """A model configuration (config.json, GGUF) is unreadable or has a bad field."""
+
+
+class LayoutError(KVBridgeError):
+    """An instance layout (tp, pp, block size, cache layout) is invalid for the model."""
+
+
+class IncompatibleError(KVBridgeError):
+    """A prefill/decode pair cannot exchange KV caches (different models, dtypes, ...)."""
