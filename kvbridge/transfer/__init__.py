@@ -43,7 +43,25 @@ _EXPORTS = {
     "CacheRegions": "regions",
     "MemType": "regions",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AuthError",
+    "CacheRegions",
+    "HandshakeError",
+    "KVConsumer",
+    "KVProducer",
+    "MemType",
+    "NixlTransport",
+    "ProtocolError",
+    "Release",
+    "ReleaseCause",
+    "TransferConfig",
+    "TransferError",
+    "TransferResult",
+    "TransferState",
+    "Transport",
+    "XferState",
+    "load_token",
+]
 
 
 def __getattr__(name: str) -> Any:
