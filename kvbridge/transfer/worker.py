@@ -1,0 +1,328 @@
+"""A stand-alone transfer worker process: one NIXL agent, a pattern-filled cache and a
+producer or consumer, driven by a parent over a pipe (used by `transfer-check`, the
+benchmark and the tests; an engine embeds `KVProducer`/`KVConsumer` instead).
+
+The parent talks to it with msgspec-encoded commands (`send_bytes`), never pickle.
+The worker exits when told to, when the pipe closes (its parent died) or on SIGINT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.plan.verifier import RequestSpan, expected_decode_cache, fill_worker_cache
+from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.messages import LayoutWire, ModelWire
+
+if TYPE_CHECKING:
+    from kvbridge.transfer.consumer import KVConsumer
+    from kvbridge.transfer.producer import KVProducer, Release
+
+
+class Span(msgspec.Struct, frozen=True, array_like=True):
+    block_ids: list[int]
+    num_tokens: int
+    key: int
+
+    def to_request(self) -> RequestSpan:
+        return RequestSpan(np.asarray(self.block_ids, dtype=np.int64), self.num_tokens, self.key)
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    role: str  # "prefill" or "decode"
+    model: ModelWire
+    layout: LayoutWire
+    rank: int
+    num_blocks: int
+    instance_id: str
+    salt: int
+    fill: list[Span] = []  # prefill: requests whose tokens the cache holds
+    host: str = "127.0.0.1"
+    base_port: int = 0
+    token: bytes | None = None
+    lease_s: float = 120.0
+    transfer_timeout_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    backend_params: dict[str, str] = {}
+
+
+# -- parent -> worker ----------------------------------------------------------------
+class SetEndpoints(msgspec.Struct, tag=True):
+    endpoints: list[str]
+
+
+class Expose(msgspec.Struct, tag=True):
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+class Pull(msgspec.Struct, tag=True):
+    request_id: str
+    endpoint: str
+    producer_block_ids: list[int]
+    local_block_ids: list[int]
+    num_tokens: int
+
+
+class Verify(msgspec.Struct, tag=True):
+    requests: list[Span]
+
+
+class Status(msgspec.Struct, tag=True):
+    pass
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+Command = SetEndpoints | Expose | Pull | Verify | Status | Stop
+
+
+# -- worker -> parent ----------------------------------------------------------------
+class Ready(msgspec.Struct, tag=True):
+    rank: int
+    endpoint: str
+    pid: int
+
+
+class Released(msgspec.Struct, tag=True):
+    rank: int
+    request_id: str
+    cause: str
+    reason: str
+    num_blocks: int
+
+
+class Finished(msgspec.Struct, tag=True):
+    rank: int
+    request_id: str
+    state: str
+    reason: str
+    local_block_ids: list[int]
+    nbytes: int
+    num_descriptors: int
+    num_unmerged: int
+    num_indices: int
+
+
+class Verified(msgspec.Struct, tag=True):
+    rank: int
+    ok: bool
+    detail: str
+
+
+class StatusReply(msgspec.Struct, tag=True):
+    rank: int
+    held_blocks: int
+    refusals: list[str]
+    rejected: int
+
+
+class Failed(msgspec.Struct, tag=True):
+    rank: int
+    error: str
+
+
+Event = Ready | Released | Finished | Verified | StatusReply | Failed
+
+_enc = msgspec.msgpack.Encoder()
+_cmd_dec: msgspec.msgpack.Decoder[Command] = msgspec.msgpack.Decoder(Command)
+_event_dec = msgspec.msgpack.Decoder(Event)
+
+
+def send(conn: Connection, msg: msgspec.Struct) -> None:
+    conn.send_bytes(_enc.encode(msg))
+
+
+def recv_event(conn: Connection) -> Event:
+    return _event_dec.decode(conn.recv_bytes())
+
+
+def _mismatch(got: np.ndarray, want: np.ndarray, rank: int) -> str:
+    bad = np.nonzero(got != want)
+    first = tuple(int(i[0]) for i in bad)
+    return (
+        f"decode rank {rank}: {len(bad[0])} elements differ, first at [region, ...] index {first}"
+    )
+
+
+def worker_main(conn: Connection, spec_bytes: bytes) -> None:
+    """Entry point of a spawned worker process."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(levelname)s worker %(process)d %(name)s: %(message)s",
+    )
+    spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
+    try:
+        _Worker(conn, spec).run()
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
+        pass
+    except KVBridgeError as exc:
+        with contextlib.suppress(OSError):
+            send(conn, Failed(spec.rank, str(exc)))
+
+
+class _Worker:
+    """One worker process's state: cache, transport and producer or consumer."""
+
+    def __init__(self, conn: Connection, spec: WorkerSpec) -> None:
+        from kvbridge.transfer.agent import NixlTransport
+        from kvbridge.transfer.consumer import KVConsumer
+        from kvbridge.transfer.producer import KVProducer
+        from kvbridge.transfer.regions import CacheRegions
+
+        self.conn, self.spec = conn, spec
+        model, self.layout = spec.model.to_spec(), spec.layout.to_layout()
+        self.shard = self.layout.workers(model, spec.role)[spec.rank]
+        self.kv_model = model.with_dtype(self.layout.kv_dtype(model))
+        fills = [s.to_request() for s in spec.fill]
+        # touched up front: registering and reading never-touched pages is slow
+        self.cache = fill_worker_cache(
+            self.kv_model, self.layout, self.shard, spec.num_blocks, fills, spec.salt
+        )
+        self.initial = self.cache.copy() if spec.role == "decode" else None
+        regions = CacheRegions.from_array(self.cache)
+        self.transport = NixlTransport(
+            f"{spec.instance_id}-{spec.role}-{spec.rank}-{os.getpid()}",
+            regions,
+            spec.backend_params,
+        )
+        config = TransferConfig(
+            host=spec.host,
+            base_port=spec.base_port,
+            token=spec.token,
+            lease_s=spec.lease_s,
+            transfer_timeout_s=spec.transfer_timeout_s,
+            handshake_timeout_s=spec.handshake_timeout_s,
+        )
+        self.producer: KVProducer | None = None
+        self.consumer: KVConsumer | None = None
+        if spec.role == "prefill":
+            self.producer = KVProducer(
+                model=model,
+                layout=self.layout,
+                rank=spec.rank,
+                regions=regions,
+                num_blocks=spec.num_blocks,
+                transport=self.transport,
+                config=config,
+                instance_id=spec.instance_id,
+                on_release=self._on_release,
+            )
+        else:
+            self.consumer = KVConsumer(
+                model=model,
+                layout=self.layout,
+                rank=spec.rank,
+                regions=regions,
+                num_blocks=spec.num_blocks,
+                transport=self.transport,
+                config=config,
+                instance_id=spec.instance_id,
+            )
+
+    def _on_release(self, rel: Release) -> None:
+        send(
+            self.conn,
+            Released(
+                self.spec.rank, rel.request_id, rel.cause.value, rel.reason, len(rel.block_ids)
+            ),
+        )
+
+    def run(self) -> None:
+        endpoint = self.producer.endpoint if self.producer is not None else ""
+        send(self.conn, Ready(self.spec.rank, endpoint, os.getpid()))
+        # A producer polls its side channel with a 1 ms timeout (that is its sleep); a
+        # consumer sleeps in the pipe poll instead.
+        idle = 0.0 if self.producer is not None else 0.0005
+        try:
+            while True:
+                while self.conn.poll(idle):
+                    cmd = _cmd_dec.decode(self.conn.recv_bytes())
+                    if isinstance(cmd, Stop):
+                        return
+                    self._command(cmd)
+                if self.producer is not None:
+                    self.producer.poll(timeout_ms=1)
+                elif self.consumer is not None:
+                    for r in self.consumer.poll():
+                        send(
+                            self.conn,
+                            Finished(
+                                self.spec.rank,
+                                r.request_id,
+                                r.state.value,
+                                r.reason,
+                                list(r.local_block_ids),
+                                r.nbytes,
+                                r.num_descriptors,
+                                r.num_unmerged,
+                                r.num_indices,
+                            ),
+                        )
+        finally:
+            if self.producer is not None:
+                self.producer.on_release = None
+                self.producer.close()
+            if self.consumer is not None:
+                self.consumer.close()
+            self.transport.close()
+
+    def _command(self, cmd: Command) -> None:
+        spec, producer, consumer = self.spec, self.producer, self.consumer
+        try:
+            if isinstance(cmd, SetEndpoints) and producer is not None:
+                producer.set_worker_endpoints(cmd.endpoints)
+            elif isinstance(cmd, Expose) and producer is not None:
+                producer.expose(cmd.request_id, cmd.block_ids, cmd.num_tokens)
+            elif isinstance(cmd, Pull) and consumer is not None:
+                consumer.pull(
+                    cmd.request_id,
+                    cmd.endpoint,
+                    cmd.producer_block_ids,
+                    cmd.local_block_ids,
+                    cmd.num_tokens,
+                )
+            elif isinstance(cmd, Verify) and self.initial is not None:
+                want = expected_decode_cache(
+                    self.kv_model,
+                    self.layout,
+                    self.shard,
+                    self.initial,
+                    [s.to_request() for s in cmd.requests],
+                )
+                ok = bool(np.array_equal(self.cache, want))
+                detail = "" if ok else _mismatch(self.cache, want, spec.rank)
+                send(self.conn, Verified(spec.rank, ok, detail))
+            elif isinstance(cmd, Status) and producer is not None:
+                send(
+                    self.conn,
+                    StatusReply(
+                        spec.rank,
+                        producer.num_pinned_blocks,
+                        list(producer.refusals),
+                        producer.num_rejected,
+                    ),
+                )
+            elif isinstance(cmd, Status) and consumer is not None:
+                send(self.conn, StatusReply(spec.rank, consumer.num_held_blocks, [], 0))
+            else:
+                send(
+                    self.conn,
+                    Failed(spec.rank, f"{type(cmd).__name__} is not a {spec.role} command"),
+                )
+        except KVBridgeError as exc:
+            send(self.conn, Failed(spec.rank, str(exc)))
