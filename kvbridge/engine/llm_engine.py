@@ -24,6 +24,7 @@ from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import EngineError, RequestError
 from kvbridge.engine.executor import Executor, InProcessExecutor
+from kvbridge.engine.kv_connector import ConnectorSpec
 from kvbridge.engine.sampling import SamplingParams, make_generator, sample
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -61,7 +62,8 @@ class LLMEngine:
 
     def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None,
                  progress: Progress | None = None,
-                 executor_factory: ExecutorFactory | None = None) -> None:
+                 executor_factory: ExecutorFactory | None = None,
+                 connector: ConnectorSpec | None = None) -> None:
         self.config = config or EngineConfig()
         self.model_path = resolve_model(model)
         # Read the config (and build the weight cache once) before starting workers, so a
@@ -78,7 +80,11 @@ class LLMEngine:
                 from kvbridge.engine.tp_launcher import ProcessExecutor
 
                 executor_factory = ProcessExecutor
-        self.executor = executor_factory(self.model_path, self.config, progress)
+        if connector is not None:  # each worker attaches the transfer runtime to its cache
+            self.executor = executor_factory(self.model_path, self.config, progress,
+                                             connector=connector)
+        else:
+            self.executor = executor_factory(self.model_path, self.config, progress)
         self.block_manager = BlockManager(self.executor.info.num_blocks, self.config.block_size)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.prefill_chunk_size)
@@ -122,6 +128,10 @@ class LLMEngine:
     def release_blocks(self, block_ids: list[int]) -> None:
         """Give back blocks kept by a prefill-only request or from `allocate_blocks`."""
         self.block_manager.free(block_ids)
+
+    def connector_call(self, method: str, payload: bytes) -> list[bytes]:
+        """Call every worker's KV connector (see kvbridge.engine.kv_connector)."""
+        return self.executor.connector_call(method, payload)
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)

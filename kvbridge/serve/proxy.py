@@ -211,12 +211,14 @@ def make_app(backend: Backend, metrics: Metrics | None = None) -> FastAPI:
         use = oai.usage(last.prompt_tokens, last.completion_tokens)
         text = "".join(parts)
         if chat:
-            return JSONResponse(
-                oai.chat_body(gen.request_id, backend.model_name, text, last.finish_reason, use)
+            body = oai.chat_body(gen.request_id, backend.model_name, text, last.finish_reason, use)
+        else:
+            body = oai.completion_body(
+                gen.request_id, backend.model_name, text, last.finish_reason, use
             )
-        return JSONResponse(
-            oai.completion_body(gen.request_id, backend.model_name, text, last.finish_reason, use)
-        )
+        if tracker.stages:  # an extra field (OpenAI clients ignore it): where time went
+            body["kvbridge_stages"] = tracker.stages
+        return JSONResponse(body)
 
     async def _stream(
         first: GenerateEvent,
