@@ -190,6 +190,10 @@ def echo_worker(ctx: WorkerContext) -> None:
         if method == "sleep":
             time.sleep(float(payload))
             return b"slept"
+        if method == "stress":
+            return json.dumps(SCENARIOS["stress"](ctx.comm, json.loads(payload))).encode()
+        if method == "pid":
+            return str(os.getpid()).encode()
         raise KeyError(f"unknown method {method!r}")
 
     ctx.serve(handle)
