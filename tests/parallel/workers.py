@@ -203,3 +203,37 @@ def failing_init_worker(ctx: WorkerContext) -> None:
     if ctx.rank == 1:
         raise RuntimeError("cannot load weights on rank 1")
     ctx.serve(lambda method, payload: b"")
+
+
+def factory_scenario(rank: int, world_size: int, ports: list[int], conn: Connection) -> None:
+    """make_communicator under torchrun-like environments: one host, then "many hosts"."""
+    from kvbridge.engine.parallel import make_communicator
+
+    torch.set_num_threads(1)
+    results = []
+    for local_world_size, port in zip((world_size, 1), ports, strict=True):
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(local_world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        comm = make_communicator(timeout=60.0)
+        t = torch.full((5,), float(rank + 1))
+        comm.all_reduce(t)
+        gathered = comm.all_gather(torch.full((2,), float(rank)), dim=0)
+        b = comm.broadcast(torch.full((3,), float(rank)), src=world_size - 1)
+        comm.barrier()
+        results.append(
+            {
+                "type": type(comm).__name__,
+                "rank": comm.rank,
+                "sum": t.tolist(),
+                "gathered": gathered.tolist(),
+                "broadcast": b.tolist(),
+            }
+        )
+        comm.close()
+    conn.send_bytes(json.dumps(results).encode())
+    conn.close()
