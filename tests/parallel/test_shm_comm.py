@@ -27,7 +27,8 @@ def run_ranks(world_size: int, plan: list[tuple[str, dict]]) -> list[list[dict |
     expensive part), each on a fresh segment. Returns results[scenario][rank], None for
     a rank that died first. Asserts no segment file is left in /dev/shm."""
     ctx = mp.get_context("spawn")
-    segments = [ShmSegment(world_size, max_bytes=1 << 20) for _ in plan]
+    # small slots: the stress sizes (up to 80 KB) also exercise splitting into pieces
+    segments = [ShmSegment(world_size, max_bytes=16384) for _ in plan]
     names = [s.name for s in segments]
     procs, conns = [], []
     for rank in range(world_size):
@@ -77,8 +78,11 @@ def test_single_rank_collectives_and_refusals() -> None:
         assert torch.equal(comm.all_reduce(t.clone()), t)
         assert torch.equal(comm.all_gather(t.view(2, 5), dim=0), t.view(2, 5))
         comm.barrier()
-        with pytest.raises(CommUsageError, match="max_bytes=4096"):
-            comm.all_reduce(torch.zeros(2048))
+        # larger than a slot: goes in slot-sized pieces, same result
+        big = torch.arange(5000, dtype=torch.float32)
+        assert torch.equal(comm.all_reduce(big.clone()), big)
+        assert torch.equal(comm.all_gather(big.view(50, 100), dim=1), big.view(50, 100))
+        assert torch.equal(comm.broadcast(big.clone(), src=0), big)
         with pytest.raises(CommUsageError, match="contiguous"):
             comm.all_reduce(torch.zeros(4, 4).t())
         with pytest.raises(CommUsageError, match="float64 is not supported"):
@@ -130,7 +134,7 @@ def check_stress(results: list[dict | None]) -> None:
 
 
 def test_stress_single_rank_in_process() -> None:
-    with ShmSegment(1, max_bytes=1 << 20) as segment:
+    with ShmSegment(1, max_bytes=16384) as segment:
         comm = ShmCommunicator(segment.name, 0, 1)
         check_stress([SCENARIOS["stress"](comm, {"seed": 1, "steps": 200})])
         comm.close()

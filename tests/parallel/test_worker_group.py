@@ -43,7 +43,9 @@ def test_nine_workers_calls_replies_and_collectives() -> None:
     """One 9-worker group (spawning is the slow part) checks the happy paths."""
     events: list[tuple[int, str]] = []
     before = our_segments()
-    group = WorkerGroup(9, ECHO, b"init", on_progress=lambda r, t: events.append((r, t)))
+    group = WorkerGroup(
+        9, ECHO, b"init", comm_max_bytes=16384, on_progress=lambda r, t: events.append((r, t))
+    )
     with group:
         pids = group.pids
         # start-up progress: spawned, the worker's own report, ready — for every rank
@@ -91,11 +93,11 @@ def test_worker_exception_reaches_the_driver_with_rank_and_traceback() -> None:
 
 def test_worker_exit_mid_call_names_rank_and_exit_code() -> None:
     before = our_segments()
-    with WorkerGroup(3, ECHO) as group:
+    with WorkerGroup(2, ECHO) as group:
         with pytest.raises(WorkerDiedError) as info:
-            group.call("exit", b"2")  # rank 2 exits while 0 and 1 wait in all_reduce
-        assert info.value.rank == 2 and info.value.exitcode == 7
-        assert "rank 2" in str(info.value) and "code 7" in str(info.value)
+            group.call("exit", b"1")  # rank 1 exits while rank 0 waits in all_reduce
+        assert info.value.rank == 1 and info.value.exitcode == 7
+        assert "rank 1" in str(info.value) and "code 7" in str(info.value)
         pids = group.pids
     assert_gone(pids)
     assert our_segments() == before

@@ -96,8 +96,9 @@ class ShmCommunicator(Communicator):
     One instance per rank, created in that rank's process with the segment name its
     creator (`ShmSegment` or `make_communicator`) handed out. The constructor waits (up to
     `connect_timeout`) until every rank attached. Tensors: contiguous CPU tensors of
-    float32, bfloat16, float16, int64, int32 or uint8 of at most the segment's
-    `max_bytes` per rank. Not thread-safe: one thread per rank calls the collectives.
+    float32, bfloat16, float16, int64, int32 or uint8, of any size: a tensor larger than
+    `max_bytes` (the slot size the segment was made with) goes in slot-sized pieces, one
+    collective each. Not thread-safe: one thread per rank calls the collectives.
     After any `CommError` the communicator (and the whole group) is unusable.
     """
 
@@ -171,37 +172,33 @@ class ShmCommunicator(Communicator):
         code = self._check_tensor(tensor, "all_reduce")
         if tensor.dtype == torch.uint8:
             raise CommUsageError("all_reduce of uint8 would overflow; use int32 or int64")
-        flat = _flat_numpy(tensor)
-        views = self._views(self._seq + 1, tensor.dtype, flat.size)
-        np.copyto(views[self.rank], flat)
-        self._collective(OP_ALL_REDUCE, flat.nbytes, code)
-        if tensor.dtype == torch.bfloat16:
-            acc = torch.from_numpy(views[0]).view(torch.bfloat16).float()
-            for view in views[1:]:
-                acc.add_(torch.from_numpy(view).view(torch.bfloat16))
-            tensor.view(-1).copy_(acc)
-        elif tensor.dtype == torch.float16:
-            acc32 = views[0].astype(np.float32)
-            for view in views[1:]:
-                np.add(acc32, view, out=acc32)
-            np.copyto(flat, acc32, casting="same_kind")
-        else:
-            np.copyto(flat, views[0])
-            for view in views[1:]:
-                np.add(flat, view, out=flat)
+        for part in self._chunks(_flat_numpy(tensor)):
+            views = self._views(self._seq + 1, tensor.dtype, part.size)
+            np.copyto(views[self.rank], part)
+            self._collective(OP_ALL_REDUCE, part.nbytes, code)
+            _sum_in_rank_order(views, part, tensor.dtype)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         code = self._check_tensor(tensor, "all_gather")
-        flat = _flat_numpy(tensor)
-        views = self._views(self._seq + 1, tensor.dtype, flat.size)
-        np.copyto(views[self.rank], flat)
-        self._collective(OP_ALL_GATHER, flat.nbytes, code)
-        shape = tuple(tensor.shape)
         if tensor.dim() == 0:
             raise CommUsageError("all_gather of a 0-d tensor: unsqueeze it first")
+        flat = _flat_numpy(tensor)
+        gathered = np.empty((self.world_size, flat.size), dtype=flat.dtype)  # [rank, element]
+        start = 0
+        for part in self._chunks(flat):
+            views = self._views(self._seq + 1, tensor.dtype, part.size)
+            np.copyto(views[self.rank], part)
+            self._collective(OP_ALL_GATHER, part.nbytes, code)
+            for peer, view in enumerate(views):
+                gathered[peer, start : start + part.size] = view
+            start += part.size
+        shape = tuple(tensor.shape)
         axis = dim % tensor.dim()
-        out = np.concatenate([view.reshape(shape) for view in views], axis=axis)
+        if axis == 0:  # [rank, element] already is the concatenation along dim 0
+            out = gathered.reshape((self.world_size * shape[0], *shape[1:]))
+        else:
+            out = np.concatenate([row.reshape(shape) for row in gathered], axis=axis)
         result = torch.from_numpy(out)
         return result.view(tensor.dtype) if tensor.dtype == torch.bfloat16 else result
 
@@ -209,13 +206,13 @@ class ShmCommunicator(Communicator):
         if not 0 <= src < self.world_size:
             raise CommUsageError(f"broadcast src={src} is outside [0, {self.world_size})")
         code = self._check_tensor(tensor, "broadcast")
-        flat = _flat_numpy(tensor)
-        views = self._views(self._seq + 1, tensor.dtype, flat.size)
-        if self.rank == src:
-            np.copyto(views[src], flat)
-        self._collective(OP_BROADCAST, flat.nbytes, code)
-        if self.rank != src:
-            np.copyto(flat, views[src])
+        for part in self._chunks(_flat_numpy(tensor)):
+            views = self._views(self._seq + 1, tensor.dtype, part.size)
+            if self.rank == src:
+                np.copyto(views[src], part)
+            self._collective(OP_BROADCAST, part.nbytes, code)
+            if self.rank != src:
+                np.copyto(part, views[src])
         return tensor
 
     def barrier(self) -> None:
@@ -272,13 +269,6 @@ class ShmCommunicator(Communicator):
                 f"{what} needs a contiguous CPU tensor, got device={tensor.device} "
                 f"contiguous={tensor.is_contiguous()}; call .contiguous() first"
             )
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > self.max_bytes:
-            raise CommUsageError(
-                f"{what} of a {tuple(tensor.shape)} {tensor.dtype} tensor needs "
-                f"{nbytes} bytes per rank but this group's max_bytes={self.max_bytes}; "
-                f"create the group with max_bytes>={nbytes} or split the call"
-            )
         return spec[0]
 
     def _views(self, seq: int, dtype: torch.dtype, numel: int) -> list[np.ndarray]:
@@ -290,6 +280,12 @@ class ShmCommunicator(Communicator):
             typed = [slot.view(np_dtype) for slot in self._slot_bytes[seq % 2]]
             self._typed[key] = typed
         return [t[:numel] for t in typed]
+
+    def _chunks(self, flat: np.ndarray) -> list[np.ndarray]:
+        """`flat` in slot-sized pieces (views); an empty tensor is one empty piece, so
+        every rank still makes the collective."""
+        per = self.max_bytes // flat.itemsize
+        return [flat[start : start + per] for start in range(0, max(flat.size, 1), per)]
 
     def _collective(
         self, op: int, nbytes: int, dtype_code: int, timeout: float | None = None
@@ -386,6 +382,24 @@ class ShmCommunicator(Communicator):
                     f"called {_OP_NAMES.get(got[1], '?')}(nbytes={got[2]}, dtype code "
                     f"{got[3]}); all ranks must call the same collectives with the same shapes"
                 )
+
+
+def _sum_in_rank_order(views: list[np.ndarray], out: np.ndarray, dtype: torch.dtype) -> None:
+    """out = views[0] + views[1] + ... in this order (half types accumulate in float32)."""
+    if dtype == torch.bfloat16:
+        acc = torch.from_numpy(views[0]).view(torch.bfloat16).float()
+        for view in views[1:]:
+            acc.add_(torch.from_numpy(view).view(torch.bfloat16))
+        torch.from_numpy(out).view(torch.bfloat16).copy_(acc)
+    elif dtype == torch.float16:
+        acc32 = views[0].astype(np.float32)
+        for view in views[1:]:
+            np.add(acc32, view, out=acc32)
+        np.copyto(out, acc32, casting="same_kind")
+    else:
+        np.copyto(out, views[0])
+        for view in views[1:]:
+            np.add(out, view, out=out)
 
 
 def _flat_numpy(tensor: torch.Tensor) -> np.ndarray:

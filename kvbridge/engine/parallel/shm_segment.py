@@ -15,6 +15,9 @@ every region starts on a 64-byte boundary, each rank's control block on its own 
                                                           header [seq, op, nbytes,
                                                           dtype], then slot_bytes data
 
+`max_bytes` (slot_bytes) bounds one collective's bytes per rank; larger tensors are
+split into slot-sized pieces by the communicator. Memory: 2 * world_size slots.
+
 Lifetime: the creator makes the file (unique name); ranks attach by name; once every
 rank has attached, rank 0 unlinks the file (the mappings stay valid), so a crash after
 start-up leaks nothing. The creator also unlinks on `close()` and at interpreter exit,
