@@ -2,7 +2,8 @@
 driver's handle on its worker processes.
 
 - `Communicator` (base.py): the collective interface model layers call.
-- `ShmCommunicator` (shm_comm.py): collectives through shared memory on one host.
+- `ShmCommunicator` (shm_comm.py): collectives through shared memory on one host, over
+  the segment in shm_segment.py and the arrival protocol in shm_sync.py.
 - `TorchDistCommunicator`, `make_communicator` (torch_dist.py): torch.distributed, and
   the factory that picks shared memory when every rank is on this host.
 - `WorkerGroup` (worker_group.py), `WorkerContext` (worker.py): the driver's handle on

@@ -24,6 +24,7 @@ import enum
 import importlib
 import json
 import os
+import signal
 import struct
 import traceback
 from collections.abc import Callable
@@ -159,6 +160,9 @@ def worker_main(
     """Entry point of a spawned worker process (see `WorkerGroup`)."""
     import torch
 
+    # Ctrl-C reaches the whole process group; the driver alone decides how to shut down
+    # (it stops or kills its workers), so a worker ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     comm: ShmCommunicator | None = None
     try:
         torch.set_num_threads(num_threads)
