@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from kvbridge.errors import KVBridgeError
 
 if TYPE_CHECKING:
-    from kvbridge.engine.parallel import WorkerContext
+    from kvbridge.engine.parallel import WorkerContext, WorkerGroup
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gloo-calls", type=int, default=40, help="all-reduces per round, gloo (default 40)"
     )
     parser.add_argument("--no-gloo", action="store_true", help="time shared memory only")
+    parser.add_argument(
+        "--calls", type=int, default=200, help="WorkerGroup.call round trips timed (default 200)"
+    )
 
 
 def _int_list(text: str, field: str) -> list[int]:
@@ -66,6 +69,7 @@ def run_comm_bench(args: argparse.Namespace) -> int:
         f"slowest rank; shm {args.shm_calls} / gloo {args.gloo_calls} calls per round"
     )
     print(f"{'procs':>5} {'floats':>7} {'shm ms':>9} {'gloo ms':>9} {'gloo/shm':>9}")
+    call_ms: dict[int, float] = {}
     for world_size in world_sizes:
         with WorkerGroup(
             world_size,
@@ -73,6 +77,7 @@ def run_comm_bench(args: argparse.Namespace) -> int:
             comm_max_bytes=max(sizes) * 4,
             call_timeout=600,
         ) as group:
+            call_ms[world_size] = _time_calls(group, args.calls)
             spec = {"sizes": sizes, "rounds": args.rounds}
             shm = _slowest(
                 group.call("shm", json.dumps({**spec, "calls": args.shm_calls}).encode())
@@ -90,7 +95,21 @@ def run_comm_bench(args: argparse.Namespace) -> int:
                     gloo_ms = gloo[str(size)] * 1e3
                     line += f" {gloo_ms:9.3f} {gloo_ms / shm_ms:8.1f}x"
                 print(line, flush=True)
+    for world_size, ms in call_ms.items():
+        print(f"WorkerGroup.call round trip (empty payload), {world_size} workers: {ms:.3f} ms")
     return 0
+
+
+def _time_calls(group: WorkerGroup, calls: int) -> float:
+    """Median ms of a driver -> all workers -> driver round trip of an empty call."""
+    for _ in range(10):
+        group.call("noop", b"{}", ranks=[0])
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        group.call("noop", b"{}", ranks=[0])
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
 
 
 def _slowest(replies: list[bytes]) -> dict[str, float]:
@@ -131,6 +150,8 @@ def bench_worker(ctx: WorkerContext) -> None:
             os.environ["MASTER_ADDR"] = "127.0.0.1"
             os.environ["MASTER_PORT"] = str(spec["port"])
             dist.init_process_group("gloo", rank=ctx.rank, world_size=ctx.world_size)
+            return b""
+        if method == "noop":
             return b""
         if method == "gloo":
             return json.dumps(timed(dist.all_reduce, spec)).encode()

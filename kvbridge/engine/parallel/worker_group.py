@@ -309,11 +309,14 @@ class WorkerGroup:
         # the root cause is the first error that is not a consequence of another's failure
         ordered = sorted(answers.errors.items(), key=lambda item: bool(item[1]["secondary"]))
         rank, info = ordered[0]
-        others = [r for r in answers.errors if r != rank]
+        also = [r for r, i in ordered[1:] if not i["secondary"]]
+        after = [r for r, i in ordered[1:] if i["secondary"]]
         reason = (
             f"worker rank {rank} raised {info['type']} in {handle.method!r} "
             f"(call #{handle.seq}): {info['message']}"
         )
-        if others:
-            reason += f" (ranks {others} failed as a consequence)"
+        if also:
+            reason += f" (ranks {also} raised too)"
+        if after:
+            reason += f" (ranks {after} failed as a consequence)"
         self._fail(reason, WorkerError(reason, rank=rank, traceback_text=str(info["traceback"])))
