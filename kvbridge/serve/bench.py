@@ -22,9 +22,38 @@ from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment
 from kvbridge.serve.proxy import make_app
 
-
-_WORDS = ("the river ran past an old mill where a miller kept bread and grain for the town "
-          "while children played near the water and birds sang in tall green trees").split()
+_WORDS = [
+    "the",
+    "river",
+    "ran",
+    "past",
+    "an",
+    "old",
+    "mill",
+    "where",
+    "a",
+    "miller",
+    "kept",
+    "bread",
+    "and",
+    "grain",
+    "for",
+    "the",
+    "town",
+    "while",
+    "children",
+    "played",
+    "near",
+    "the",
+    "water",
+    "and",
+    "birds",
+    "sang",
+    "in",
+    "tall",
+    "green",
+    "trees",
+]
 
 
 def _one(url: str, prompt: str, max_tokens: int) -> tuple[float, float]:
