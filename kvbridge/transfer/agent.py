@@ -73,9 +73,21 @@ class NixlTransport:
         try:
             self._agent = nixl_agent(name, cfg)
             self._agent.create_backend("UCX", dict(backend_params or {}))
-            self._reg = self._agent.register_memory(regions.as_array(), self._mem)
+            self._regs = [self._agent.register_memory(regions.as_array(), self._mem)]
         except Exception as exc:  # NIXL raises its own types (nixlBackendError, RuntimeError)
             raise TransferError(f"cannot create NIXL agent {name!r} with UCX: {exc}") from exc
+
+    def register(self, regions: CacheRegions) -> None:
+        """Register more memory (e.g. a benchmark's scratch buffer); call before handshakes,
+        since peers learn registrations from the metadata they load."""
+        try:
+            self._regs.append(
+                self._agent.register_memory(regions.as_array(), regions.mem_type.value)
+            )
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL could not register {regions.num_regions} regions: {exc}"
+            ) from exc
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -94,10 +106,20 @@ class NixlTransport:
             log.debug("remove_remote_agent(%s): %s", peer, exc)
 
     def prep_local(self, descs: np.ndarray) -> Any:
-        return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem)
+        try:
+            return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem)
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL could not prepare {len(descs)} descriptors: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def prep_remote(self, peer: str, descs: np.ndarray) -> Any:
-        return self._agent.prep_xfer_dlist(peer, descs, self._mem)
+        try:
+            return self._agent.prep_xfer_dlist(peer, descs, self._mem)
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL could not prepare {len(descs)} descriptors: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def release_dlist(self, handle: Any) -> None:
         try:
@@ -109,9 +131,18 @@ class NixlTransport:
         self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
     ) -> tuple[Any, XferState]:
         """Post one READ of remote descriptors `remote_idx` into local `local_idx`; the
-        peer receives `notif` when it completes."""
-        handle = self._agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx, notif)
-        return handle, XferState(self._agent.transfer(handle))
+        peer receives `notif` when it completes. Raises TransferError if NIXL refuses
+        (e.g. NIXL_ERR_REMOTE_DISCONNECT: the peer process is gone)."""
+        handle = None
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "READ", local, local_idx, remote, remote_idx, notif
+            )
+            return handle, XferState(self._agent.transfer(handle))
+        except Exception as exc:
+            if handle is not None:
+                self.release(handle)
+            raise TransferError(f"NIXL refused the READ: {type(exc).__name__}: {exc}") from exc
 
     def state(self, xfer: Any) -> XferState:
         try:
@@ -130,14 +161,21 @@ class NixlTransport:
             return False
 
     def send_notif(self, peer: str, msg: bytes) -> None:
-        self._agent.send_notif(peer, msg)
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL could not notify {peer!r}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def notifs(self) -> dict[str, list[bytes]]:
         """New notifications by sender agent name; also drives this agent's progress."""
         return dict(self._agent.get_new_notifs())
 
     def close(self) -> None:
-        try:
-            self._agent.deregister_memory(self._reg)
-        except Exception as exc:
-            log.debug("deregister_memory: %s", exc)
+        for reg in self._regs:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as exc:
+                log.debug("deregister_memory: %s", exc)
+        self._regs.clear()

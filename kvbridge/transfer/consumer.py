@@ -434,7 +434,15 @@ class KVConsumer:
                 remote = self.transport.prep_remote(peer.agent, rdescs)
                 pull.temp_dlists += [local, remote]
                 local_idx = remote_idx = np.arange(len(ldescs), dtype=np.int32)
-            xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, notif)
+            try:
+                xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, notif)
+            except TransferError as exc:
+                reason = (
+                    f"READ from prefill worker {p} ({peer.endpoint}) failed: {exc}; "
+                    "the producer worker may have died"
+                )
+                self._drop_peer(peer, reason)
+                raise TransferError(reason) from None
             pull.xfers[i] = (p, xfer)
             nbytes += cl.nbytes
             ndesc += cl.num_descriptors

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.plan.layout import region_shape
 from kvbridge.plan.verifier import RequestSpan, expected_decode_cache, fill_worker_cache
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.messages import LayoutWire, ModelWire
@@ -26,6 +28,9 @@ from kvbridge.transfer.messages import LayoutWire, ModelWire
 if TYPE_CHECKING:
     from kvbridge.transfer.consumer import KVConsumer
     from kvbridge.transfer.producer import KVProducer, Release
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class Span(msgspec.Struct, frozen=True, array_like=True):
@@ -53,6 +58,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     transfer_timeout_s: float = 30.0
     handshake_timeout_s: float = 5.0
     backend_params: dict[str, str] = {}
+    scratch_bytes: int = 0  # benchmarks: a registered contiguous buffer of this size
+    pattern: bool = True  # False (benchmarks): skip the verifiable fill, no Verify
 
 
 # -- parent -> worker ----------------------------------------------------------------
@@ -86,7 +93,16 @@ class Stop(msgspec.Struct, tag=True):
     pass
 
 
-Command = SetEndpoints | Expose | Pull | Verify | Status | Stop
+class RawRead(msgspec.Struct, tag=True):
+    """Benchmark baseline: one single-descriptor READ of `nbytes` from a peer's scratch
+    buffer into ours (the peer must already be known, i.e. handshaked)."""
+
+    agent_name: str
+    remote_addr: int
+    nbytes: int
+
+
+Command = SetEndpoints | Expose | Pull | Verify | Status | Stop | RawRead
 
 
 # -- worker -> parent ----------------------------------------------------------------
@@ -94,6 +110,8 @@ class Ready(msgspec.Struct, tag=True):
     rank: int
     endpoint: str
     pid: int
+    agent_name: str
+    scratch_addr: int
 
 
 class Released(msgspec.Struct, tag=True):
@@ -134,7 +152,13 @@ class Failed(msgspec.Struct, tag=True):
     error: str
 
 
-Event = Ready | Released | Finished | Verified | StatusReply | Failed
+class RawDone(msgspec.Struct, tag=True):
+    rank: int
+    state: str
+    seconds: float
+
+
+Event = Ready | Released | Finished | Verified | StatusReply | Failed | RawDone
 
 _enc = msgspec.msgpack.Encoder()
 _cmd_dec: msgspec.msgpack.Decoder[Command] = msgspec.msgpack.Decoder(Command)
@@ -159,6 +183,11 @@ def _mismatch(got: np.ndarray, want: np.ndarray, rank: int) -> str:
 
 def worker_main(conn: Connection, spec_bytes: bytes) -> None:
     """Entry point of a spawned worker process."""
+    # stdout belongs to the parent (`--json` prints exactly one object there): send
+    # everything a worker or NIXL/UCX might print to stderr instead.
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.basicConfig(
         level=logging.WARNING,
@@ -170,9 +199,10 @@ def worker_main(conn: Connection, spec_bytes: bytes) -> None:
         _Worker(conn, spec).run()
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         pass
-    except KVBridgeError as exc:
+    except Exception as exc:  # report anything to the parent rather than die silently
         with contextlib.suppress(OSError):
-            send(conn, Failed(spec.rank, str(exc)))
+            send(conn, Failed(spec.rank, f"{type(exc).__name__}: {exc}"))
+        raise
 
 
 class _Worker:
@@ -189,17 +219,29 @@ class _Worker:
         self.shard = self.layout.workers(model, spec.role)[spec.rank]
         self.kv_model = model.with_dtype(self.layout.kv_dtype(model))
         fills = [s.to_request() for s in spec.fill]
-        # touched up front: registering and reading never-touched pages is slow
-        self.cache = fill_worker_cache(
-            self.kv_model, self.layout, self.shard, spec.num_blocks, fills, spec.salt
-        )
-        self.initial = self.cache.copy() if spec.role == "decode" else None
+        if spec.pattern:
+            # touched up front: registering and reading never-touched pages is slow
+            self.cache = fill_worker_cache(
+                self.kv_model, self.layout, self.shard, spec.num_blocks, fills, spec.salt
+            )
+        else:
+            shape = (
+                self.shard.num_local_layers * self.kv_model.num_kv_tensors,
+                *region_shape(
+                    self.layout, spec.num_blocks, self.shard.num_local_heads, self.kv_model.head_dim
+                ),
+            )
+            self.cache = np.full(shape, spec.salt, dtype=_UINT[self.kv_model.itemsize])
+        self.initial = self.cache.copy() if spec.role == "decode" and spec.pattern else None
         regions = CacheRegions.from_array(self.cache)
         self.transport = NixlTransport(
             f"{spec.instance_id}-{spec.role}-{spec.rank}-{os.getpid()}",
             regions,
             spec.backend_params,
         )
+        self.scratch = np.ones(max(spec.scratch_bytes, 1), dtype=np.uint8)  # touched
+        if spec.scratch_bytes:
+            self.transport.register(CacheRegions.from_array(self.scratch[None, :]))
         config = TransferConfig(
             host=spec.host,
             base_port=spec.base_port,
@@ -244,7 +286,16 @@ class _Worker:
 
     def run(self) -> None:
         endpoint = self.producer.endpoint if self.producer is not None else ""
-        send(self.conn, Ready(self.spec.rank, endpoint, os.getpid()))
+        send(
+            self.conn,
+            Ready(
+                self.spec.rank,
+                endpoint,
+                os.getpid(),
+                self.transport.name,
+                self.scratch.ctypes.data if self.spec.scratch_bytes else 0,
+            ),
+        )
         # A producer polls its side channel with a 1 ms timeout (that is its sleep); a
         # consumer sleeps in the pipe poll instead.
         idle = 0.0 if self.producer is not None else 0.0005
@@ -280,6 +331,26 @@ class _Worker:
             if self.consumer is not None:
                 self.consumer.close()
             self.transport.close()
+
+    def _raw_read(self, cmd: RawRead) -> None:
+        from kvbridge.transfer.agent import XferState
+
+        t = self.transport
+        local = t.prep_local(np.array([[self.scratch.ctypes.data, cmd.nbytes, 0]], np.uint64))
+        remote = t.prep_remote(
+            cmd.agent_name, np.array([[cmd.remote_addr, cmd.nbytes, 0]], np.uint64)
+        )
+        idx = np.zeros(1, dtype=np.int32)
+        t0 = time.perf_counter()
+        xfer, state = t.read(local, idx, remote, idx, b"")
+        deadline = time.monotonic() + 60
+        while state is XferState.PROC and time.monotonic() < deadline:
+            state = t.state(xfer)
+        seconds = time.perf_counter() - t0
+        t.release(xfer)
+        t.release_dlist(local)
+        t.release_dlist(remote)
+        send(self.conn, RawDone(self.spec.rank, state.value, seconds))
 
     def _command(self, cmd: Command) -> None:
         spec, producer, consumer = self.spec, self.producer, self.consumer
@@ -317,6 +388,8 @@ class _Worker:
                         producer.num_rejected,
                     ),
                 )
+            elif isinstance(cmd, RawRead):
+                self._raw_read(cmd)
             elif isinstance(cmd, Status) and consumer is not None:
                 send(self.conn, StatusReply(spec.rank, consumer.num_held_blocks, [], 0))
             else:
