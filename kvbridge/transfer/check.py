@@ -104,7 +104,7 @@ def run_check(
     **options: Any,
 ) -> CheckReport:
     """Run the check (see module docstring). `options` go to every worker (`WorkerSpec`)."""
-    plan = make_plan(model, prefill, decode)  # refuse an incompatible pair before spawning
+    make_plan(model, prefill, decode)  # refuse an incompatible pair before spawning
     work = make_workload(prefill, decode, num_requests, num_tokens, seed)
     own = cluster is None
     c = cluster or Cluster()
@@ -124,9 +124,7 @@ def run_check(
             "decode", model, decode, work.decode_blocks, "check-decode", salt=5000, **options
         )
         t0 = time.perf_counter()
-        finished = _run_requests(
-            c, plan.expected_notifications, pre, dec, work, timeout_s, failures
-        )
+        finished = _run_requests(c, pre, dec, work, timeout_s, failures)
         seconds = time.perf_counter() - t0
         done = [f for f in finished if f.state == "done"]
         for f in finished:
@@ -154,16 +152,15 @@ def run_check(
 
 def _run_requests(
     c: Cluster,
-    expected: tuple[int, ...],
     pre: Instance,
     dec: Instance,
     work: Workload,
     timeout_s: float,
     failures: list[str],
 ) -> list[Finished]:
-    """Expose on the prefill workers that someone reads from, pull on every decode worker,
-    wait for every result and every release."""
-    readers = [w for w in pre.workers if expected[w.rank] > 0]
+    """Expose on every prefill worker (unused replicas included: decode worker 0
+    notifies them), pull on every decode worker, wait for every result and release."""
+    readers = pre.workers
     for i, span in enumerate(work.prefill):
         for w in readers:
             w.send(Expose(f"req-{i}", span.block_ids, span.num_tokens))

@@ -108,6 +108,7 @@ class _Instance:
     worker0: _Peer
     plan: TransferPlan | None = None
     peers: dict[int, _Peer] = field(default_factory=dict)  # prefill rank -> peer
+    unread: dict[int, _Peer] = field(default_factory=dict)  # rank 0 only: workers nobody reads
     reason: str = ""
 
 
@@ -122,6 +123,7 @@ class _Pull:
     state: TransferState = TransferState.HANDSHAKING
     xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
     temp_dlists: list[Any] = field(default_factory=list)
+    notified: set[int] = field(default_factory=set)  # prefill ranks told we are done
     stats: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
@@ -215,6 +217,12 @@ class KVConsumer:
                 self._plan_instance(inst)
         for pull in list(self._pulls.values()):
             self._advance_pull(pull, now)
+        # Without NIXL's progress thread, our standalone notifications (to replicas
+        # nobody reads, failure notices) leave only while our agent is progressed.
+        for sender, msgs in self.transport.notifs().items():
+            log.debug(
+                "decode worker %d ignored %d notifications from %s", self.rank, len(msgs), sender
+            )
         out, self._results = self._results, []
         return out
 
@@ -324,6 +332,11 @@ class KVConsumer:
         for read in inst.plan.reads_for(self.rank):
             p = read.prefill_rank
             inst.peers[p] = inst.worker0 if p == w.rank else self._peer(w.worker_endpoints[p])
+        if self.rank == 0:  # replicas nobody reads still wait for a notification: ours
+            for p, n in enumerate(inst.plan.expected_notifications):
+                if n == 0:
+                    peer = inst.worker0 if p == w.rank else self._peer(w.worker_endpoints[p])
+                    inst.unread[p] = peer
 
     def _drop_peer(self, peer: _Peer, reason: str) -> None:
         """Forget a producer worker (a later pull reconnects) and fail what depends on it."""
@@ -339,7 +352,8 @@ class KVConsumer:
         if peer.agent:
             self.transport.remove_peer(peer.agent)
         for inst in list(self._instances.values()):
-            if inst.worker0 is peer or any(q is peer for q in inst.peers.values()):
+            peers = (*inst.peers.values(), *inst.unread.values())
+            if inst.worker0 is peer or any(q is peer for q in peers):
                 self._fail_instance(inst, reason)
 
     def _fail_instance(self, inst: _Instance, reason: str) -> None:
@@ -355,7 +369,7 @@ class KVConsumer:
                 self._finish(pull, TransferState.FAILED, inst.reason)
                 return
             if inst.plan is not None and all(
-                p.state is _PeerState.READY for p in inst.peers.values()
+                p.state is _PeerState.READY for p in (*inst.peers.values(), *inst.unread.values())
             ):
                 try:
                     self._post(pull)
@@ -365,9 +379,10 @@ class KVConsumer:
         if pull.state is TransferState.READING:
             for i, (p, xfer) in list(pull.xfers.items()):
                 st = self.transport.state(xfer)
-                if st is XferState.DONE:
+                if st is XferState.DONE:  # NIXL delivered the READ's notification
                     self.transport.release(xfer)
                     del pull.xfers[i]
+                    pull.notified.add(p)
                 elif st is XferState.ERR:
                     peer = inst.peers[p]
                     reason = (
@@ -387,9 +402,10 @@ class KVConsumer:
         t = f"timed out after {self.config.transfer_timeout_s:g} s"
         if pull.state is TransferState.READING:
             return f"{t} reading from prefill workers {sorted({p for p, _ in pull.xfers.values()})}"
+        inst = pull.instance
         waiting = [
             p.endpoint
-            for p in (pull.instance.worker0, *pull.instance.peers.values())
+            for p in (inst.worker0, *inst.peers.values(), *inst.unread.values())
             if p.state is not _PeerState.READY
         ]
         return f"{t} waiting for handshakes with {sorted(set(waiting))}"
@@ -421,6 +437,7 @@ class KVConsumer:
                 )
             if cl.nbytes == 0:  # nothing to read, but the producer still waits for us
                 self.transport.send_notif(peer.agent, notif)
+                pull.notified.add(p)
                 continue
             g = unit_size(cl, peer.regions.lengths, self.regions.lengths)
             limit = self.config.max_units
@@ -448,7 +465,23 @@ class KVConsumer:
             ndesc += cl.num_descriptors
             nunmerged += cl.num_unmerged
             nidx += len(local_idx)
+        for p, peer in inst.unread.items():
+            self._notify(pull, p, peer, notif)
         pull.stats = (nbytes, ndesc, nunmerged, nidx)
+
+    def _notify(self, pull: _Pull, p: int, peer: _Peer, msg: bytes) -> None:
+        """Send a standalone notification; a dead peer is dropped, not fatal here."""
+        try:
+            self.transport.send_notif(peer.agent, msg)
+            pull.notified.add(p)
+        except TransferError as exc:
+            log.warning(
+                "decode worker %d: notifying prefill worker %d of %r failed: %s",
+                self.rank,
+                p,
+                pull.request_id,
+                exc,
+            )
 
     def _local_dlist(self, g: int) -> Any:
         if g not in self._local_dlists:
@@ -464,9 +497,24 @@ class KVConsumer:
         return peer.remote_dlists[g]
 
     def _finish(self, pull: _Pull, state: TransferState, reason: str) -> None:
-        for _, xfer in pull.xfers.values():
-            self.transport.release(xfer)  # cancels a READ still in flight
+        cancelled = all([self.transport.release(x) for _, x in pull.xfers.values()])
         pull.xfers.clear()
+        if state is TransferState.FAILED and cancelled:
+            # producer workers still waiting for us may release now: we will not read
+            msg = encode(
+                ReadDone(
+                    request_id=pull.request_id,
+                    instance_id=self.instance_id,
+                    rank=self.rank,
+                    ok=False,
+                    reason=reason[:4000],
+                ),
+                self.config.token,
+            )
+            inst = pull.instance
+            for p, peer in (*inst.peers.items(), *inst.unread.items()):
+                if p not in pull.notified and peer.state is _PeerState.READY:
+                    self._notify(pull, p, peer, msg)
         for handle in pull.temp_dlists:
             self.transport.release_dlist(handle)
         if state is TransferState.FAILED:

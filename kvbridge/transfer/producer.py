@@ -4,11 +4,15 @@ Lifecycle (mirrors vLLM's KV-connector): the engine calls `expose` when a reques
 prefill finished; its blocks stay pinned until every decode worker that the plan
 says reads from this worker (`plan.readers_of(rank)`, known from their handshakes)
 has sent a `ReadDone` notification, or until the lease expires; then `on_release`
-hands the blocks back, with the cause. Duplicate notifications, notifications for
-unknown or already released requests and from workers the plan does not expect are
-ignored (logged). The owner must call `poll()` often: it serves the side channel,
-drives NIXL progress (reads of our memory progress only while we poll) and
-enforces leases. Single-threaded: `expose`, `poll` and `close` from one thread.
+hands the blocks back, with the cause. A worker nobody reads from (an unused replica
+when prefill tp > num_kv_heads) waits for decode worker 0 alone, which notifies it
+once per request. A decode worker that gave up sends `ReadDone(ok=False)`: it will
+not read again, so it counts as done, and the release says ABORTED with its reason.
+Duplicate notifications, notifications for unknown or already released requests and
+from workers the plan does not expect are ignored (logged). The owner must call
+`poll()` often: it serves the side channel, drives NIXL progress (reads of our memory
+progress only while we poll) and enforces leases. Single-threaded: `expose`, `poll`
+and `close` from one thread.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ _MAX_PEER_INSTANCES = 256
 
 class ReleaseCause(enum.Enum):
     COMPLETED = "completed"  # every expected decode worker notified
+    ABORTED = "aborted"  # every expected decode worker is done, some gave up
     LEASE_EXPIRED = "lease_expired"  # no (complete) consumer within the lease
     CLOSED = "closed"  # the producer shut down
 
@@ -77,6 +82,13 @@ class _Exposure:
     deadline: float
     instance_id: str | None = None
     notified: set[int] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+
+
+def expected_notifiers(plan: TransferPlan, prefill_rank: int) -> tuple[int, ...]:
+    """Decode ranks whose notification completes a request on `prefill_rank`: its
+    readers, or decode worker 0 alone for a worker nobody reads from."""
+    return plan.readers_of(prefill_rank) or (0,)
 
 
 class KVProducer:
@@ -216,7 +228,7 @@ class KVProducer:
         if exp.instance_id is None:
             return f"{lease}: no decode worker notified completion of {request_id!r}"
         plan = self._plans.get(exp.instance_id)
-        readers = plan.readers_of(self.rank) if plan is not None else ()
+        readers = expected_notifiers(plan, self.rank) if plan is not None else ()
         missing = sorted(set(readers) - exp.notified)
         return (
             f"{lease}: {len(exp.notified)} of {len(readers)} decode workers of instance "
@@ -248,7 +260,7 @@ class KVProducer:
                 warn=True,
             )
             return
-        readers = plan.readers_of(self.rank)
+        readers = expected_notifiers(plan, self.rank)
         if msg.rank not in readers:
             self._ignore(
                 f"notification for {msg.request_id!r} from decode rank {msg.rank}, "
@@ -269,10 +281,21 @@ class KVProducer:
             self._ignore(f"duplicate notification for {msg.request_id!r} rank {msg.rank}")
             return
         exp.notified.add(msg.rank)
+        if not msg.ok:
+            exp.failures.append(f"decode rank {msg.rank}: {msg.reason}")
         if exp.notified >= set(readers):
-            self._release(
-                msg.request_id, ReleaseCause.COMPLETED, f"{len(readers)} decode workers read it"
-            )
+            if exp.failures:
+                self._release(
+                    msg.request_id,
+                    ReleaseCause.ABORTED,
+                    "decode workers gave up: " + "; ".join(exp.failures),
+                )
+            else:
+                self._release(
+                    msg.request_id,
+                    ReleaseCause.COMPLETED,
+                    f"{len(readers)} decode workers notified",
+                )
 
     def _ignore(self, what: str, warn: bool = False) -> None:
         self.num_ignored_notifs += 1

@@ -226,3 +226,31 @@ def test_expose_and_pull_validate_their_arguments(producer, clock) -> None:
     c = consumer(0, clock)
     with pytest.raises(Exception, match="local_block_ids"):
         c.pull("y", p.endpoint, [0], [np.int64(99)], 1)
+
+
+def test_a_consumer_that_gives_up_tells_the_producer_which_releases_at_once(
+    producer, clock
+) -> None:
+    p, released = producer
+    p.expose("r1", [4], 4)
+    cs = [consumer(0, clock), consumer(1, clock)]
+    for c in cs:
+        c.pull("r1", p.endpoint, [4], [2], 4)
+    drive(p, cs)
+    t0, t1 = (c.transport for c in cs)
+    assert isinstance(t0, FakeTransport) and isinstance(t1, FakeTransport)
+    t0.read_state = XferState.DONE
+    drive(p, cs)
+    notify(p, "r1", 0)  # rank 0's READ delivered its notification
+    clock.now += 5.1  # rank 1's READ is stuck: it times out and gives up
+    (res,) = cs[1].poll()
+    assert res.state is TransferState.FAILED
+    ((peer, msg),) = t1.sent
+    assert peer == "prefill0"
+    notice = decode(msg, None, 1 << 16)
+    assert isinstance(notice, ReadDone) and not notice.ok and "timed out" in notice.reason
+    assert isinstance(p.transport, FakeTransport)
+    p.transport.inbox["decode1"] = [msg]
+    p.poll()
+    assert [(r.request_id, r.cause) for r in released] == [("r1", ReleaseCause.ABORTED)]
+    assert "decode rank 1: timed out" in released[0].reason
