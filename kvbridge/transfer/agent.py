@@ -142,7 +142,7 @@ class NixlTransport:
         except Exception as exc:
             if handle is not None:
                 self.release(handle)
-            raise TransferError(f"NIXL refused the READ: {type(exc).__name__}: {exc}") from exc
+            raise TransferError(f"NIXL READ failed: {type(exc).__name__}: {exc}") from exc
 
     def state(self, xfer: Any) -> XferState:
         try:

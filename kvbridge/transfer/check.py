@@ -45,6 +45,7 @@ class CheckReport:
     gbps: float
     descriptors: int
     descriptors_unmerged: int
+    indices: int = 0  # prepared-list entries posted (== descriptors on the exact-list path)
     failures: list[str] = field(default_factory=list)
     prefill: str = ""
     decode: str = ""
@@ -143,6 +144,7 @@ def run_check(
         gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
         descriptors=sum(f.num_descriptors for f in done),
         descriptors_unmerged=sum(f.num_unmerged for f in done),
+        indices=sum(f.num_indices for f in done),
         failures=failures,
         prefill=prefill.describe(),
         decode=decode.describe(),

@@ -60,6 +60,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     backend_params: dict[str, str] = {}
     scratch_bytes: int = 0  # benchmarks: a registered contiguous buffer of this size
     pattern: bool = True  # False (benchmarks): skip the verifiable fill, no Verify
+    max_units: int = 1 << 22  # TransferConfig.max_units (tests force the exact-list path)
 
 
 # -- parent -> worker ----------------------------------------------------------------
@@ -249,6 +250,7 @@ class _Worker:
             lease_s=spec.lease_s,
             transfer_timeout_s=spec.transfer_timeout_s,
             handshake_timeout_s=spec.handshake_timeout_s,
+            max_units=spec.max_units,
         )
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None

@@ -69,3 +69,20 @@ def test_many_concurrent_requests() -> None:
         timeout_s=60,
     )
     assert report.failures == [] and report.verified and report.requests == 24
+
+
+def test_per_request_descriptor_lists_when_units_would_be_too_many() -> None:
+    # max_units=8 forbids prepared unit lists: every READ uses the request's own
+    # merged descriptors instead (the path for very fine copy lists)
+    model = gqa(4, 4)
+    report = run_check(
+        model,
+        InstanceLayout(tp_size=2, cache_layout="NHD"),
+        InstanceLayout(tp_size=1, block_size=32),
+        num_requests=2,
+        num_tokens=45,
+        timeout_s=60,
+        max_units=8,
+    )
+    assert report.failures == [] and report.verified
+    assert report.indices == report.descriptors  # one entry per merged descriptor
