@@ -23,8 +23,8 @@ from kvbridge.plan.layout import CacheLayout, InstanceLayout
 from kvbridge.plan.planner import make_plan
 from kvbridge.transfer.check import make_workload
 from kvbridge.transfer.cluster import Cluster
+from kvbridge.transfer.commands import Expose, Finished, Pull, RawDone, RawRead, Released, Span
 from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.worker import Expose, Finished, Pull, RawDone, RawRead, Released, Span
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,8 +20,7 @@ from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.plan.planner import make_plan
 from kvbridge.transfer.cluster import Cluster, Instance
-from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.worker import (
+from kvbridge.transfer.commands import (
     Expose,
     Finished,
     Pull,
@@ -32,6 +31,7 @@ from kvbridge.transfer.worker import (
     Verified,
     Verify,
 )
+from kvbridge.transfer.errors import TransferError
 
 
 @dataclass

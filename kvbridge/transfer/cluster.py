@@ -23,9 +23,7 @@ import msgspec
 
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
-from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.messages import LayoutWire, ModelWire
-from kvbridge.transfer.worker import (
+from kvbridge.transfer.commands import (
     Command,
     Event,
     Failed,
@@ -36,8 +34,10 @@ from kvbridge.transfer.worker import (
     WorkerSpec,
     recv_event,
     send,
-    worker_main,
 )
+from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.messages import LayoutWire, ModelWire
+from kvbridge.transfer.worker import worker_main
 
 
 @dataclass

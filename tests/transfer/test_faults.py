@@ -14,8 +14,7 @@ from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.check import make_workload
 from kvbridge.transfer.cluster import Cluster
-from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, decode, encode
-from kvbridge.transfer.worker import (
+from kvbridge.transfer.commands import (
     Expose,
     Finished,
     Pull,
@@ -25,6 +24,7 @@ from kvbridge.transfer.worker import (
     Verified,
     Verify,
 )
+from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, decode, encode
 
 pytestmark = pytest.mark.slow
 
