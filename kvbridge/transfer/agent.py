@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.regions import CacheRegions
+from kvbridge.transfer.regions import CacheRegions, MemType
 
 log = logging.getLogger("kvbridge.transfer.agent")
 
@@ -39,7 +39,7 @@ class Transport(Protocol):
     def add_peer(self, metadata: bytes) -> str: ...
     def remove_peer(self, peer: str) -> None: ...
     def prep_local(self, descs: np.ndarray) -> Any: ...
-    def prep_remote(self, peer: str, descs: np.ndarray) -> Any: ...
+    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: MemType) -> Any: ...
     def release_dlist(self, handle: Any) -> None: ...
     def read(
         self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
@@ -113,9 +113,11 @@ class NixlTransport:
                 f"NIXL could not prepare {len(descs)} descriptors: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def prep_remote(self, peer: str, descs: np.ndarray) -> Any:
+    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: MemType) -> Any:
+        """Prepare descriptors of `peer`'s memory (of the peer's memory type: a DRAM
+        consumer may read a VRAM producer)."""
         try:
-            return self._agent.prep_xfer_dlist(peer, descs, self._mem)
+            return self._agent.prep_xfer_dlist(peer, descs, mem_type.value)
         except Exception as exc:
             raise TransferError(
                 f"NIXL could not prepare {len(descs)} descriptors: {type(exc).__name__}: {exc}"

@@ -287,7 +287,7 @@ class KVConsumer:
             else:  # too fine to prepare whole regions: this request's own descriptors
                 rdescs, ldescs = exact_descs(cl, peer.regions, self.regions)
                 local = self.transport.prep_local(ldescs)
-                remote = self.transport.prep_remote(peer.agent, rdescs)
+                remote = self.transport.prep_remote(peer.agent, rdescs, peer.regions.mem_type)
                 pull.temp_dlists += [local, remote]
                 local_idx = remote_idx = np.arange(len(ldescs), dtype=np.int32)
             try:

@@ -114,7 +114,9 @@ class ProducerDirectory:
         """`w`'s regions cut into g-byte units, prepared once per (worker, g)."""
         assert w.regions is not None
         if g not in w.remote_dlists:
-            w.remote_dlists[g] = self.transport.prep_remote(w.agent, unit_descs(w.regions, g))
+            w.remote_dlists[g] = self.transport.prep_remote(
+                w.agent, unit_descs(w.regions, g), w.regions.mem_type
+            )
         return w.remote_dlists[g]
 
     def drop(self, w: ProducerWorker, reason: str, quiet: bool = False) -> None:

@@ -214,11 +214,12 @@ class _Worker:
 
     def _raw_read(self, cmd: RawRead) -> None:
         from kvbridge.transfer.agent import XferState
+        from kvbridge.transfer.regions import MemType
 
         t = self.transport
         local = t.prep_local(np.array([[self.scratch.ctypes.data, cmd.nbytes, 0]], np.uint64))
         remote = t.prep_remote(
-            cmd.agent_name, np.array([[cmd.remote_addr, cmd.nbytes, 0]], np.uint64)
+            cmd.agent_name, np.array([[cmd.remote_addr, cmd.nbytes, 0]], np.uint64), MemType.DRAM
         )
         idx = np.zeros(1, dtype=np.int32)
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.transfer.agent import XferState
+from kvbridge.transfer.regions import MemType
 
 
 class FakeTransport:
@@ -36,7 +37,7 @@ class FakeTransport:
     def prep_local(self, descs: np.ndarray) -> Any:
         return ("local", len(descs))
 
-    def prep_remote(self, peer: str, descs: np.ndarray) -> Any:
+    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: MemType) -> Any:
         return ("remote", peer, len(descs))
 
     def release_dlist(self, handle: Any) -> None:
