@@ -228,9 +228,13 @@ class ProducerDirectory:
         def worker(p: int) -> ProducerWorker:
             return inst.worker0 if p == w0.rank else self._worker(w0.worker_endpoints[p])
 
-        for read in inst.plan.reads_for(self.rank):
-            inst.readers[read.prefill_rank] = worker(read.prefill_rank)
-        if self.rank == 0:  # replicas nobody reads still wait for a notification: ours
-            for p, n in enumerate(inst.plan.expected_notifications):
-                if n == 0:
-                    inst.unread[p] = worker(p)
+        try:
+            for read in inst.plan.reads_for(self.rank):
+                inst.readers[read.prefill_rank] = worker(read.prefill_rank)
+            if self.rank == 0:  # replicas nobody reads still wait for a notification: ours
+                for p, n in enumerate(inst.plan.expected_notifications):
+                    if n == 0:
+                        inst.unread[p] = worker(p)
+        except KVBridgeError as exc:  # e.g. a malformed worker endpoint in the Welcome
+            inst.reason = f"producer {inst.endpoint}: {exc}"
+            del self._instances[inst.endpoint]

@@ -308,6 +308,12 @@ class KVProducer:
             raise ProtocolError(
                 f"a {type(msg).__name__} message is not a request; send Hello or Ping"
             )
+        if len(self.worker_endpoints) != self.layout.world_size:
+            return Refused(
+                kind="not_ready",
+                reason=f"prefill worker {self.rank} does not know its instance's "
+                f"{self.layout.world_size} worker endpoints yet (set_worker_endpoints)",
+            )
         try:
             decode_model = msg.model.to_spec()
             decode_layout = msg.layout.to_layout()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -102,3 +103,41 @@ def test_a_silent_endpoint_fails_the_call_with_a_reason() -> None:
     finally:
         client.close()
         sock.close(linger=0)
+
+
+def test_a_failing_handler_is_answered_and_the_server_keeps_serving(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    calls = []
+
+    def flaky(msg: Message) -> Message | None:
+        calls.append(msg)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return handler(msg)
+
+    srv = SideChannelServer("127.0.0.1", 0, None, LIMIT, flaky)
+    client = SideChannelClient(srv.endpoint, None, LIMIT)
+    replies: list[Message | None] = []
+    try:
+        for nonce in (1, 2):
+            client.send(Ping(nonce=nonce))
+            srv.poll(timeout_ms=5000)
+            deadline = time.monotonic() + 5
+            reply = None
+            while reply is None and time.monotonic() < deadline:
+                reply = client.try_recv()
+                time.sleep(0.001)
+            replies.append(reply)
+    finally:
+        client.close()
+        srv.close()
+    assert isinstance(replies[0], Refused) and "internal error handling the request: boom" in (
+        replies[0].reason
+    )
+    assert replies[1] == Pong(nonce=2, instance_id="server")
+
+
+def test_a_malformed_endpoint_is_refused_with_the_expected_form() -> None:
+    with pytest.raises(HandshakeError, match="expected tcp://HOST:PORT"):
+        SideChannelClient("not an endpoint", None, LIMIT)
