@@ -105,9 +105,7 @@ def test_a_silent_endpoint_fails_the_call_with_a_reason() -> None:
         sock.close(linger=0)
 
 
-def test_a_failing_handler_is_answered_and_the_server_keeps_serving(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_failing_handler_is_answered_and_the_server_keeps_serving() -> None:
     calls = []
 
     def flaky(msg: Message) -> Message | None:
