@@ -7,8 +7,10 @@ runner; this module only wires them under one command.
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,7 +33,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     bp.add_argument("--tokens", type=int, default=32768, help="request length (default 32768)")
     bp.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
     bp.set_defaults(handler=run_plan_bench)
+
+    bs = bench.add_parser(
+        "serve",
+        help="TTFT/TPOT disaggregated vs colocated through the proxy",
+        description="Starts a prefill and a decode instance; measures TTFT and TPOT of "
+        "streamed greedy completions disaggregated (prefill -> decode) and colocated on the "
+        "decode instance, at each concurrency, in the same run.",
+    )
+    bs.add_argument("--model", default="smollm2-135m")
+    bs.add_argument("--prefill-tp", type=int, default=3)
+    bs.add_argument("--decode-tp", type=int, default=9)
+    bs.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    bs.add_argument("--prompt-words", type=int, default=100, help="words per prompt")
+    bs.add_argument("--max-tokens", type=int, default=32)
+    bs.add_argument("--rounds", type=int, default=2, help="batches per concurrency level")
+    bs.set_defaults(handler=_lazy("kvbridge.serve.bench", "run_serve_bench"))
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
+
+
+def _lazy(module: str, func: str) -> Callable[[argparse.Namespace], int]:
+    """A handler that imports its (heavy) benchmark module only when run."""
+
+    def handler(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(module), func)(args))
+
+    return handler
 
 
 def _time_plan(

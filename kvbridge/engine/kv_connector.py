@@ -14,6 +14,7 @@ only (kvbridge.transfer), lazily, so an engine without a connector never loads N
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 import msgspec
@@ -21,6 +22,9 @@ import torch
 
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
+
+#: How often an idle worker polls its side channel and leases (seconds).
+IDLE_POLL_S = 0.01
 
 
 class ConnectorRole(enum.Enum):
@@ -127,6 +131,7 @@ class WorkerKVConnector:
         self.producer = KVProducer(**common) if self.role is ConnectorRole.PRODUCER else None
         self.consumer = KVConsumer(**common) if self.role is ConnectorRole.CONSUMER else None
         self._events: list[ConnectorEvent] = []
+        self._last_poll = 0.0
         self._bytes: dict[str, int] = {}
 
     def handle(self, method: str, payload: bytes) -> bytes:
@@ -150,6 +155,7 @@ class WorkerKVConnector:
             )
             return b""
         if method == "poll":
+            self._last_poll = 0.0  # the driver asks: poll now
             self.idle_poll()
             events, self._events = self._events, []
             pinned = (
@@ -161,7 +167,16 @@ class WorkerKVConnector:
         raise ValueError(f"unknown connector method {method!r}")
 
     def idle_poll(self) -> None:
-        """Progress transfers and collect finished requests; cheap when idle."""
+        """Progress transfers and collect finished requests. Every call while a transfer
+        is pending; otherwise at most every IDLE_POLL_S (side-channel handshakes, leases),
+        so a dozen idle workers do not eat the cores."""
+        busy = (self.producer is not None and self.producer.num_pinned_blocks > 0) or (
+            self.consumer is not None and self.consumer.num_held_blocks > 0
+        )
+        now = time.monotonic()
+        if not busy and now - self._last_poll < IDLE_POLL_S:
+            return
+        self._last_poll = now
         if self.producer is not None:
             for rel in self.producer.poll(0):
                 ok = rel.cause.value == "completed"

@@ -77,9 +77,9 @@ class LLMEngine:
             if self.config.tp_size == 1:
                 executor_factory = InProcessExecutor
             else:
-                from kvbridge.engine.tp_launcher import ProcessExecutor
+                from kvbridge.engine.shm_executor import ShmExecutor
 
-                executor_factory = ProcessExecutor
+                executor_factory = ShmExecutor
         if connector is not None:  # each worker attaches the transfer runtime to its cache
             self.executor = executor_factory(self.model_path, self.config, progress,
                                              connector=connector)

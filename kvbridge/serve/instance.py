@@ -128,7 +128,9 @@ class Instance:
             "gauge",
             "Blocks held by the transfer runtime (exposed or being pulled).",
         )
-        self.metrics.describe("kv_load_failures_total", "counter", "KV pulls that failed.")
+        self.metrics.describe(
+            "kv_instance_load_failures_total", "counter", "KV pulls that failed here."
+        )
         self.metrics.describe("kv_instance_bytes_total", "counter", "KV bytes pulled here.")
         self._aborted: set[str] = set()
 
@@ -201,7 +203,7 @@ class Instance:
         )
 
         def recompute(reason: str) -> None:
-            self.metrics.inc("kv_load_failures_total")
+            self.metrics.inc("kv_instance_load_failures_total")
             stream.stages["kv_load_failed"] = 1.0
             if self.kv_load_failure is KVLoadFailure.FAIL:
                 stream.put(GenerateEvent(error=f"KV cache load failed: {reason}"))

@@ -18,7 +18,9 @@ from kvbridge.serve.instance import Instance, KVLoadFailure, Role
 
 
 def _progress(stage: str, done: int, total: int) -> None:
-    if total and (done == total or done % max(1, total // 10) == 0):
+    if not total:
+        print(f"  {stage}", file=sys.stderr, flush=True)
+    elif done == total or done % max(1, total // 10) == 0:
         print(f"  {stage}: {done}/{total}", file=sys.stderr, flush=True)
 
 

@@ -86,3 +86,37 @@ class Metrics:
                     for labels, v in self._values[name].items():
                         lines.append(f"{full}{_fmt_labels(labels)} {v:g}")
         return "\n".join(lines) + "\n"
+
+
+def merge_expositions(texts: list[str]) -> str:
+    """Join several Prometheus text expositions so each metric family appears once
+    (one HELP/TYPE, then all its samples), as the format requires."""
+    order: list[str] = []
+    headers: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = defaultdict(list)
+    for text in texts:
+        family = ""
+        for line in text.splitlines():
+            if not line.strip():
+                continue
+            if line.startswith("# "):
+                parts = line.split(" ", 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2]
+                    if family not in headers:
+                        headers[family] = []
+                        order.append(family)
+                    if len(headers[family]) < 2 and line not in headers[family]:
+                        headers[family].append(line)
+                continue
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            key = family if family and name.startswith(family) else name
+            if key not in headers:
+                headers[key] = []
+                order.append(key)
+            samples[key].append(line)
+    out = []
+    for family in order:
+        out.extend(headers[family])
+        out.extend(samples[family])
+    return "\n".join(out) + "\n"

@@ -25,7 +25,7 @@ from kvbridge.serve.backend import (
     GenerateRequest,
     SamplingParams,
 )
-from kvbridge.serve.metrics import Metrics
+from kvbridge.serve.metrics import Metrics, merge_expositions
 
 
 def proxy_metrics() -> Metrics:
@@ -89,9 +89,8 @@ def make_app(backend: Backend, metrics: Metrics | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_text() -> PlainTextResponse:
-        return PlainTextResponse(
-            m.render() + await backend.instance_metrics(), media_type="text/plain; version=0.0.4"
-        )
+        text = merge_expositions([m.render(), await backend.instance_metrics()])
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def _check(req: oai.CompletionRequest | oai.ChatCompletionRequest) -> JSONResponse | None:
         if req.model is not None and req.model != backend.model_name:

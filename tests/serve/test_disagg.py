@@ -13,10 +13,8 @@ import openai
 import pytest
 
 from kvbridge.serve.demo import colocated_text
-from kvbridge.serve.disagg_backend import DisaggBackend
-from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment
-from kvbridge.serve.proxy import make_app
+from tests.serve.helpers import complete, instance_args, metric, proxy_for
 
 pytestmark = pytest.mark.slow
 
@@ -26,28 +24,6 @@ PROMPTS = [
     "1, 2, 3, 4,",
     "Water boils at a temperature of",
 ]
-
-
-def instance_args(
-    role: str, tp: int, block_size: int = 16, layout: str = "HND", *extra: str
-) -> list[str]:
-    return [
-        "--role",
-        role,
-        "--tp",
-        str(tp),
-        "--block-size",
-        str(block_size),
-        "--layout",
-        layout,
-        "--kv-cache-mb",
-        "32",
-        "--lease-s",
-        "20",
-        "--transfer-timeout-s",
-        "10",
-        *extra,
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -67,21 +43,6 @@ def instances():
         dep.stop()
 
 
-def proxy_for(prefill: list[str], decode: list[str], recompute: bool = True) -> ServerThread:
-    backend = DisaggBackend(prefill, decode, "smollm2-135m", recompute_on_failure=recompute)
-    return ServerThread(make_app(backend)).start()
-
-
-def complete(url: str, prompt: str, max_tokens: int = 12) -> dict:
-    r = httpx.post(
-        f"{url}/v1/completions",
-        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
-        timeout=300,
-    )
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 @pytest.mark.parametrize("decode", ["decode", "decode32"])
 def test_greedy_equals_colocated(instances, decode):
     _, urls = instances
@@ -96,16 +57,6 @@ def test_greedy_equals_colocated(instances, decode):
         assert first.startswith(" Paris")
     finally:
         proxy.stop()
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(f"kvbridge_{name}") and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_concurrent_streams_complete_and_free_blocks(instances):
@@ -134,13 +85,13 @@ def test_concurrent_streams_complete_and_free_blocks(instances):
         deadline = time.monotonic() + 30
         while True:
             text = httpx.get(f"{proxy.url}/metrics").text
-            used = _metric(text, "blocks_in_use")
+            used = metric(text, "blocks_in_use")
             if used == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert used == 0, text
-        assert _metric(text, "requests_total", status="200") == 16
-        assert _metric(text, "kv_bytes_total") > 0
+        assert metric(text, "requests_total", status="200") == 16
+        assert metric(text, "kv_bytes_total") > 0
     finally:
         proxy.stop()
 
@@ -253,10 +204,10 @@ def test_prefill_dies_between_prefill_and_pull(policy):
             assert events[-1].error and "KV cache load failed" in events[-1].error
         deadline = time.monotonic() + 10
         while (
-            _metric(httpx.get(f"{decode.url}/metrics").text, "blocks_in_use")
+            metric(httpx.get(f"{decode.url}/metrics").text, "blocks_in_use")
             and time.monotonic() < deadline
         ):
             time.sleep(0.1)
-        assert _metric(httpx.get(f"{decode.url}/metrics").text, "blocks_in_use") == 0
+        assert metric(httpx.get(f"{decode.url}/metrics").text, "blocks_in_use") == 0
     finally:
         dep.stop()

@@ -148,3 +148,20 @@ def test_client_disconnect_aborts_the_request(server):
     assert backend.aborted == [backend.seen[-1].request_id]
     text = httpx.get(f"{srv.url}/metrics").text
     assert "kvbridge_requests_running 0" in text
+
+
+def test_merged_metrics_keep_one_family_block():
+    from kvbridge.serve.metrics import merge_expositions
+
+    a = (
+        "# HELP kvbridge_blocks_in_use x\n# TYPE kvbridge_blocks_in_use gauge\n"
+        'kvbridge_blocks_in_use{instance="p"} 3\n'
+    )
+    b = a.replace('"p"} 3', '"d"} 5')
+    merged = merge_expositions([a, b]).splitlines()
+    assert merged == [
+        "# HELP kvbridge_blocks_in_use x",
+        "# TYPE kvbridge_blocks_in_use gauge",
+        'kvbridge_blocks_in_use{instance="p"} 3',
+        'kvbridge_blocks_in_use{instance="d"} 5',
+    ]

@@ -31,6 +31,14 @@ class Communicator(abc.ABC):
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `tensor` along `dim`, in rank order (a new tensor)."""
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite `tensor` on every rank with rank `src`'s, in place; returns it.
+
+        This default goes through `all_gather`; implementations override it."""
+        gathered = self.all_gather(tensor.unsqueeze(0), dim=0)
+        tensor.copy_(gathered[src])
+        return tensor
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
@@ -50,6 +58,9 @@ class SingleProcessCommunicator(Communicator):
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         return tensor
 
     def barrier(self) -> None:

@@ -1,0 +1,201 @@
+"""The worker side of a `WorkerGroup`: process entry point, `WorkerContext`, wire frames.
+
+Driver and workers talk over one duplex pipe per worker (multiprocessing Connection,
+raw bytes, never pickle). A frame is a fixed header then two byte strings:
+
+    offset  size  field
+    0       1     kind (Kind)
+    1       3     padding
+    4       4     len(method) in bytes (UTF-8)
+    8       8     seq: the call number (0 for start-up messages)
+    16      m     method
+    16+m    ...   payload
+
+driver -> worker: CALL (method, payload), CALL_NO_REPLY (same; the reply is an empty
+acknowledgement), STOP. worker -> driver: PROGRESS (text), READY, REPLY (bytes), ERROR
+(JSON: error type, message, traceback, whether it is only a consequence of another
+rank's failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import importlib
+import json
+import os
+import signal
+import struct
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from kvbridge.engine.parallel.errors import PeerAbortedError, PeerDiedError
+from kvbridge.engine.parallel.shm_comm import ShmCommunicator
+
+_FRAME = struct.Struct("<B3xIQ")
+PARENT_CHECK_S = 1.0
+
+#: A worker's call handler: (method, payload) -> reply bytes.
+Handler = Callable[[str, bytes], bytes | None]
+
+
+class Kind(enum.IntEnum):
+    CALL = 1
+    CALL_NO_REPLY = 2
+    STOP = 3
+    PROGRESS = 10
+    READY = 11
+    REPLY = 12
+    ERROR = 13
+
+
+def encode_frame(kind: Kind, seq: int = 0, method: str = "", payload: bytes = b"") -> bytes:
+    raw_method = method.encode()
+    return _FRAME.pack(kind, len(raw_method), seq) + raw_method + payload
+
+
+def decode_frame(frame: bytes) -> tuple[Kind, int, str, bytes]:
+    """Split a frame into (kind, seq, method, payload); raises ValueError if malformed."""
+    if len(frame) < _FRAME.size:
+        raise ValueError(
+            f"frame of {len(frame)} bytes is shorter than its {_FRAME.size}-byte header"
+        )
+    kind, method_len, seq = _FRAME.unpack_from(frame)
+    end = _FRAME.size + method_len
+    if end > len(frame):
+        raise ValueError(f"frame says method is {method_len} bytes but has {len(frame)} in all")
+    return Kind(kind), seq, frame[_FRAME.size : end].decode(), frame[end:]
+
+
+def error_payload(exc: BaseException) -> bytes:
+    return json.dumps(
+        {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "traceback": traceback.format_exc(),
+            "secondary": isinstance(exc, PeerAbortedError | PeerDiedError),
+        }
+    ).encode()
+
+
+@dataclass
+class WorkerContext:
+    """What a worker's target function receives: its place in the group and the means
+    to serve the driver. Owned by the worker process; `comm` is already connected."""
+
+    rank: int
+    world_size: int
+    comm: ShmCommunicator
+    init_payload: bytes
+    conn: Connection
+    parent_pid: int
+
+    def report_progress(self, text: str) -> None:
+        """Tell the driver about start-up progress (shown by its `on_progress` callback)."""
+        self.conn.send_bytes(encode_frame(Kind.PROGRESS, payload=text.encode()))
+
+    def serve(
+        self,
+        handler: Handler,
+        idle: Callable[[], None] | None = None,
+        idle_interval_s: float = 0.001,
+    ) -> None:
+        """Report ready, then run calls until the driver says stop or goes away.
+
+        `idle`, if given, runs whenever no call arrived for `idle_interval_s` (e.g. to
+        progress transfers that need this process to poll); an exception it raises is
+        fatal to the worker, like a handler's.
+
+        Every call gets exactly one answer: REPLY with the handler's bytes, or ERROR with
+        its traceback. A handler that raises aborts the communicator first, so peers that
+        wait for this rank in a collective fail at once instead of timing out; the group
+        is unusable afterwards (the driver reports it broken).
+        """
+        conn = self.conn
+        conn.send_bytes(encode_frame(Kind.READY))
+        wait_s = PARENT_CHECK_S if idle is None else min(idle_interval_s, PARENT_CHECK_S)
+        last_check = time.monotonic()
+        while True:
+            if not conn.poll(wait_s):
+                now = time.monotonic()
+                if now - last_check >= PARENT_CHECK_S:
+                    last_check = now
+                    if os.getppid() != self.parent_pid:
+                        return  # the driver died without closing its pipe end
+                if idle is not None:
+                    idle()
+                continue
+            try:
+                kind, seq, method, payload = decode_frame(conn.recv_bytes())
+            except EOFError:
+                return  # the driver is gone
+            if kind == Kind.STOP:
+                return
+            try:
+                reply = handler(method, payload) or b""
+                if not isinstance(reply, bytes | bytearray | memoryview):
+                    raise TypeError(
+                        f"handler for {method!r} returned {type(reply).__name__}; return bytes"
+                    )
+                frame = encode_frame(
+                    Kind.REPLY, seq, payload=bytes(reply) if kind == Kind.CALL else b""
+                )
+            except Exception as exc:
+                self.comm.abort(f"its {method!r} handler raised {type(exc).__name__}: {exc}")
+                frame = encode_frame(Kind.ERROR, seq, method, error_payload(exc))
+            try:
+                conn.send_bytes(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                return
+
+
+def resolve_target(target: str) -> Callable[[WorkerContext], None]:
+    module_name, sep, func_name = target.partition(":")
+    if not sep or not module_name or not func_name:
+        raise ValueError(f"target={target!r} must look like 'package.module:function'")
+    func = getattr(importlib.import_module(module_name), func_name, None)
+    if not callable(func):
+        raise ValueError(f"target={target!r}: {module_name} has no function {func_name!r}")
+    return func
+
+
+def worker_main(
+    rank: int,
+    world_size: int,
+    target: str,
+    init_payload: bytes,
+    shm_name: str,
+    conn: Connection,
+    parent_pid: int,
+    comm_timeout: float,
+    connect_timeout: float,
+    num_threads: int,
+) -> None:
+    """Entry point of a spawned worker process (see `WorkerGroup`)."""
+    import torch
+
+    # Ctrl-C reaches the whole process group; the driver alone decides how to shut down
+    # (it stops or kills its workers), so a worker ignores it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    comm: ShmCommunicator | None = None
+    try:
+        torch.set_num_threads(num_threads)
+        comm = ShmCommunicator(
+            shm_name, rank, world_size, timeout=comm_timeout, connect_timeout=connect_timeout
+        )
+        conn.send_bytes(encode_frame(Kind.PROGRESS, payload=b"communicator connected"))
+        func = resolve_target(target)
+        func(WorkerContext(rank, world_size, comm, init_payload, conn, parent_pid))
+    except BaseException as exc:
+        if comm is not None:
+            comm.abort(f"start-up failed: {type(exc).__name__}: {exc}")
+        with contextlib.suppress(OSError):
+            conn.send_bytes(encode_frame(Kind.ERROR, 0, "<start>", error_payload(exc)))
+        raise SystemExit(1) from None
+    finally:
+        if comm is not None:
+            comm.close()
+        conn.close()

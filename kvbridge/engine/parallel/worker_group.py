@@ -1,0 +1,322 @@
+"""The driver's handle on the tensor-parallel worker processes of one instance."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+from kvbridge.engine.parallel.errors import (
+    ParallelError,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroupClosedError,
+    WorkerStartError,
+    WorkerTimeoutError,
+)
+from kvbridge.engine.parallel.shm_segment import DEFAULT_MAX_BYTES, ShmSegment
+from kvbridge.engine.parallel.worker import Kind, decode_frame, encode_frame, worker_main
+
+#: on_progress(rank, text): start-up progress of one worker.
+ProgressCallback = Callable[[int, str], None]
+#: After a first error, how long to wait for the other ranks' answers to find the root cause.
+ERROR_GRACE_S = 1.0
+STOP_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class CallHandle:
+    """One submitted call; pass it to `WorkerGroup.collect`."""
+
+    seq: int
+    method: str
+    ranks: tuple[int, ...]
+
+
+@dataclass
+class _Answers:
+    replies: dict[int, bytes] = field(default_factory=dict)
+    errors: dict[int, dict[str, object]] = field(default_factory=dict)
+
+    def count(self) -> int:
+        return len(self.replies) + len(self.errors)
+
+
+def _shutdown(procs: list[BaseProcess], conns: list[Connection], segment: ShmSegment) -> None:
+    """Stop workers (politely, then by force), close pipes, remove the segment. Idempotent."""
+    for proc, conn in zip(procs, conns, strict=True):
+        if proc.is_alive() and not conn.closed:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(encode_frame(Kind.STOP))
+    deadline = time.monotonic() + STOP_GRACE_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+    for conn in conns:
+        conn.close()
+    segment.close()
+
+
+class WorkerGroup:
+    """Spawns `world_size` worker processes and runs calls on all of them.
+
+    Owned and called by one driver thread. Each worker runs `target(ctx)` (a
+    "package.module:function" string, imported in the worker) with a `WorkerContext`
+    whose `comm` is a connected `ShmCommunicator`; the target initialises itself from
+    `ctx.init_payload` and then calls `ctx.serve(handler)`. The constructor returns once
+    every worker serves, or raises `WorkerStartError` and leaves nothing running.
+
+    Guarantees: every call reaches every worker, in submission order. A worker that raises
+    makes the call raise `WorkerError` (rank + traceback) as soon as the root cause is
+    known; a worker that dies makes it raise `WorkerDiedError` (rank + exit code) within
+    ~0.1 s; a call that exceeds its timeout raises `WorkerTimeoutError`. After any of
+    these the group is broken (its collectives were aborted): further calls raise
+    `WorkerGroupClosedError`; close it and start a new one. `close()` (also on context
+    exit and at interpreter exit) leaves no process and no /dev/shm file; workers exit
+    by themselves if the driver dies.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        target: str,
+        init_payload: bytes = b"",
+        *,
+        start_timeout: float = 300.0,
+        call_timeout: float = 120.0,
+        comm_timeout: float = 60.0,
+        comm_max_bytes: int = DEFAULT_MAX_BYTES,
+        num_threads: int = 1,
+        on_progress: ProgressCallback | None = None,
+    ) -> None:
+        if world_size < 1:
+            raise WorkerStartError(f"world_size={world_size} must be >= 1")
+        if ":" not in target:
+            raise WorkerStartError(f"target={target!r} must look like 'package.module:function'")
+        self.world_size = world_size
+        self.target = target
+        self.call_timeout = call_timeout
+        self._on_progress = on_progress
+        self._seq = 0
+        self._answers: dict[int, _Answers] = {}
+        self._broken: str | None = None
+        self._ready: set[int] = set()
+        self._start_error: tuple[int, str] | None = None
+        self._segment = ShmSegment(world_size, comm_max_bytes)
+        self._procs: list[BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._segment)
+        ctx = mp.get_context("spawn")
+        try:
+            for rank in range(world_size):
+                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(
+                        rank,
+                        world_size,
+                        target,
+                        init_payload,
+                        self._segment.name,
+                        child_conn,
+                        os.getpid(),
+                        comm_timeout,
+                        start_timeout,
+                        num_threads,
+                    ),
+                    name=f"kvbridge-tp{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                child_conn.close()  # the worker holds the only other end: EOF when it dies
+                self._procs.append(proc)
+                self._conns.append(parent_conn)
+                self._progress(rank, f"spawned pid {proc.pid}")
+            self._wait_ready(start_timeout)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [proc.pid or 0 for proc in self._procs]
+
+    # ---- calls ------------------------------------------------------------------------
+
+    def call(
+        self,
+        method: str,
+        payload: bytes = b"",
+        *,
+        ranks: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> list[bytes]:
+        """Run `method` on every worker; return the replies of `ranks` (default: all), in
+        that order. Workers outside `ranks` still run the call but send no bytes back."""
+        return self.collect(self.submit(method, payload, ranks=ranks), timeout=timeout)
+
+    def submit(
+        self, method: str, payload: bytes = b"", *, ranks: Sequence[int] | None = None
+    ) -> CallHandle:
+        """Send a call to every worker without waiting; `collect` its replies later.
+        Calls run in submission order; several may be outstanding."""
+        self._check_usable()
+        wanted = tuple(range(self.world_size)) if ranks is None else tuple(ranks)
+        bad = [r for r in wanted if not 0 <= r < self.world_size]
+        if bad:
+            raise ParallelError(f"ranks={list(wanted)}: {bad} outside [0, {self.world_size})")
+        self._seq += 1
+        handle = CallHandle(self._seq, method, wanted)
+        self._answers[handle.seq] = _Answers()
+        for rank, conn in enumerate(self._conns):
+            kind = Kind.CALL if rank in wanted else Kind.CALL_NO_REPLY
+            try:
+                conn.send_bytes(encode_frame(kind, handle.seq, method, payload))
+            except OSError:
+                self._pump(time.monotonic() + 0.5, lambda: False)  # finds the dead rank
+                self._fail(f"sending {method!r} to rank {rank} failed", None)
+        return handle
+
+    def collect(self, handle: CallHandle, timeout: float | None = None) -> list[bytes]:
+        """Wait for every worker's answer to `handle`; raise as described in the class."""
+        answers = self._answers.get(handle.seq)
+        if answers is None:
+            raise ParallelError(f"call #{handle.seq} ({handle.method}) was already collected")
+        limit = self.call_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        self._pump(deadline, lambda: answers.count() == self.world_size or bool(answers.errors))
+        if answers.errors:
+            self._pump(
+                min(deadline, time.monotonic() + ERROR_GRACE_S),
+                lambda: answers.count() == self.world_size,
+            )
+            del self._answers[handle.seq]
+            self._raise_worker_error(handle, answers)
+        if answers.count() < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in answers.replies]
+            self._broken = f"call #{handle.seq} ({handle.method}) timed out"
+            raise WorkerTimeoutError(
+                f"{handle.method!r} (call #{handle.seq}) got no answer from ranks {missing} "
+                f"within timeout={limit} s; the group is broken, close it"
+            )
+        del self._answers[handle.seq]
+        return [answers.replies[r] for r in handle.ranks]
+
+    def close(self) -> None:
+        """Stop every worker (kill stragglers after a grace period) and remove the
+        shared-memory segment. Idempotent."""
+        self._broken = self._broken or "the group was closed"
+        self._finalizer()
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _progress(self, rank: int, text: str) -> None:
+        if self._on_progress is not None:
+            self._on_progress(rank, text)
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise WorkerGroupClosedError(
+                f"worker group is unusable: {self._broken}; close it and start a new one"
+            )
+
+    def _fail(self, reason: str, error: ParallelError | None) -> None:
+        self._broken = reason
+        raise error or WorkerGroupClosedError(reason)
+
+    def _wait_ready(self, timeout: float) -> None:
+        ready = self._ready
+        deadline = time.monotonic() + timeout
+        try:
+            self._pump(deadline, lambda: len(ready) == self.world_size)
+        except WorkerDiedError as exc:
+            raise WorkerStartError(f"worker start-up failed: {exc}") from exc
+        if len(ready) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - ready)
+            raise WorkerStartError(
+                f"workers {missing} of {self.world_size} not ready after start_timeout="
+                f"{timeout} s (target {self.target}); raise start_timeout if loading is slow"
+            )
+
+    def _pump(self, deadline: float, done: Callable[[], bool]) -> None:
+        """Handle worker messages until `done()` or the deadline; a worker's death raises."""
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        conns = {id(conn): rank for rank, conn in enumerate(self._conns)}
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            ready = wait([*self._conns, *sentinels], timeout=min(remaining, 1.0))
+            for obj in ready:
+                if isinstance(obj, Connection):
+                    self._drain(conns[id(obj)])
+            for obj in ready:
+                if isinstance(obj, int):
+                    self._on_death(sentinels[obj])
+
+    def _drain(self, rank: int) -> None:
+        conn = self._conns[rank]
+        try:
+            while conn.poll(0):
+                self._handle(rank, conn.recv_bytes())
+        except (EOFError, OSError):
+            self._procs[rank].join(1.0)  # its pipe closed: it is exiting
+            self._on_death(rank)
+
+    def _on_death(self, rank: int) -> None:
+        proc = self._procs[rank]
+        proc.join(1.0)
+        if proc.is_alive():
+            return
+        start_error = self._start_error
+        detail = f": {start_error[1]}" if start_error is not None and start_error[0] == rank else ""
+        reason = f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}{detail}"
+        self._fail(reason, WorkerDiedError(reason, rank=rank, exitcode=proc.exitcode))
+
+    def _handle(self, rank: int, frame: bytes) -> None:
+        kind, seq, _method, payload = decode_frame(frame)
+        if kind == Kind.PROGRESS:
+            self._progress(rank, payload.decode(errors="replace"))
+        elif kind == Kind.READY:
+            self._ready.add(rank)
+            self._progress(rank, "ready")
+        elif kind == Kind.ERROR and seq == 0:
+            info = json.loads(payload)
+            self._start_error = (rank, f"{info['type']}: {info['message']}\n{info['traceback']}")
+        elif seq in self._answers:
+            if kind == Kind.REPLY:
+                self._answers[seq].replies[rank] = payload
+            elif kind == Kind.ERROR:
+                self._answers[seq].errors[rank] = json.loads(payload)
+
+    def _raise_worker_error(self, handle: CallHandle, answers: _Answers) -> None:
+        # the root cause is the first error that is not a consequence of another's failure
+        ordered = sorted(answers.errors.items(), key=lambda item: bool(item[1]["secondary"]))
+        rank, info = ordered[0]
+        also = [r for r, i in ordered[1:] if not i["secondary"]]
+        after = [r for r, i in ordered[1:] if i["secondary"]]
+        reason = (
+            f"worker rank {rank} raised {info['type']} in {handle.method!r} "
+            f"(call #{handle.seq}): {info['message']}"
+        )
+        if also:
+            reason += f" (ranks {also} raised too)"
+        if after:
+            reason += f" (ranks {after} failed as a consequence)"
+        self._fail(reason, WorkerError(reason, rank=rank, traceback_text=str(info["traceback"])))
