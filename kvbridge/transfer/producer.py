@@ -8,8 +8,10 @@ hands the blocks back, with the cause. A worker nobody reads from (an unused rep
 when prefill tp > num_kv_heads) waits for decode worker 0 alone, which notifies it
 once per request. A decode worker that gave up sends `ReadDone(ok=False)`: it will
 not read again, so it counts as done, and the release says ABORTED with its reason.
-Duplicate notifications, notifications for unknown or already released requests and
-from workers the plan does not expect are ignored (logged). The owner must call
+A notification that arrives before its request's `expose` (engines race) is kept for
+one lease and applied by `expose`. Duplicate notifications, notifications for already
+released (or never exposed) requests and from workers the plan does not expect are
+ignored (logged). The owner must call
 `poll()` often: it serves the side channel, drives NIXL progress (reads of our memory
 progress only while we poll) and enforces leases. Single-threaded: `expose`, `poll`
 and `close` from one thread.
@@ -54,6 +56,8 @@ log = logging.getLogger("kvbridge.transfer.producer")
 
 #: How many released request ids are remembered to tell "stale" from "unknown".
 _RECENT = 4096
+#: Notifications kept per request that arrive before its `expose`.
+_MAX_EARLY_PER_REQUEST = 1024
 #: How many decode instances' plans a producer worker keeps.
 _MAX_PEER_INSTANCES = 256
 
@@ -132,6 +136,10 @@ class KVProducer:
         self._clock = clock
         self._exposed: dict[str, _Exposure] = {}
         self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # notifications that arrived before their request's `expose`, by request id
+        self._early: collections.OrderedDict[str, list[tuple[float, ReadDone]]] = (
+            collections.OrderedDict()
+        )
         self._plans: collections.OrderedDict[str, TransferPlan] = collections.OrderedDict()
         self.releases: list[Release] = []  # every release, in order (for the owner/tests)
         self.num_ignored_notifs = 0
@@ -177,6 +185,8 @@ class KVProducer:
             )
         lease = self.config.lease_s if lease_s is None else lease_s
         self._exposed[request_id] = _Exposure(ids, num_tokens, self._clock() + lease)
+        for _, msg in self._early.pop(request_id, []):
+            self._apply(msg)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -199,6 +209,12 @@ class KVProducer:
             for raw in msgs:
                 self._on_notif(sender, raw)
         now = self._clock()
+        while self._early:  # forget early notifications no expose claimed within a lease
+            rid, early = next(iter(self._early.items()))
+            if early and early[0][0] + self.config.lease_s > now:
+                break
+            del self._early[rid]
+            self._ignore(f"notification for unknown request {rid!r} (never exposed)", warn=True)
         for rid in [r for r, e in self._exposed.items() if e.deadline <= now]:
             self._release(rid, ReleaseCause.LEASE_EXPIRED, self._lease_reason(rid))
         return self.releases[start:]
@@ -243,14 +259,22 @@ class KVProducer:
         except ProtocolError as exc:
             self._ignore(f"notification from agent {sender!r} rejected: {exc}", warn=True)
             return
+        self._apply(msg)
+
+    def _apply(self, msg: ReadDone) -> None:
         exp = self._exposed.get(msg.request_id)
         if exp is None:
-            stale = msg.request_id in self._recent
-            self._ignore(
-                f"{'stale' if stale else 'unknown'} notification for {msg.request_id!r} "
-                f"from {msg.instance_id!r} rank {msg.rank}",
-                warn=not stale,
-            )
+            if msg.request_id in self._recent:
+                self._ignore(
+                    f"stale notification for {msg.request_id!r} from "
+                    f"{msg.instance_id!r} rank {msg.rank}"
+                )
+            else:  # may precede `expose` (a race between engines): keep it for a lease
+                early = self._early.setdefault(msg.request_id, [])
+                if len(early) < _MAX_EARLY_PER_REQUEST:
+                    early.append((self._clock(), msg))
+                while len(self._early) > _RECENT:
+                    self._early.popitem(last=False)
             return
         plan = self._plans.get(msg.instance_id)
         if plan is None:

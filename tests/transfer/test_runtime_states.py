@@ -141,11 +141,30 @@ def test_notifications_the_plan_does_not_expect_are_ignored(producer, clock) -> 
     c.pull("r1", p.endpoint, [0], [0], 4)
     drive(p, [c])
     notify(p, "r1", 7)  # not a reader in the plan
-    notify(p, "nope", 0)  # unknown request
+    notify(p, "nope", 0)  # unknown request: kept for a lease in case expose comes late
     assert isinstance(p.transport, FakeTransport)
     p.transport.inbox["decode"].append(b"garbage")
     p.poll()
-    assert released == [] and p.num_ignored_notifs == 4
+    assert released == [] and p.num_ignored_notifs == 3
+    clock.now += 10.1  # a lease later "nope" was never exposed: dropped (and r1 expired)
+    p.poll()
+    assert p.num_ignored_notifs == 4
+    assert [r.cause for r in released] == [ReleaseCause.LEASE_EXPIRED]
+
+
+def test_a_notification_before_expose_completes_the_request(producer, clock) -> None:
+    p, released = producer
+    c0, c1 = consumer(0, clock), consumer(1, clock)
+    for c in (c0, c1):  # both handshake (the plan becomes known) on a first request
+        c.pull("warm", p.endpoint, [0], [0], 4)
+    drive(p, [c0, c1])
+    notify(p, "late", 0)
+    notify(p, "late", 1)
+    p.poll()
+    assert released == []
+    p.expose("late", [3, 4], 20)
+    assert [(r.request_id, r.cause) for r in released] == [("late", ReleaseCause.COMPLETED)]
+    assert p.num_pinned_blocks == 0
 
 
 def test_lease_releases_blocks_a_consumer_never_came_for(producer, clock) -> None:
