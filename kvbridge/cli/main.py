@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES = [
     "kvbridge.cli.plan_cmd",
     "kvbridge.cli.serve_cmd",
     "kvbridge.cli.bench_cmd",
+    "kvbridge.cli.transfer_cmd",
 ]
 
 

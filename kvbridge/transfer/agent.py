@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.regions import CacheRegions
+from kvbridge.transfer.regions import CacheRegions, MemType
 
 log = logging.getLogger("kvbridge.transfer.agent")
 
@@ -39,7 +39,7 @@ class Transport(Protocol):
     def add_peer(self, metadata: bytes) -> str: ...
     def remove_peer(self, peer: str) -> None: ...
     def prep_local(self, descs: np.ndarray) -> Any: ...
-    def prep_remote(self, peer: str, descs: np.ndarray) -> Any: ...
+    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: MemType) -> Any: ...
     def release_dlist(self, handle: Any) -> None: ...
     def read(
         self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
@@ -73,9 +73,21 @@ class NixlTransport:
         try:
             self._agent = nixl_agent(name, cfg)
             self._agent.create_backend("UCX", dict(backend_params or {}))
-            self._reg = self._agent.register_memory(regions.as_array(), self._mem)
+            self._regs = [self._agent.register_memory(regions.as_array(), self._mem)]
         except Exception as exc:  # NIXL raises its own types (nixlBackendError, RuntimeError)
             raise TransferError(f"cannot create NIXL agent {name!r} with UCX: {exc}") from exc
+
+    def register(self, regions: CacheRegions) -> None:
+        """Register more memory (e.g. a benchmark's scratch buffer); call before handshakes,
+        since peers learn registrations from the metadata they load."""
+        try:
+            self._regs.append(
+                self._agent.register_memory(regions.as_array(), regions.mem_type.value)
+            )
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL could not register {regions.num_regions} regions: {exc}"
+            ) from exc
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
@@ -94,10 +106,22 @@ class NixlTransport:
             log.debug("remove_remote_agent(%s): %s", peer, exc)
 
     def prep_local(self, descs: np.ndarray) -> Any:
-        return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem)
+        try:
+            return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem)
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL could not prepare {len(descs)} descriptors: {type(exc).__name__}: {exc}"
+            ) from exc
 
-    def prep_remote(self, peer: str, descs: np.ndarray) -> Any:
-        return self._agent.prep_xfer_dlist(peer, descs, self._mem)
+    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: MemType) -> Any:
+        """Prepare descriptors of `peer`'s memory (of the peer's memory type: a DRAM
+        consumer may read a VRAM producer)."""
+        try:
+            return self._agent.prep_xfer_dlist(peer, descs, mem_type.value)
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL could not prepare {len(descs)} descriptors: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def release_dlist(self, handle: Any) -> None:
         try:
@@ -109,9 +133,18 @@ class NixlTransport:
         self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
     ) -> tuple[Any, XferState]:
         """Post one READ of remote descriptors `remote_idx` into local `local_idx`; the
-        peer receives `notif` when it completes."""
-        handle = self._agent.make_prepped_xfer("READ", local, local_idx, remote, remote_idx, notif)
-        return handle, XferState(self._agent.transfer(handle))
+        peer receives `notif` when it completes. Raises TransferError if NIXL refuses
+        (e.g. NIXL_ERR_REMOTE_DISCONNECT: the peer process is gone)."""
+        handle = None
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "READ", local, local_idx, remote, remote_idx, notif
+            )
+            return handle, XferState(self._agent.transfer(handle))
+        except Exception as exc:
+            if handle is not None:
+                self.release(handle)
+            raise TransferError(f"NIXL READ failed: {type(exc).__name__}: {exc}") from exc
 
     def state(self, xfer: Any) -> XferState:
         try:
@@ -130,14 +163,21 @@ class NixlTransport:
             return False
 
     def send_notif(self, peer: str, msg: bytes) -> None:
-        self._agent.send_notif(peer, msg)
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as exc:
+            raise TransferError(
+                f"NIXL could not notify {peer!r}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def notifs(self) -> dict[str, list[bytes]]:
         """New notifications by sender agent name; also drives this agent's progress."""
         return dict(self._agent.get_new_notifs())
 
     def close(self) -> None:
-        try:
-            self._agent.deregister_memory(self._reg)
-        except Exception as exc:
-            log.debug("deregister_memory: %s", exc)
+        for reg in self._regs:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as exc:
+                log.debug("deregister_memory: %s", exc)
+        self._regs.clear()

@@ -20,8 +20,7 @@ from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.plan.planner import make_plan
 from kvbridge.transfer.cluster import Cluster, Instance
-from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.worker import (
+from kvbridge.transfer.commands import (
     Expose,
     Finished,
     Pull,
@@ -32,6 +31,7 @@ from kvbridge.transfer.worker import (
     Verified,
     Verify,
 )
+from kvbridge.transfer.errors import TransferError
 
 
 @dataclass
@@ -45,6 +45,7 @@ class CheckReport:
     gbps: float
     descriptors: int
     descriptors_unmerged: int
+    indices: int = 0  # prepared-list entries posted (== descriptors on the exact-list path)
     failures: list[str] = field(default_factory=list)
     prefill: str = ""
     decode: str = ""
@@ -104,7 +105,7 @@ def run_check(
     **options: Any,
 ) -> CheckReport:
     """Run the check (see module docstring). `options` go to every worker (`WorkerSpec`)."""
-    plan = make_plan(model, prefill, decode)  # refuse an incompatible pair before spawning
+    make_plan(model, prefill, decode)  # refuse an incompatible pair before spawning
     work = make_workload(prefill, decode, num_requests, num_tokens, seed)
     own = cluster is None
     c = cluster or Cluster()
@@ -124,9 +125,7 @@ def run_check(
             "decode", model, decode, work.decode_blocks, "check-decode", salt=5000, **options
         )
         t0 = time.perf_counter()
-        finished = _run_requests(
-            c, plan.expected_notifications, pre, dec, work, timeout_s, failures
-        )
+        finished = _run_requests(c, pre, dec, work, timeout_s, failures)
         seconds = time.perf_counter() - t0
         done = [f for f in finished if f.state == "done"]
         for f in finished:
@@ -145,6 +144,7 @@ def run_check(
         gbps=nbytes / seconds / 1e9 if seconds > 0 else 0.0,
         descriptors=sum(f.num_descriptors for f in done),
         descriptors_unmerged=sum(f.num_unmerged for f in done),
+        indices=sum(f.num_indices for f in done),
         failures=failures,
         prefill=prefill.describe(),
         decode=decode.describe(),
@@ -154,16 +154,15 @@ def run_check(
 
 def _run_requests(
     c: Cluster,
-    expected: tuple[int, ...],
     pre: Instance,
     dec: Instance,
     work: Workload,
     timeout_s: float,
     failures: list[str],
 ) -> list[Finished]:
-    """Expose on the prefill workers that someone reads from, pull on every decode worker,
-    wait for every result and every release."""
-    readers = [w for w in pre.workers if expected[w.rank] > 0]
+    """Expose on every prefill worker (unused replicas included: decode worker 0
+    notifies them), pull on every decode worker, wait for every result and release."""
+    readers = pre.workers
     for i, span in enumerate(work.prefill):
         for w in readers:
             w.send(Expose(f"req-{i}", span.block_ids, span.num_tokens))

@@ -23,9 +23,7 @@ import msgspec
 
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
-from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.messages import LayoutWire, ModelWire
-from kvbridge.transfer.worker import (
+from kvbridge.transfer.commands import (
     Command,
     Event,
     Failed,
@@ -36,8 +34,10 @@ from kvbridge.transfer.worker import (
     WorkerSpec,
     recv_event,
     send,
-    worker_main,
 )
+from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.messages import LayoutWire, ModelWire
+from kvbridge.transfer.worker import worker_main
 
 
 @dataclass
@@ -49,6 +49,8 @@ class WorkerHandle:
     conn: Connection
     endpoint: str = ""
     pid: int = 0
+    agent_name: str = ""
+    scratch_addr: int = 0
     alive: bool = True
 
     def send(self, cmd: Command) -> None:
@@ -133,7 +135,8 @@ class Cluster:
             handles.append(h)
         for h in handles:
             ev = self.expect(h, Ready, self.ready_timeout_s)
-            h.endpoint, h.pid = ev.endpoint, ev.pid
+            h.endpoint, h.pid, h.agent_name = ev.endpoint, ev.pid, ev.agent_name
+            h.scratch_addr = ev.scratch_addr
         inst = Instance(instance_id, role, handles)
         if role == "prefill":
             for h in handles:

@@ -3,17 +3,16 @@
 Lifecycle (mirrors vLLM's KV-connector): `pull` records the request and returns at
 once; the owner calls `poll()` from its loop, which reports each pulled request
 exactly once as DONE or FAILED (with the reason and the local block ids, handed
-back either way). Under the hood, per producer instance (keyed by its worker-0
-endpoint) the consumer handshakes with worker 0 (learning the instance's geometry
-and every worker's endpoint), validates the pair with the planner, handshakes with
-each worker it reads from, and caches all of it. Per request it posts one NIXL READ
-per producer worker, built from the planner's copy lists; each READ carries the
-`ReadDone` notification to its producer worker.
+back either way). Handshakes and the cache of producer instances live in
+`peers.ProducerDirectory`. Per request the consumer posts one NIXL READ per producer
+worker, built from the planner's copy lists; each READ carries the `ReadDone`
+notification to its producer worker. Note that with UCX's cma transport a READ is
+copied inside `transfer()`, so a `poll` that posts a large READ takes its copy time.
 
-Bounded failure: a refused or unanswered handshake, a NIXL ERR state or a request
-running past `transfer_timeout_s` fails the request with its reason; a failed
-producer connection is dropped from the cache so the next pull reconnects.
-Single-threaded: `pull`, `poll` and `close` from one thread.
+Bounded failure: a refused or unanswered handshake, a NIXL error or a request running
+past `transfer_timeout_s` fails the request with its reason; a request that gives up
+tells the producer workers still waiting (`ReadDone(ok=False)`), so they release at
+once instead of at the lease. Single-threaded: `pull`, `poll`, `close` from one thread.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.plan.copylist import copy_lists, region_nbytes
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, num_regions
-from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport, XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.descriptors import (
@@ -41,19 +39,17 @@ from kvbridge.transfer.descriptors import (
     unit_indices,
     unit_size,
 )
-from kvbridge.transfer.errors import ProtocolError, TransferError
+from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.messages import (
     Hello,
     LayoutWire,
     ModelWire,
     ReadDone,
-    Refused,
-    Welcome,
     encode,
     spec_error,
 )
-from kvbridge.transfer.regions import CacheRegions, MemType
-from kvbridge.transfer.side_channel import SideChannelClient
+from kvbridge.transfer.peers import PeerState, ProducerDirectory, ProducerInstance, ProducerWorker
+from kvbridge.transfer.regions import CacheRegions
 
 log = logging.getLogger("kvbridge.transfer.consumer")
 
@@ -79,42 +75,10 @@ class TransferResult:
     num_indices: int = 0  # prepared-list entries posted (NIXL merges consecutive ones)
 
 
-class _PeerState(enum.Enum):
-    CONNECTING = "connecting"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass
-class _Peer:
-    """One producer worker, as this consumer knows it."""
-
-    endpoint: str
-    client: SideChannelClient
-    deadline: float
-    state: _PeerState = _PeerState.CONNECTING
-    welcome: Welcome | None = None
-    agent: str = ""
-    regions: CacheRegions | None = None
-    reason: str = ""
-    remote_dlists: dict[int, Any] = field(default_factory=dict)
-
-
-@dataclass
-class _Instance:
-    """A producer instance, keyed by its worker-0 endpoint."""
-
-    endpoint: str
-    worker0: _Peer
-    plan: TransferPlan | None = None
-    peers: dict[int, _Peer] = field(default_factory=dict)  # prefill rank -> peer
-    reason: str = ""
-
-
 @dataclass
 class _Pull:
     request_id: str
-    instance: _Instance
+    instance: ProducerInstance
     producer_block_ids: np.ndarray
     local_block_ids: np.ndarray
     num_tokens: int
@@ -122,6 +86,7 @@ class _Pull:
     state: TransferState = TransferState.HANDSHAKING
     xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
     temp_dlists: list[Any] = field(default_factory=list)
+    notified: set[int] = field(default_factory=set)  # prefill ranks told we are done
     stats: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
@@ -157,16 +122,23 @@ class KVConsumer:
         self.regions, self.num_blocks = regions, num_blocks
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self._clock = clock
-        self._peers: dict[str, _Peer] = {}
-        self._instances: dict[str, _Instance] = {}
         self._pulls: dict[str, _Pull] = {}
         self._local_dlists: dict[int, Any] = {}
         self._results: list[TransferResult] = []
-        self._hello = Hello(
+        hello = Hello(
             instance_id=instance_id,
             rank=rank,
             model=ModelWire.of(model),
             layout=LayoutWire.of(layout),
+        )
+        self.directory = ProducerDirectory(
+            model=model,
+            layout=layout,
+            rank=rank,
+            transport=transport,
+            config=config,
+            hello=hello,
+            clock=clock,
         )
 
     # -- engine-facing API -------------------------------------------------------------
@@ -194,7 +166,7 @@ class KVConsumer:
                 f"num_tokens={num_tokens} of {request_id!r} does not fit "
                 f"{len(local)} local blocks of {self.layout.block_size} tokens"
             )
-        inst = self._instance(endpoint)
+        inst = self.directory.instance(endpoint)
         self._pulls[request_id] = _Pull(
             request_id,
             inst,
@@ -207,14 +179,15 @@ class KVConsumer:
     def poll(self) -> list[TransferResult]:
         """Advance every handshake and pull; returns the requests that finished since."""
         now = self._clock()
-        for peer in list(self._peers.values()):
-            if peer.state is _PeerState.CONNECTING:
-                self._advance_peer(peer, now)
-        for inst in list(self._instances.values()):
-            if inst.plan is None and inst.worker0.state is _PeerState.READY and not inst.reason:
-                self._plan_instance(inst)
+        self.directory.poll(now)
         for pull in list(self._pulls.values()):
             self._advance_pull(pull, now)
+        # Without NIXL's progress thread, our standalone notifications (to replicas
+        # nobody reads, failure notices) leave only while our agent is progressed.
+        for sender, msgs in self.transport.notifs().items():
+            log.debug(
+                "decode worker %d ignored %d notifications from %s", self.rank, len(msgs), sender
+            )
         out, self._results = self._results, []
         return out
 
@@ -227,125 +200,12 @@ class KVConsumer:
         """Fail what is in flight ("consumer closed"), drop peers; returns those results."""
         for pull in list(self._pulls.values()):
             self._finish(pull, TransferState.FAILED, "consumer closed")
-        for peer in list(self._peers.values()):
-            self._drop_peer(peer, "consumer closed")
+        self.directory.close()
         for handle in self._local_dlists.values():
             self.transport.release_dlist(handle)
         self._local_dlists.clear()
         out, self._results = self._results, []
         return out
-
-    # -- handshakes --------------------------------------------------------------------
-    def _peer(self, endpoint: str) -> _Peer:
-        peer = self._peers.get(endpoint)
-        if peer is None:
-            client = SideChannelClient(endpoint, self.config.token, self.config.max_message_bytes)
-            peer = _Peer(endpoint, client, self._clock() + self.config.handshake_timeout_s)
-            client.send(self._hello)
-            self._peers[endpoint] = peer
-        return peer
-
-    def _instance(self, endpoint: str) -> _Instance:
-        inst = self._instances.get(endpoint)
-        if inst is None:
-            inst = _Instance(endpoint, self._peer(endpoint))
-            self._instances[endpoint] = inst
-        return inst
-
-    def _advance_peer(self, peer: _Peer, now: float) -> None:
-        try:
-            reply = peer.client.try_recv()
-        except ProtocolError as exc:
-            self._drop_peer(peer, f"bad handshake reply from {peer.endpoint}: {exc}")
-            return
-        if reply is None:
-            if now >= peer.deadline:
-                self._drop_peer(
-                    peer,
-                    f"handshake with {peer.endpoint} timed out after "
-                    f"{self.config.handshake_timeout_s:g} s; is the producer "
-                    "worker running?",
-                )
-            return
-        if isinstance(reply, Refused):
-            self._drop_peer(peer, f"producer {peer.endpoint} refused the handshake: {reply.reason}")
-        elif isinstance(reply, Welcome):
-            try:
-                self._accept(peer, reply)
-            except KVBridgeError as exc:
-                self._drop_peer(peer, f"handshake with {peer.endpoint} failed: {spec_error(exc)}")
-        else:
-            self._drop_peer(
-                peer, f"{peer.endpoint} answered a handshake with {type(reply).__name__}"
-            )
-
-    def _accept(self, peer: _Peer, w: Welcome) -> None:
-        model, layout = w.model.to_spec(), w.layout.to_layout()
-        workers = layout.workers(model, "prefill")
-        if w.rank >= len(workers):
-            raise ProtocolError(f"rank={w.rank} outside its instance of {len(workers)} workers")
-        shard = workers[w.rank]
-        want_n = num_regions(model, shard)
-        want_len = region_nbytes(
-            model.with_dtype(layout.kv_dtype(model)), layout, shard, w.num_blocks
-        )
-        if len(w.regions) != want_n or any(n != want_len for _, n in w.regions):
-            raise ProtocolError(
-                f"worker {w.rank} offers {len(w.regions)} regions; its geometry "
-                f"needs {want_n} of {want_len} bytes"
-            )
-        if w.mem_type not in {m.value for m in MemType}:
-            raise ProtocolError(f"mem_type={w.mem_type!r}; use DRAM or VRAM")
-        if len(w.worker_endpoints) != layout.world_size:
-            raise ProtocolError(
-                f"{len(w.worker_endpoints)} worker endpoints for an instance "
-                f"of {layout.world_size} workers"
-            )
-        agent = self.transport.add_peer(w.agent_metadata)
-        if agent != w.agent_name:
-            raise ProtocolError(f"agent metadata names {agent!r}, the handshake {w.agent_name!r}")
-        peer.welcome, peer.agent = w, agent
-        peer.regions = CacheRegions(
-            tuple(a for a, _ in w.regions),
-            tuple(n for _, n in w.regions),
-            MemType(w.mem_type),
-            w.device_id,
-        )
-        peer.state = _PeerState.READY
-
-    def _plan_instance(self, inst: _Instance) -> None:
-        w = inst.worker0.welcome
-        assert w is not None
-        try:
-            inst.plan = make_plan(w.model.to_spec(), w.layout.to_layout(), self.layout, self.model)
-        except KVBridgeError as exc:
-            self._fail_instance(inst, spec_error(exc))
-            return
-        for read in inst.plan.reads_for(self.rank):
-            p = read.prefill_rank
-            inst.peers[p] = inst.worker0 if p == w.rank else self._peer(w.worker_endpoints[p])
-
-    def _drop_peer(self, peer: _Peer, reason: str) -> None:
-        """Forget a producer worker (a later pull reconnects) and fail what depends on it."""
-        if peer.state is not _PeerState.FAILED and reason != "consumer closed":
-            log.warning("decode worker %d: %s", self.rank, reason)
-        peer.state, peer.reason = _PeerState.FAILED, reason
-        if self._peers.get(peer.endpoint) is peer:
-            del self._peers[peer.endpoint]
-        peer.client.close()
-        for handle in peer.remote_dlists.values():
-            self.transport.release_dlist(handle)
-        peer.remote_dlists.clear()
-        if peer.agent:
-            self.transport.remove_peer(peer.agent)
-        for inst in list(self._instances.values()):
-            if inst.worker0 is peer or any(q is peer for q in inst.peers.values()):
-                self._fail_instance(inst, reason)
-
-    def _fail_instance(self, inst: _Instance, reason: str) -> None:
-        inst.reason = inst.reason or reason
-        if self._instances.get(inst.endpoint) is inst:
-            del self._instances[inst.endpoint]
 
     # -- requests ----------------------------------------------------------------------
     def _advance_pull(self, pull: _Pull, now: float) -> None:
@@ -354,9 +214,7 @@ class KVConsumer:
             if inst.reason:
                 self._finish(pull, TransferState.FAILED, inst.reason)
                 return
-            if inst.plan is not None and all(
-                p.state is _PeerState.READY for p in inst.peers.values()
-            ):
+            if inst.is_ready:
                 try:
                     self._post(pull)
                 except KVBridgeError as exc:
@@ -365,17 +223,18 @@ class KVConsumer:
         if pull.state is TransferState.READING:
             for i, (p, xfer) in list(pull.xfers.items()):
                 st = self.transport.state(xfer)
-                if st is XferState.DONE:
+                if st is XferState.DONE:  # NIXL delivered the READ's notification
                     self.transport.release(xfer)
                     del pull.xfers[i]
+                    pull.notified.add(p)
                 elif st is XferState.ERR:
-                    peer = inst.peers[p]
+                    peer = inst.readers[p]
                     reason = (
                         f"NIXL READ from prefill worker {p} ({peer.endpoint}, agent "
                         f"{peer.agent!r}) ended in ERR state; the producer worker may have died"
                     )
+                    self.directory.drop(peer, reason)
                     self._finish(pull, TransferState.FAILED, reason)
-                    self._drop_peer(peer, reason)
                     return
             if not pull.xfers:
                 self._finish(pull, TransferState.DONE, "")
@@ -387,11 +246,7 @@ class KVConsumer:
         t = f"timed out after {self.config.transfer_timeout_s:g} s"
         if pull.state is TransferState.READING:
             return f"{t} reading from prefill workers {sorted({p for p, _ in pull.xfers.values()})}"
-        waiting = [
-            p.endpoint
-            for p in (pull.instance.worker0, *pull.instance.peers.values())
-            if p.state is not _PeerState.READY
-        ]
+        waiting = [w.endpoint for w in pull.instance.workers() if w.state is not PeerState.READY]
         return f"{t} waiting for handshakes with {sorted(set(waiting))}"
 
     def _post(self, pull: _Pull) -> None:
@@ -408,7 +263,7 @@ class KVConsumer:
         pull.state = TransferState.READING
         for i, cl in enumerate(lists):
             p = cl.read.prefill_rank
-            peer = inst.peers[p]
+            peer = inst.readers[p]
             assert peer.welcome is not None and peer.regions is not None
             if (
                 len(pull.producer_block_ids)
@@ -421,44 +276,76 @@ class KVConsumer:
                 )
             if cl.nbytes == 0:  # nothing to read, but the producer still waits for us
                 self.transport.send_notif(peer.agent, notif)
+                pull.notified.add(p)
                 continue
             g = unit_size(cl, peer.regions.lengths, self.regions.lengths)
             limit = self.config.max_units
             if max(num_units(peer.regions, g), num_units(self.regions, g)) <= limit:
                 local = self._local_dlist(g)
-                remote = self._remote_dlist(peer, g)
+                remote = self.directory.remote_dlist(peer, g)
                 remote_idx, local_idx = unit_indices(cl, g, peer.regions, self.regions)
             else:  # too fine to prepare whole regions: this request's own descriptors
                 rdescs, ldescs = exact_descs(cl, peer.regions, self.regions)
                 local = self.transport.prep_local(ldescs)
-                remote = self.transport.prep_remote(peer.agent, rdescs)
+                remote = self.transport.prep_remote(peer.agent, rdescs, peer.regions.mem_type)
                 pull.temp_dlists += [local, remote]
                 local_idx = remote_idx = np.arange(len(ldescs), dtype=np.int32)
-            xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, notif)
+            try:
+                xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, notif)
+            except TransferError as exc:
+                reason = (
+                    f"READ from prefill worker {p} ({peer.endpoint}) failed: {exc}; "
+                    "the producer worker may have died"
+                )
+                self.directory.drop(peer, reason)
+                raise TransferError(reason) from None
             pull.xfers[i] = (p, xfer)
             nbytes += cl.nbytes
             ndesc += cl.num_descriptors
             nunmerged += cl.num_unmerged
             nidx += len(local_idx)
+        for p, peer in inst.unread.items():
+            self._notify(pull, p, peer, notif)
         pull.stats = (nbytes, ndesc, nunmerged, nidx)
+
+    def _notify(self, pull: _Pull, p: int, peer: ProducerWorker, msg: bytes) -> None:
+        """Send a standalone notification; a dead peer is dropped, not fatal here."""
+        try:
+            self.transport.send_notif(peer.agent, msg)
+            pull.notified.add(p)
+        except TransferError as exc:
+            log.warning(
+                "decode worker %d: notifying prefill worker %d of %r failed: %s",
+                self.rank,
+                p,
+                pull.request_id,
+                exc,
+            )
 
     def _local_dlist(self, g: int) -> Any:
         if g not in self._local_dlists:
             self._local_dlists[g] = self.transport.prep_local(unit_descs(self.regions, g))
         return self._local_dlists[g]
 
-    def _remote_dlist(self, peer: _Peer, g: int) -> Any:
-        assert peer.regions is not None
-        if g not in peer.remote_dlists:
-            peer.remote_dlists[g] = self.transport.prep_remote(
-                peer.agent, unit_descs(peer.regions, g)
-            )
-        return peer.remote_dlists[g]
-
     def _finish(self, pull: _Pull, state: TransferState, reason: str) -> None:
-        for _, xfer in pull.xfers.values():
-            self.transport.release(xfer)  # cancels a READ still in flight
+        cancelled = all([self.transport.release(x) for _, x in pull.xfers.values()])
         pull.xfers.clear()
+        if state is TransferState.FAILED and cancelled:
+            # producer workers still waiting for us may release now: we will not read
+            msg = encode(
+                ReadDone(
+                    request_id=pull.request_id,
+                    instance_id=self.instance_id,
+                    rank=self.rank,
+                    ok=False,
+                    reason=reason[:4000],
+                ),
+                self.config.token,
+            )
+            inst = pull.instance
+            for p, peer in (*inst.readers.items(), *inst.unread.items()):
+                if p not in pull.notified and peer.state is PeerState.READY:
+                    self._notify(pull, p, peer, msg)
         for handle in pull.temp_dlists:
             self.transport.release_dlist(handle)
         if state is TransferState.FAILED:

@@ -148,11 +148,15 @@ class Pong(msgspec.Struct, frozen=True, tag="pong", forbid_unknown_fields=True):
 
 
 class ReadDone(msgspec.Struct, frozen=True, tag="read_done", forbid_unknown_fields=True):
-    """Consumer -> producer worker (NIXL notification): my reads of `request_id` finished."""
+    """Consumer -> producer worker (NIXL notification): decode worker `rank` is done with
+    `request_id` here: its reads finished (`ok`), or it gave up (`ok` False, `reason`)
+    and will not read again. Either way the producer may stop waiting for it."""
 
     request_id: Name
     instance_id: Name
     rank: Count
+    ok: bool = True
+    reason: Reason = ""
 
 
 Message = Hello | Welcome | Refused | Ping | Pong | ReadDone

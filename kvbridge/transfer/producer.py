@@ -4,11 +4,17 @@ Lifecycle (mirrors vLLM's KV-connector): the engine calls `expose` when a reques
 prefill finished; its blocks stay pinned until every decode worker that the plan
 says reads from this worker (`plan.readers_of(rank)`, known from their handshakes)
 has sent a `ReadDone` notification, or until the lease expires; then `on_release`
-hands the blocks back, with the cause. Duplicate notifications, notifications for
-unknown or already released requests and from workers the plan does not expect are
-ignored (logged). The owner must call `poll()` often: it serves the side channel,
-drives NIXL progress (reads of our memory progress only while we poll) and
-enforces leases. Single-threaded: `expose`, `poll` and `close` from one thread.
+hands the blocks back, with the cause. A worker nobody reads from (an unused replica
+when prefill tp > num_kv_heads) waits for decode worker 0 alone, which notifies it
+once per request. A decode worker that gave up sends `ReadDone(ok=False)`: it will
+not read again, so it counts as done, and the release says ABORTED with its reason.
+A notification that arrives before its request's `expose` (engines race) is kept for
+one lease and applied by `expose`. Duplicate notifications, notifications for already
+released (or never exposed) requests and from workers the plan does not expect are
+ignored (logged). The owner must call
+`poll()` often: it serves the side channel, drives NIXL progress (reads of our memory
+progress only while we poll) and enforces leases. Single-threaded: `expose`, `poll`
+and `close` from one thread.
 """
 
 from __future__ import annotations
@@ -50,12 +56,15 @@ log = logging.getLogger("kvbridge.transfer.producer")
 
 #: How many released request ids are remembered to tell "stale" from "unknown".
 _RECENT = 4096
+#: Notifications kept per request that arrive before its `expose`.
+_MAX_EARLY_PER_REQUEST = 1024
 #: How many decode instances' plans a producer worker keeps.
 _MAX_PEER_INSTANCES = 256
 
 
 class ReleaseCause(enum.Enum):
     COMPLETED = "completed"  # every expected decode worker notified
+    ABORTED = "aborted"  # every expected decode worker is done, some gave up
     LEASE_EXPIRED = "lease_expired"  # no (complete) consumer within the lease
     CLOSED = "closed"  # the producer shut down
 
@@ -77,6 +86,13 @@ class _Exposure:
     deadline: float
     instance_id: str | None = None
     notified: set[int] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+
+
+def expected_notifiers(plan: TransferPlan, prefill_rank: int) -> tuple[int, ...]:
+    """Decode ranks whose notification completes a request on `prefill_rank`: its
+    readers, or decode worker 0 alone for a worker nobody reads from."""
+    return plan.readers_of(prefill_rank) or (0,)
 
 
 class KVProducer:
@@ -120,6 +136,10 @@ class KVProducer:
         self._clock = clock
         self._exposed: dict[str, _Exposure] = {}
         self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # notifications that arrived before their request's `expose`, by request id
+        self._early: collections.OrderedDict[str, list[tuple[float, ReadDone]]] = (
+            collections.OrderedDict()
+        )
         self._plans: collections.OrderedDict[str, TransferPlan] = collections.OrderedDict()
         self.releases: list[Release] = []  # every release, in order (for the owner/tests)
         self.num_ignored_notifs = 0
@@ -165,6 +185,8 @@ class KVProducer:
             )
         lease = self.config.lease_s if lease_s is None else lease_s
         self._exposed[request_id] = _Exposure(ids, num_tokens, self._clock() + lease)
+        for _, msg in self._early.pop(request_id, []):
+            self._apply(msg)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -187,6 +209,12 @@ class KVProducer:
             for raw in msgs:
                 self._on_notif(sender, raw)
         now = self._clock()
+        while self._early:  # forget early notifications no expose claimed within a lease
+            rid, early = next(iter(self._early.items()))
+            if early and early[0][0] + self.config.lease_s > now:
+                break
+            del self._early[rid]
+            self._ignore(f"notification for unknown request {rid!r} (never exposed)", warn=True)
         for rid in [r for r, e in self._exposed.items() if e.deadline <= now]:
             self._release(rid, ReleaseCause.LEASE_EXPIRED, self._lease_reason(rid))
         return self.releases[start:]
@@ -216,7 +244,7 @@ class KVProducer:
         if exp.instance_id is None:
             return f"{lease}: no decode worker notified completion of {request_id!r}"
         plan = self._plans.get(exp.instance_id)
-        readers = plan.readers_of(self.rank) if plan is not None else ()
+        readers = expected_notifiers(plan, self.rank) if plan is not None else ()
         missing = sorted(set(readers) - exp.notified)
         return (
             f"{lease}: {len(exp.notified)} of {len(readers)} decode workers of instance "
@@ -231,14 +259,22 @@ class KVProducer:
         except ProtocolError as exc:
             self._ignore(f"notification from agent {sender!r} rejected: {exc}", warn=True)
             return
+        self._apply(msg)
+
+    def _apply(self, msg: ReadDone) -> None:
         exp = self._exposed.get(msg.request_id)
         if exp is None:
-            stale = msg.request_id in self._recent
-            self._ignore(
-                f"{'stale' if stale else 'unknown'} notification for {msg.request_id!r} "
-                f"from {msg.instance_id!r} rank {msg.rank}",
-                warn=not stale,
-            )
+            if msg.request_id in self._recent:
+                self._ignore(
+                    f"stale notification for {msg.request_id!r} from "
+                    f"{msg.instance_id!r} rank {msg.rank}"
+                )
+            else:  # may precede `expose` (a race between engines): keep it for a lease
+                early = self._early.setdefault(msg.request_id, [])
+                if len(early) < _MAX_EARLY_PER_REQUEST:
+                    early.append((self._clock(), msg))
+                while len(self._early) > _RECENT:
+                    self._early.popitem(last=False)
             return
         plan = self._plans.get(msg.instance_id)
         if plan is None:
@@ -248,7 +284,7 @@ class KVProducer:
                 warn=True,
             )
             return
-        readers = plan.readers_of(self.rank)
+        readers = expected_notifiers(plan, self.rank)
         if msg.rank not in readers:
             self._ignore(
                 f"notification for {msg.request_id!r} from decode rank {msg.rank}, "
@@ -269,10 +305,21 @@ class KVProducer:
             self._ignore(f"duplicate notification for {msg.request_id!r} rank {msg.rank}")
             return
         exp.notified.add(msg.rank)
+        if not msg.ok:
+            exp.failures.append(f"decode rank {msg.rank}: {msg.reason}")
         if exp.notified >= set(readers):
-            self._release(
-                msg.request_id, ReleaseCause.COMPLETED, f"{len(readers)} decode workers read it"
-            )
+            if exp.failures:
+                self._release(
+                    msg.request_id,
+                    ReleaseCause.ABORTED,
+                    "decode workers gave up: " + "; ".join(exp.failures),
+                )
+            else:
+                self._release(
+                    msg.request_id,
+                    ReleaseCause.COMPLETED,
+                    f"{len(readers)} decode workers notified",
+                )
 
     def _ignore(self, what: str, warn: bool = False) -> None:
         self.num_ignored_notifs += 1
@@ -284,6 +331,12 @@ class KVProducer:
         if not isinstance(msg, Hello):
             raise ProtocolError(
                 f"a {type(msg).__name__} message is not a request; send Hello or Ping"
+            )
+        if len(self.worker_endpoints) != self.layout.world_size:
+            return Refused(
+                kind="not_ready",
+                reason=f"prefill worker {self.rank} does not know its instance's "
+                f"{self.layout.world_size} worker endpoints yet (set_worker_endpoints)",
             )
         try:
             decode_model = msg.model.to_spec()

@@ -86,7 +86,10 @@ class SideChannelServer:
                 raise ProtocolError(f"request has {len(payload)} frames; send exactly one")
             request = decode(payload[0], self._token, self._max_bytes)
             reply = self._handler(request)
-        except ProtocolError as exc:
+        except Exception as exc:  # never let one peer's message stop the server
+            if not isinstance(exc, ProtocolError):
+                log.exception("side channel %s: handler failed", self.endpoint)
+                exc = ProtocolError(f"internal error handling the request: {exc}")
             self.num_rejected += 1
             kind = "auth" if isinstance(exc, AuthError) else "protocol"
             log.warning(
@@ -124,7 +127,14 @@ class SideChannelClient:
         sock = _ctx().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
-        sock.connect(self.endpoint)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise HandshakeError(
+                f"endpoint={self.endpoint!r} is not a usable side-channel address ({exc}); "
+                "expected tcp://HOST:PORT"
+            ) from None
         return sock
 
     def send(self, msg: Message) -> None:

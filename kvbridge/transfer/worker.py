@@ -2,7 +2,7 @@
 producer or consumer, driven by a parent over a pipe (used by `transfer-check`, the
 benchmark and the tests; an engine embeds `KVProducer`/`KVConsumer` instead).
 
-The parent talks to it with msgspec-encoded commands (`send_bytes`), never pickle.
+The parent talks to it with the msgspec-encoded commands of `commands.py`, never pickle.
 The worker exits when told to, when the pipe closes (its parent died) or on SIGINT.
 """
 
@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -19,134 +20,36 @@ import msgspec
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan.verifier import RequestSpan, expected_decode_cache, fill_worker_cache
+from kvbridge.plan.layout import region_shape
+from kvbridge.plan.verifier import expected_decode_cache, fill_worker_cache
+from kvbridge.transfer.commands import (
+    Command,
+    Expose,
+    Failed,
+    Finished,
+    Pull,
+    RawDone,
+    RawRead,
+    Ready,
+    Released,
+    SetEndpoints,
+    Status,
+    StatusReply,
+    Stop,
+    Verified,
+    Verify,
+    WorkerSpec,
+    cmd_decoder,
+    send,
+)
 from kvbridge.transfer.config import TransferConfig
-from kvbridge.transfer.messages import LayoutWire, ModelWire
 
 if TYPE_CHECKING:
     from kvbridge.transfer.consumer import KVConsumer
     from kvbridge.transfer.producer import KVProducer, Release
 
 
-class Span(msgspec.Struct, frozen=True, array_like=True):
-    block_ids: list[int]
-    num_tokens: int
-    key: int
-
-    def to_request(self) -> RequestSpan:
-        return RequestSpan(np.asarray(self.block_ids, dtype=np.int64), self.num_tokens, self.key)
-
-
-class WorkerSpec(msgspec.Struct, frozen=True):
-    role: str  # "prefill" or "decode"
-    model: ModelWire
-    layout: LayoutWire
-    rank: int
-    num_blocks: int
-    instance_id: str
-    salt: int
-    fill: list[Span] = []  # prefill: requests whose tokens the cache holds
-    host: str = "127.0.0.1"
-    base_port: int = 0
-    token: bytes | None = None
-    lease_s: float = 120.0
-    transfer_timeout_s: float = 30.0
-    handshake_timeout_s: float = 5.0
-    backend_params: dict[str, str] = {}
-
-
-# -- parent -> worker ----------------------------------------------------------------
-class SetEndpoints(msgspec.Struct, tag=True):
-    endpoints: list[str]
-
-
-class Expose(msgspec.Struct, tag=True):
-    request_id: str
-    block_ids: list[int]
-    num_tokens: int
-
-
-class Pull(msgspec.Struct, tag=True):
-    request_id: str
-    endpoint: str
-    producer_block_ids: list[int]
-    local_block_ids: list[int]
-    num_tokens: int
-
-
-class Verify(msgspec.Struct, tag=True):
-    requests: list[Span]
-
-
-class Status(msgspec.Struct, tag=True):
-    pass
-
-
-class Stop(msgspec.Struct, tag=True):
-    pass
-
-
-Command = SetEndpoints | Expose | Pull | Verify | Status | Stop
-
-
-# -- worker -> parent ----------------------------------------------------------------
-class Ready(msgspec.Struct, tag=True):
-    rank: int
-    endpoint: str
-    pid: int
-
-
-class Released(msgspec.Struct, tag=True):
-    rank: int
-    request_id: str
-    cause: str
-    reason: str
-    num_blocks: int
-
-
-class Finished(msgspec.Struct, tag=True):
-    rank: int
-    request_id: str
-    state: str
-    reason: str
-    local_block_ids: list[int]
-    nbytes: int
-    num_descriptors: int
-    num_unmerged: int
-    num_indices: int
-
-
-class Verified(msgspec.Struct, tag=True):
-    rank: int
-    ok: bool
-    detail: str
-
-
-class StatusReply(msgspec.Struct, tag=True):
-    rank: int
-    held_blocks: int
-    refusals: list[str]
-    rejected: int
-
-
-class Failed(msgspec.Struct, tag=True):
-    rank: int
-    error: str
-
-
-Event = Ready | Released | Finished | Verified | StatusReply | Failed
-
-_enc = msgspec.msgpack.Encoder()
-_cmd_dec: msgspec.msgpack.Decoder[Command] = msgspec.msgpack.Decoder(Command)
-_event_dec = msgspec.msgpack.Decoder(Event)
-
-
-def send(conn: Connection, msg: msgspec.Struct) -> None:
-    conn.send_bytes(_enc.encode(msg))
-
-
-def recv_event(conn: Connection) -> Event:
-    return _event_dec.decode(conn.recv_bytes())
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def _mismatch(got: np.ndarray, want: np.ndarray, rank: int) -> str:
@@ -159,6 +62,11 @@ def _mismatch(got: np.ndarray, want: np.ndarray, rank: int) -> str:
 
 def worker_main(conn: Connection, spec_bytes: bytes) -> None:
     """Entry point of a spawned worker process."""
+    # stdout belongs to the parent (`--json` prints exactly one object there): send
+    # everything a worker or NIXL/UCX might print to stderr instead.
+    sys.stdout.flush()
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.basicConfig(
         level=logging.WARNING,
@@ -170,9 +78,10 @@ def worker_main(conn: Connection, spec_bytes: bytes) -> None:
         _Worker(conn, spec).run()
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         pass
-    except KVBridgeError as exc:
+    except Exception as exc:  # report anything to the parent rather than die silently
         with contextlib.suppress(OSError):
-            send(conn, Failed(spec.rank, str(exc)))
+            send(conn, Failed(spec.rank, f"{type(exc).__name__}: {exc}"))
+        raise
 
 
 class _Worker:
@@ -189,17 +98,29 @@ class _Worker:
         self.shard = self.layout.workers(model, spec.role)[spec.rank]
         self.kv_model = model.with_dtype(self.layout.kv_dtype(model))
         fills = [s.to_request() for s in spec.fill]
-        # touched up front: registering and reading never-touched pages is slow
-        self.cache = fill_worker_cache(
-            self.kv_model, self.layout, self.shard, spec.num_blocks, fills, spec.salt
-        )
-        self.initial = self.cache.copy() if spec.role == "decode" else None
+        if spec.pattern:
+            # touched up front: registering and reading never-touched pages is slow
+            self.cache = fill_worker_cache(
+                self.kv_model, self.layout, self.shard, spec.num_blocks, fills, spec.salt
+            )
+        else:
+            shape = (
+                self.shard.num_local_layers * self.kv_model.num_kv_tensors,
+                *region_shape(
+                    self.layout, spec.num_blocks, self.shard.num_local_heads, self.kv_model.head_dim
+                ),
+            )
+            self.cache = np.full(shape, spec.salt, dtype=_UINT[self.kv_model.itemsize])
+        self.initial = self.cache.copy() if spec.role == "decode" and spec.pattern else None
         regions = CacheRegions.from_array(self.cache)
         self.transport = NixlTransport(
             f"{spec.instance_id}-{spec.role}-{spec.rank}-{os.getpid()}",
             regions,
             spec.backend_params,
         )
+        self.scratch = np.ones(max(spec.scratch_bytes, 1), dtype=np.uint8)  # touched
+        if spec.scratch_bytes:
+            self.transport.register(CacheRegions.from_array(self.scratch[None, :]))
         config = TransferConfig(
             host=spec.host,
             base_port=spec.base_port,
@@ -207,6 +128,7 @@ class _Worker:
             lease_s=spec.lease_s,
             transfer_timeout_s=spec.transfer_timeout_s,
             handshake_timeout_s=spec.handshake_timeout_s,
+            max_units=spec.max_units,
         )
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
@@ -244,14 +166,23 @@ class _Worker:
 
     def run(self) -> None:
         endpoint = self.producer.endpoint if self.producer is not None else ""
-        send(self.conn, Ready(self.spec.rank, endpoint, os.getpid()))
+        send(
+            self.conn,
+            Ready(
+                self.spec.rank,
+                endpoint,
+                os.getpid(),
+                self.transport.name,
+                self.scratch.ctypes.data if self.spec.scratch_bytes else 0,
+            ),
+        )
         # A producer polls its side channel with a 1 ms timeout (that is its sleep); a
         # consumer sleeps in the pipe poll instead.
         idle = 0.0 if self.producer is not None else 0.0005
         try:
             while True:
                 while self.conn.poll(idle):
-                    cmd = _cmd_dec.decode(self.conn.recv_bytes())
+                    cmd = cmd_decoder.decode(self.conn.recv_bytes())
                     if isinstance(cmd, Stop):
                         return
                     self._command(cmd)
@@ -280,6 +211,27 @@ class _Worker:
             if self.consumer is not None:
                 self.consumer.close()
             self.transport.close()
+
+    def _raw_read(self, cmd: RawRead) -> None:
+        from kvbridge.transfer.agent import XferState
+        from kvbridge.transfer.regions import MemType
+
+        t = self.transport
+        local = t.prep_local(np.array([[self.scratch.ctypes.data, cmd.nbytes, 0]], np.uint64))
+        remote = t.prep_remote(
+            cmd.agent_name, np.array([[cmd.remote_addr, cmd.nbytes, 0]], np.uint64), MemType.DRAM
+        )
+        idx = np.zeros(1, dtype=np.int32)
+        t0 = time.perf_counter()
+        xfer, state = t.read(local, idx, remote, idx, b"")
+        deadline = time.monotonic() + 60
+        while state is XferState.PROC and time.monotonic() < deadline:
+            state = t.state(xfer)
+        seconds = time.perf_counter() - t0
+        t.release(xfer)
+        t.release_dlist(local)
+        t.release_dlist(remote)
+        send(self.conn, RawDone(self.spec.rank, state.value, seconds))
 
     def _command(self, cmd: Command) -> None:
         spec, producer, consumer = self.spec, self.producer, self.consumer
@@ -317,6 +269,8 @@ class _Worker:
                         producer.num_rejected,
                     ),
                 )
+            elif isinstance(cmd, RawRead):
+                self._raw_read(cmd)
             elif isinstance(cmd, Status) and consumer is not None:
                 send(self.conn, StatusReply(spec.rank, consumer.num_held_blocks, [], 0))
             else:
