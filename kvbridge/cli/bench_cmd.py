@@ -34,6 +34,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     bp.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
     bp.set_defaults(handler=run_plan_bench)
 
+    for name, module, runner, help_ in (
+        (
+            "transfer",
+            "kvbridge.transfer.bench",
+            "run_transfer_bench",
+            "the plan's NIXL transfer vs one single-descriptor READ and a memcpy",
+        ),
+        (
+            "comm",
+            "kvbridge.cli.bench_comm",
+            "run_comm_bench",
+            "all-reduce latency: shared memory vs gloo",
+        ),
+    ):
+        mod = importlib.import_module(module)
+        sp = bench.add_parser(name, help=help_, description=(mod.__doc__ or "").strip())
+        mod.add_arguments(sp)
+        sp.set_defaults(handler=getattr(mod, runner))
+
     bs = bench.add_parser(
         "serve",
         help="TTFT/TPOT disaggregated vs colocated through the proxy",

@@ -56,6 +56,12 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         help="a KV pull not finished after this long fails",
     )
     p.add_argument(
+        "--handshake-timeout-s",
+        type=float,
+        default=15.0,
+        help="a first contact with a prefill instance not answered after this long fails",
+    )
+    p.add_argument(
         "--kv-token-file",
         default=None,
         help="shared secret authenticating side-channel peers (or set KVBRIDGE_TRANSFER_TOKEN)",
@@ -154,6 +160,8 @@ def instance_args(args: argparse.Namespace, side: str) -> list[str]:
         str(args.lease_s),
         "--transfer-timeout-s",
         str(args.transfer_timeout_s),
+        "--handshake-timeout-s",
+        str(args.handshake_timeout_s),
         "--kv-cache-mb",
         str(args.kv_cache_mb),
         "--kv-port",

@@ -39,6 +39,7 @@ def run_instance(args: argparse.Namespace) -> int:
         token=load_token(path=args.kv_token_file),
         lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s,
+        handshake_timeout_s=args.handshake_timeout_s,
     )
     role_name = ConnectorRole.PRODUCER if role is Role.PREFILL else ConnectorRole.CONSUMER
     spec = ConnectorSpec(role=role_name.value, instance_id=instance_id, transfer=transfer)

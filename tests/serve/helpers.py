@@ -12,23 +12,11 @@ from kvbridge.serve.proxy import make_app
 def instance_args(
     role: str, tp: int, block_size: int = 16, layout: str = "HND", *extra: str
 ) -> list[str]:
-    return [
-        "--role",
-        role,
-        "--tp",
-        str(tp),
-        "--block-size",
-        str(block_size),
-        "--layout",
-        layout,
-        "--kv-cache-mb",
-        "32",
-        "--lease-s",
-        "20",
-        "--transfer-timeout-s",
-        "10",
-        *extra,
-    ]
+    """A test instance: a small cache, and timeouts generous enough for a 2-core machine
+    running two dozen processes (the fault tests pass shorter ones in `extra`)."""
+    args = ["--role", role, "--tp", str(tp), "--block-size", str(block_size)]
+    args += ["--layout", layout, "--kv-cache-mb", "32", "--lease-s", "120"]
+    return [*args, "--transfer-timeout-s", "60", "--handshake-timeout-s", "30", *extra]
 
 
 def proxy_for(prefill: list[str], decode: list[str], recompute: bool = True) -> ServerThread:

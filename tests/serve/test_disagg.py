@@ -130,7 +130,10 @@ def test_prefill_instance_killed(policy):
     try:
         prefill = dep.start_instance("prefill", instance_args("prefill", 1))
         decode = dep.start_instance(
-            "decode", instance_args("decode", 1, 16, "HND", "--kv-load-failure", policy)
+            "decode",
+            instance_args(
+                "decode", 1, 16, "HND", "--kv-load-failure", policy, "--transfer-timeout-s", "10"
+            ),
         )
         dep.wait_healthy(600, say=None)
         proxy = proxy_for([prefill.url], [decode.url], recompute=policy == "recompute")
@@ -169,7 +172,10 @@ def test_prefill_dies_between_prefill_and_pull(policy):
     try:
         prefill = dep.start_instance("prefill", instance_args("prefill", 1))
         decode = dep.start_instance(
-            "decode", instance_args("decode", 1, 16, "HND", "--kv-load-failure", policy)
+            "decode",
+            instance_args(
+                "decode", 1, 16, "HND", "--kv-load-failure", policy, "--transfer-timeout-s", "10"
+            ),
         )
         dep.wait_healthy(600, say=None)
         want = colocated_text(decode.url, PROMPTS[1], 6)
