@@ -77,7 +77,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(or one role alone). Ctrl-C stops everything.",
     )
     p.add_argument("--role", choices=["all", "prefill", "decode", "proxy"], default="all")
-    p.add_argument("--port", type=int, default=8300, help="HTTP port (default 8300)")
+    p.add_argument("--port", type=int, default=8300, help="HTTP port (default 8300; 0: any)")
+    p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # launcher-internal
     for side, tp in (("prefill", 3), ("decode", 9)):
         p.add_argument(f"--{side}-tp", type=int, default=tp, help=f"{side} tp (default {tp})")
         p.add_argument(f"--{side}-pp", type=int, default=1, help=f"{side} pp (1 only for now)")

@@ -22,6 +22,7 @@ import torch
 
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
+from kvbridge.transfer.config import TransferConfig
 
 #: How often an idle worker polls its side channel and leases (seconds).
 IDLE_POLL_S = 0.01
@@ -37,12 +38,7 @@ class ConnectorSpec(msgspec.Struct, frozen=True):
 
     role: str  # ConnectorRole value
     instance_id: str
-    host: str = "127.0.0.1"
-    base_port: int = 0
-    token: bytes | None = None
-    lease_s: float = 120.0
-    transfer_timeout_s: float = 30.0
-    handshake_timeout_s: float = 5.0
+    transfer: TransferConfig = TransferConfig()
 
 
 class ExposeArgs(msgspec.Struct, frozen=True):
@@ -98,23 +94,9 @@ class WorkerKVConnector:
         kv_cache: torch.Tensor,
         num_blocks: int,
     ) -> None:
-        from kvbridge.transfer import (
-            CacheRegions,
-            KVConsumer,
-            KVProducer,
-            NixlTransport,
-            TransferConfig,
-        )
+        from kvbridge.transfer import CacheRegions, KVConsumer, KVProducer, NixlTransport
 
         self.role = ConnectorRole(spec.role)
-        config = TransferConfig(
-            host=spec.host,
-            base_port=spec.base_port,
-            token=spec.token,
-            lease_s=spec.lease_s,
-            transfer_timeout_s=spec.transfer_timeout_s,
-            handshake_timeout_s=spec.handshake_timeout_s,
-        )
         # [layers, kv, *region] -> [regions, *region]: region r = local_layer * 2 + kv
         regions = CacheRegions.from_tensor(kv_cache.flatten(0, 1))
         self.transport = NixlTransport(f"{spec.instance_id}-{spec.role}-{rank}", regions)
@@ -125,7 +107,7 @@ class WorkerKVConnector:
             regions=regions,
             num_blocks=num_blocks,
             transport=self.transport,
-            config=config,
+            config=spec.transfer,
             instance_id=spec.instance_id,
         )
         self.producer = KVProducer(**common) if self.role is ConnectorRole.PRODUCER else None

@@ -11,12 +11,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -35,9 +38,28 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class Child:
+    """One instance process. It binds a free port itself and writes it to `port_file`
+    (picking a port here and passing it down would race with other listeners)."""
+
     name: str
-    url: str
+    host: str
+    port_file: Path
     proc: subprocess.Popen[bytes]
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        if not self.port:
+            deadline = time.monotonic() + 1800
+            while not self.port_file.exists():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise LaunchError(
+                        f"{self.name} instance exited with status "
+                        f"{self.proc.returncode} before listening"
+                    )
+                time.sleep(0.05)
+            self.port = int(self.port_file.read_text())
+        return f"http://{self.host}:{self.port}"
 
 
 @dataclass
@@ -45,9 +67,10 @@ class Deployment:
     """The instance processes of one `kvbridge serve`; the proxy runs in the caller."""
 
     children: list[Child] = field(default_factory=list)
+    _tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvbridge-")))
 
     def start_instance(self, name: str, args: list[str], host: str = "127.0.0.1") -> Child:
-        port = free_port(host)
+        port_file = self._tmp / f"{name}-{len(self.children)}.port"
         cmd = [
             sys.executable,
             "-m",
@@ -57,10 +80,12 @@ class Deployment:
             "--host",
             host,
             "--port",
-            str(port),
+            "0",
+            "--port-file",
+            str(port_file),
         ]
         proc = subprocess.Popen(cmd, start_new_session=True)
-        child = Child(name, f"http://{host}:{port}", proc)
+        child = Child(name, host, port_file, proc)
         self.children.append(child)
         atexit.register(self.stop)
         return child
@@ -79,6 +104,8 @@ class Deployment:
                         f"{child.name} instance exited with status {code} while "
                         "starting; its output above says why"
                     )
+                if not child.port_file.exists():
+                    continue
                 try:
                     if httpx.get(f"{child.url}/health", timeout=1.0).status_code == 200:
                         pending.remove(child)
@@ -110,3 +137,4 @@ class Deployment:
                     os.killpg(child.proc.pid, signal.SIGKILL)
                 child.proc.wait(5)
         self.children.clear()
+        shutil.rmtree(self._tmp, ignore_errors=True)
