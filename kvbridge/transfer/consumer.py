@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -216,6 +217,8 @@ class KVConsumer:
                 return
             if inst.is_ready:
                 try:
+                    if not inst.prepared:
+                        self._prepare(inst)
                     self._post(pull)
                 except KVBridgeError as exc:
                     self._finish(pull, TransferState.FAILED, spec_error(exc))
@@ -248,6 +251,28 @@ class KVConsumer:
             return f"{t} reading from prefill workers {sorted({p for p, _ in pull.xfers.values()})}"
         waiting = [w.endpoint for w in pull.instance.workers() if w.state is not PeerState.READY]
         return f"{t} waiting for handshakes with {sorted(set(waiting))}"
+
+    def _prepare(self, inst: ProducerInstance) -> None:
+        """Prepare, once per instance, the descriptor lists a whole-block request needs
+        (probe: scattered odd block ids on both sides, so no run merges across blocks);
+        lists of a finer unit size (e.g. a partial last block) are prepared on first use."""
+        assert inst.plan is not None
+        inst.prepared = True
+        bp, bd = inst.plan.prefill.block_size, inst.plan.decode.block_size
+        tokens = math.lcm(bp, bd)
+        p_ids = 1 + 2 * np.arange(tokens // bp)
+        d_ids = 1 + 2 * np.arange(tokens // bd)
+        if d_ids[-1] >= self.num_blocks:
+            return
+        for cl in copy_lists(inst.plan, self.rank, p_ids, d_ids, tokens):
+            peer = inst.readers[cl.read.prefill_rank]
+            assert peer.regions is not None and peer.welcome is not None
+            if p_ids[-1] >= peer.welcome.num_blocks:
+                continue
+            g = unit_size(cl, peer.regions.lengths, self.regions.lengths)
+            if max(num_units(peer.regions, g), num_units(self.regions, g)) <= self.config.max_units:
+                self._local_dlist(g)
+                self.directory.remote_dlist(peer, g)
 
     def _post(self, pull: _Pull) -> None:
         inst = pull.instance

@@ -65,6 +65,7 @@ class ProducerInstance:
     readers: dict[int, ProducerWorker] = field(default_factory=dict)  # prefill rank we read
     unread: dict[int, ProducerWorker] = field(default_factory=dict)  # rank 0: nobody reads
     reason: str = ""  # set once failed
+    prepared: bool = False  # descriptor lists of a whole-block request prepared
 
     def workers(self) -> list[ProducerWorker]:
         return [self.worker0, *self.readers.values(), *self.unread.values()]
