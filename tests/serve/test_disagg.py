@@ -9,9 +9,12 @@ import signal
 import time
 
 import httpx
+import msgspec
 import openai
 import pytest
 
+from kvbridge.serve import wire
+from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.demo import colocated_text
 from kvbridge.serve.launcher import Deployment
 from tests.serve.helpers import complete, instance_args, metric, proxy_for
@@ -26,31 +29,14 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def instances():
-    """One prefill (tp 1, block 16 HND) and two decode instances (tp 1 block 16 HND,
-    tp 1 block 32 NHD), loaded once for the module."""
-    dep = Deployment()
-    try:
-        urls = {
-            "prefill": dep.start_instance("prefill", instance_args("prefill", 1)).url,
-            "decode": dep.start_instance("decode", instance_args("decode", 1)).url,
-            "decode32": dep.start_instance("decode32", instance_args("decode", 1, 32, "NHD")).url,
-        }
-        dep.wait_healthy(600, say=None)
-        yield dep, urls
-    finally:
-        dep.stop()
-
-
-@pytest.mark.parametrize("decode", ["decode", "decode32"])
+@pytest.mark.parametrize("decode", [("decode", 1), "decode32"], ids=["b16-HND", "b32-NHD"])
 def test_greedy_equals_colocated(instances, decode):
-    _, urls = instances
-    proxy = proxy_for([urls["prefill"]], [urls[decode]])
+    """Prefill block 16 HND -> decode block 16 HND, and -> decode block 32 NHD."""
+    proxy = proxy_for([instances[("prefill", 1)]], [instances[decode]])
     try:
         for prompt in PROMPTS:
             out = complete(proxy.url, prompt)
-            assert out["choices"][0]["text"] == colocated_text(urls[decode], prompt, 12)
+            assert out["choices"][0]["text"] == colocated_text(instances[decode], prompt, 12)
             stages = out["kvbridge_stages"]
             assert stages["kv_bytes"] > 0 and "kv_load_failed" not in stages
         first = complete(proxy.url, "The capital of France is", 10)["choices"][0]["text"]
@@ -60,7 +46,7 @@ def test_greedy_equals_colocated(instances, decode):
 
 
 def test_concurrent_streams_complete_and_free_blocks(instances):
-    _, urls = instances
+    urls = {"prefill": instances[("prefill", 1)], "decode": instances[("decode", 1)]}
     proxy = proxy_for([urls["prefill"]], [urls["decode"]])
     prompts = [("Once upon a time " * (1 + i % 5)) + f"number {i}" for i in range(16)]
     try:
@@ -97,8 +83,7 @@ def test_concurrent_streams_complete_and_free_blocks(instances):
 
 
 def test_openai_client_against_disaggregated_serve(instances):
-    _, urls = instances
-    proxy = proxy_for([urls["prefill"]], [urls["decode"]])
+    proxy = proxy_for([instances[("prefill", 1)]], [instances[("decode", 1)]])
     try:
         client = openai.OpenAI(base_url=f"{proxy.url}/v1", api_key="none")
         chat = client.chat.completions.create(
@@ -121,67 +106,48 @@ def test_openai_client_against_disaggregated_serve(instances):
         proxy.stop()
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_prefill_instance_killed(policy):
-    """The prefill instance dies: recompute still answers correctly; fail answers an
-    OpenAI-shaped error; neither hangs."""
+@pytest.fixture(scope="module")
+def fault_setup():
+    """Two prefill instances to kill and two decode instances, one per failure policy,
+    with a short transfer timeout (all tp 1)."""
     dep = Deployment()
-    proxy = None
     try:
-        prefill = dep.start_instance("prefill", instance_args("prefill", 1))
-        decode = dep.start_instance(
-            "decode",
-            instance_args(
-                "decode", 1, 16, "HND", "--kv-load-failure", policy, "--transfer-timeout-s", "10"
+        short = ("--transfer-timeout-s", "10")
+        procs = {
+            "prefill_a": dep.start_instance("prefill_a", instance_args("prefill", 1)),
+            "prefill_b": dep.start_instance("prefill_b", instance_args("prefill", 1)),
+            "recompute": dep.start_instance(
+                "recompute",
+                instance_args("decode", 1, 16, "HND", "--kv-load-failure", "recompute", *short),
             ),
-        )
+            "fail": dep.start_instance(
+                "fail", instance_args("decode", 1, 16, "HND", "--kv-load-failure", "fail", *short)
+            ),
+        }
         dep.wait_healthy(600, say=None)
-        proxy = proxy_for([prefill.url], [decode.url], recompute=policy == "recompute")
-        want = colocated_text(decode.url, PROMPTS[0], 6)
-        assert complete(proxy.url, PROMPTS[0], 6)["choices"][0]["text"] == want
-        prefill.proc.send_signal(signal.SIGKILL)
-        prefill.proc.wait(10)
-        t0 = time.monotonic()
-        r = httpx.post(
-            f"{proxy.url}/v1/completions",
-            json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0},
-            timeout=120,
-        )
-        assert time.monotonic() - t0 < 60
-        if policy == "recompute":
-            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
-        else:
-            assert r.status_code == 503 and "prefill instance" in r.json()["error"]["message"]
+        yield procs
     finally:
-        if proxy is not None:
-            proxy.stop()
         dep.stop()
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_prefill_dies_between_prefill_and_pull(policy):
-    """The KV is exposed, then its producer dies before the decode instance reads it:
-    the pull fails with a reason within the transfer timeout, and the decode instance
-    recomputes (correct text) or reports the failure; its blocks are freed either way."""
-    import msgspec
+def _kill(child) -> None:
+    child.proc.send_signal(signal.SIGKILL)
+    child.proc.wait(10)
 
-    from kvbridge.serve import wire
-    from kvbridge.serve.backend import GenerateRequest, SamplingParams
 
-    dep = Deployment()
-    try:
-        prefill = dep.start_instance("prefill", instance_args("prefill", 1))
-        decode = dep.start_instance(
-            "decode",
-            instance_args(
-                "decode", 1, 16, "HND", "--kv-load-failure", policy, "--transfer-timeout-s", "10"
-            ),
-        )
-        dep.wait_healthy(600, say=None)
-        want = colocated_text(decode.url, PROMPTS[1], 6)
+def test_prefill_dies_between_prefill_and_pull(fault_setup):
+    """The KV is exposed, then its producer dies before the decode instances read it:
+    each pull fails with a reason within the transfer timeout; the recompute instance
+    still answers the colocated text, the fail instance reports the failure; blocks are
+    freed either way."""
+    procs = fault_setup
+    prefill, prompt = procs["prefill_b"], PROMPTS[1]
+    want = colocated_text(procs["recompute"].url, prompt, 6)
+    results = {}
+    for policy in ("recompute", "fail"):
         gen = GenerateRequest(
-            request_id="r-kill",
-            prompt=PROMPTS[1],
+            request_id=f"r-kill-{policy}",
+            prompt=prompt,
             sampling=SamplingParams(max_tokens=6, temperature=0.0),
         )
         r = httpx.post(
@@ -189,8 +155,10 @@ def test_prefill_dies_between_prefill_and_pull(policy):
         )
         pf = wire.prefill_result_decoder.decode(r.content)
         assert pf.kv is not None and pf.kv.block_ids
-        prefill.proc.send_signal(signal.SIGKILL)
-        prefill.proc.wait(10)
+        results[policy] = (gen, pf)
+    _kill(prefill)
+    for policy, (gen, pf) in results.items():
+        decode = procs[policy]
         t0 = time.monotonic()
         events = []
         with httpx.stream(
@@ -199,9 +167,7 @@ def test_prefill_dies_between_prefill_and_pull(policy):
             content=msgspec.json.encode(wire.DecodeRequest(gen, pf)),
             timeout=120,
         ) as resp:
-            for line in resp.iter_lines():
-                if line:
-                    events.append(wire.event_decoder.decode(line))
+            events = [wire.event_decoder.decode(line) for line in resp.iter_lines() if line]
         assert time.monotonic() - t0 < 30  # bounded by the 10 s transfer timeout
         if policy == "recompute":
             assert pf.first_text + "".join(e.text for e in events) == want
@@ -215,5 +181,33 @@ def test_prefill_dies_between_prefill_and_pull(policy):
         ):
             time.sleep(0.1)
         assert metric(httpx.get(f"{decode.url}/metrics").text, "blocks_in_use") == 0
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_instance_killed(fault_setup, policy):
+    """The prefill instance is gone when a request comes: recompute still answers
+    correctly (the decode instance computes the prompt); fail answers an OpenAI-shaped
+    error; neither hangs."""
+    procs = fault_setup
+    prefill = procs["prefill_a"]
+    proxy = proxy_for([prefill.url], [procs[policy].url], recompute=policy == "recompute")
+    try:
+        want = colocated_text(procs[policy].url, PROMPTS[0], 6)
+        if prefill.proc.poll() is None:
+            assert complete(proxy.url, PROMPTS[0], 6)["choices"][0]["text"] == want
+            _kill(prefill)
+        t0 = time.monotonic()
+        r = httpx.post(
+            f"{proxy.url}/v1/completions",
+            json={"prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0},
+            timeout=120,
+        )
+        assert time.monotonic() - t0 < 60
+        if policy == "recompute":
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        else:
+            assert r.status_code == 503
+            err = r.json()["error"]
+            assert "prefill instance" in err["message"] and err["type"] == "server_error"
     finally:
-        dep.stop()
+        proxy.stop()

@@ -7,28 +7,12 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.serve.demo import colocated_text
-from kvbridge.serve.launcher import Deployment
-from tests.serve.helpers import complete, instance_args, proxy_for
+from tests.serve.helpers import complete, proxy_for
 
 pytestmark = pytest.mark.slow
 
 PAIRS = [(1, 9), (3, 9), (9, 3), (9, 1), (3, 3), (1, 3)]
 PROMPTS = ["The capital of France is", "List three colors: red,"]
-
-
-@pytest.fixture(scope="module")
-def instances():
-    """Prefill and decode instances at tp 1, 3 and 9, loaded once (26 tp workers)."""
-    dep = Deployment()
-    try:
-        urls = {}
-        for role in ("prefill", "decode"):
-            for tp in (1, 3, 9):
-                urls[(role, tp)] = dep.start_instance(f"{role}{tp}", instance_args(role, tp)).url
-        dep.wait_healthy(900, say=None)
-        yield urls
-    finally:
-        dep.stop()
 
 
 @pytest.fixture(scope="module")
