@@ -27,7 +27,7 @@ from kvbridge.engine.parallel.worker import Kind, decode_frame, encode_frame, wo
 #: on_progress(rank, text): start-up progress of one worker.
 ProgressCallback = Callable[[int, str], None]
 #: After a first error, how long to wait for the other ranks' answers to find the root cause.
-ERROR_GRACE_S = 1.0
+ERROR_GRACE_S = 2.0
 STOP_GRACE_S = 5.0
 
 
@@ -309,8 +309,8 @@ class WorkerGroup:
         # the root cause is the first error that is not a consequence of another's failure
         ordered = sorted(answers.errors.items(), key=lambda item: bool(item[1]["secondary"]))
         rank, info = ordered[0]
-        also = [r for r, i in ordered[1:] if not i["secondary"]]
-        after = [r for r, i in ordered[1:] if i["secondary"]]
+        also = sorted(r for r, i in ordered[1:] if not i["secondary"])
+        after = sorted(r for r, i in ordered[1:] if i["secondary"])
         reason = (
             f"worker rank {rank} raised {info['type']} in {handle.method!r} "
             f"(call #{handle.seq}): {info['message']}"
