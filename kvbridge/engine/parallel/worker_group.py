@@ -78,12 +78,16 @@ class WorkerGroup:
 
     Guarantees: every call reaches every worker, in submission order. A worker that raises
     makes the call raise `WorkerError` (rank + traceback) as soon as the root cause is
-    known; a worker that dies makes it raise `WorkerDiedError` (rank + exit code) within
-    ~0.1 s; a call that exceeds its timeout raises `WorkerTimeoutError`. After any of
-    these the group is broken (its collectives were aborted): further calls raise
-    `WorkerGroupClosedError`; close it and start a new one. `close()` (also on context
-    exit and at interpreter exit) leaves no process and no /dev/shm file; workers exit
-    by themselves if the driver dies.
+    known; a worker that dies makes it raise `WorkerDiedError` (rank + exit code) as soon
+    as the driver sees the process end; a call that exceeds its timeout raises
+    `WorkerTimeoutError`. After any of these the group is broken (its collectives were
+    aborted): further calls raise `WorkerGroupClosedError`; close it and start a new one.
+    `close()` (also on context exit and at interpreter exit) leaves no process and no
+    /dev/shm file; workers exit by themselves if the driver dies.
+
+    Payloads and replies travel through pipes: meant for control messages (token ids,
+    block tables, sampled tokens), not bulk tensors. Workers are spawned, so they
+    re-import the driver's main module: a driver script needs `if __name__ == "__main__":`.
     """
 
     def __init__(
