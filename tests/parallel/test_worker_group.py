@@ -20,6 +20,7 @@ from kvbridge.engine.parallel import (
     WorkerGroup,
     WorkerGroupClosedError,
     WorkerStartError,
+    WorkerTimeoutError,
 )
 from kvbridge.engine.parallel.shm_segment import SHM_DIR, is_process_alive
 from tests.parallel.test_shm_comm import check_stress
@@ -144,3 +145,15 @@ def test_workers_exit_when_the_driver_dies(tmp_path: Path) -> None:
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2
     assert_gone(pids, timeout=15.0)
+
+
+def test_call_timeout_names_the_silent_ranks_and_close_still_cleans_up() -> None:
+    before = our_segments()
+    with WorkerGroup(1, ECHO) as group:
+        with pytest.raises(WorkerTimeoutError, match=r"no answer from ranks \[0\]"):
+            group.call("sleep", b"3", timeout=0.2)
+        with pytest.raises(WorkerGroupClosedError, match="timed out"):
+            group.call("echo")
+        pids = group.pids
+    assert_gone(pids)
+    assert our_segments() == before
