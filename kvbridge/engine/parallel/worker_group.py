@@ -85,6 +85,18 @@ class WorkerGroup:
     `close()` (also on context exit and at interpreter exit) leaves no process and no
     /dev/shm file; workers exit by themselves if the driver dies.
 
+    Example::
+
+        # driver
+        with WorkerGroup(3, "kvbridge.engine.tp_worker:main", init_payload=config) as group:
+            sampled = group.call("step", batch_bytes, ranks=[0])[0]
+
+        # kvbridge/engine/tp_worker.py, in each worker process
+        def main(ctx: WorkerContext) -> None:
+            runner = ModelRunner(json.loads(ctx.init_payload), ctx.rank, ctx.comm)
+            ctx.report_progress("weights loaded")
+            ctx.serve(runner.handle)  # handle(method: str, payload: bytes) -> bytes
+
     Payloads and replies travel through pipes: meant for control messages (token ids,
     block tables, sampled tokens), not bulk tensors. Workers are spawned, so they
     re-import the driver's main module: a driver script needs `if __name__ == "__main__":`.
