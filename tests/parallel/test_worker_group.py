@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow
 
 
 def our_segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(f"kvbridge-comm-{os.getpid()}-*")}
+    """Our communicator segments and reply buffers in /dev/shm."""
+    return {p.name for p in SHM_DIR.glob(f"kvbridge-*-{os.getpid()}-*")}
 
 
 def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
@@ -67,6 +68,12 @@ def test_nine_workers_calls_replies_and_collectives() -> None:
         second = group.submit("echo", b"2", ranks=[8])
         assert group.collect(second) == [b"init|8|2"]
         assert group.collect(first)[3] == b"init|3|1"
+        # large replies come back through each worker's shared-memory reply buffer, also
+        # when several are in flight from the same worker
+        big = [bytes([i]) * 300_000 for i in range(3)]
+        handles = [group.submit("echo", b, ranks=[0, 5]) for b in big]
+        for handle, b in reversed(list(zip(handles, big, strict=True))):
+            assert group.collect(handle) == [b"init|0|" + b, b"init|5|" + b]
         # random back-to-back collectives with delayed ranks, checked on every rank
         stress = group.call("stress", json.dumps({"seed": 9, "steps": 80}).encode())
         check_stress([json.loads(r) for r in stress])
