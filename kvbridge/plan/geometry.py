@@ -288,8 +288,9 @@ def from_gguf(path: str | Path, *, dtype: str = "float32") -> ModelKVSpec:
     if meta.get(key("attention.kv_lora_rank")) is not None:
         rank = get("attention.kv_lora_rank")
         rope = get("rope.dimension_count")
-        return ModelKVSpec(num_layers, num_heads, 1, rank + rope, normalize_dtype(dtype),
-                           AttentionKind.MLA, source)
+        return ModelKVSpec(
+            num_layers, num_heads, 1, rank + rope, normalize_dtype(dtype), AttentionKind.MLA, source
+        )
     kv = meta.get(key("attention.head_count_kv"), num_heads)
     if isinstance(kv, list):  # per-layer counts (some hybrid models): must agree here
         if len(set(kv)) != 1:
@@ -306,8 +307,15 @@ def from_gguf(path: str | Path, *, dtype: str = "float32") -> ModelKVSpec:
                 f"{key('attention.head_count')}={num_heads}"
             )
         head_dim = hidden // num_heads
-    return ModelKVSpec(num_layers, num_heads, num_kv_heads, head_dim, normalize_dtype(dtype),
-                       _kind(num_heads, num_kv_heads), source)
+    return ModelKVSpec(
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        normalize_dtype(dtype),
+        _kind(num_heads, num_kv_heads),
+        source,
+    )
 
 
 def load_model_spec(path: str | Path, *, dtype: str | None = None) -> ModelKVSpec:

@@ -16,7 +16,16 @@ from typing import Any, BinaryIO
 from kvbridge.errors import ConfigError
 
 _SCALARS: dict[int, str] = {
-    0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
     12: "<d",
 }
 _STRING, _ARRAY = 8, 9

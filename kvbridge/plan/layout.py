@@ -23,6 +23,7 @@ each a dense array of ``num_blocks`` blocks:
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 from kvbridge.errors import LayoutError
@@ -164,7 +165,7 @@ class InstanceLayout:
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
-        return list(zip(bounds[:-1], bounds[1:], strict=True))
+        return list(itertools.pairwise(bounds))
 
     def check(self, model: ModelKVSpec, side: str = "") -> None:
         check_tp_size(model, self.tp_size, side)
@@ -176,8 +177,10 @@ class InstanceLayout:
         out = []
         for pp_rank, layers in enumerate(self.layer_ranges(model, side)):
             for tp_rank in range(self.tp_size):
-                heads = (0, 1) if model.is_mla else kv_head_range(
-                    model.num_kv_heads, self.tp_size, tp_rank
+                heads = (
+                    (0, 1)
+                    if model.is_mla
+                    else kv_head_range(model.num_kv_heads, self.tp_size, tp_rank)
                 )
                 out.append(
                     WorkerShard(
@@ -215,8 +218,10 @@ class WorkerShard:
 
     def holds(self, layers: tuple[int, int], heads: tuple[int, int]) -> bool:
         return (
-            self.layers[0] <= layers[0] and layers[1] <= self.layers[1]
-            and self.kv_heads[0] <= heads[0] and heads[1] <= self.kv_heads[1]
+            self.layers[0] <= layers[0]
+            and layers[1] <= self.layers[1]
+            and self.kv_heads[0] <= heads[0]
+            and heads[1] <= self.kv_heads[1]
         )
 
 

@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import struct
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -105,8 +106,17 @@ class WorkerContext:
         """Tell the driver about start-up progress (shown by its `on_progress` callback)."""
         self.conn.send_bytes(encode_frame(Kind.PROGRESS, payload=text.encode()))
 
-    def serve(self, handler: Handler) -> None:
+    def serve(
+        self,
+        handler: Handler,
+        idle: Callable[[], None] | None = None,
+        idle_interval_s: float = 0.001,
+    ) -> None:
         """Report ready, then run calls until the driver says stop or goes away.
+
+        `idle`, if given, runs whenever no call arrived for `idle_interval_s` (e.g. to
+        progress transfers that need this process to poll); an exception it raises is
+        fatal to the worker, like a handler's.
 
         Every call gets exactly one answer: REPLY with the handler's bytes, or ERROR with
         its traceback. A handler that raises aborts the communicator first, so peers that
@@ -115,10 +125,17 @@ class WorkerContext:
         """
         conn = self.conn
         conn.send_bytes(encode_frame(Kind.READY))
+        wait_s = PARENT_CHECK_S if idle is None else min(idle_interval_s, PARENT_CHECK_S)
+        last_check = time.monotonic()
         while True:
-            if not conn.poll(PARENT_CHECK_S):
-                if not self._driver_alive():
-                    return  # the driver died without closing its pipe end
+            if not conn.poll(wait_s):
+                now = time.monotonic()
+                if now - last_check >= PARENT_CHECK_S:
+                    last_check = now
+                    if not self._driver_alive():
+                        return  # the driver died without closing its pipe end
+                if idle is not None:
+                    idle()
                 continue
             try:
                 kind, seq, method, payload = decode_frame(conn.recv_bytes())

@@ -1,0 +1,265 @@
+"""`kvbridge plan`: the pre-flight check of a prefill/decode pair.
+
+Prints which bytes every decode worker reads from which prefill worker, what each
+prefill worker waits for, and (with --verify) proves the plan byte-exact on a
+synthetic multi-block request. `--json` prints exactly one object (a contract: see
+`plan_to_json`). Exit 0 when the pair is supported, 2 when it is not (or the config
+is bad), 1 if verification found wrong bytes (a bug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+from kvbridge.errors import KVBridgeError, LayoutError
+from kvbridge.plan.copylist import copy_lists
+from kvbridge.plan.geometry import ModelKVSpec, load_model_spec
+from kvbridge.plan.layout import InstanceLayout, WorkerShard
+from kvbridge.plan.planner import TransferPlan, make_plan
+from kvbridge.plan.verifier import VerificationError, VerifyReport, verify_plan
+
+
+def _int_or_raw(value: str) -> int | str:
+    """Keep a non-integer as given so the layout's own check names the field."""
+    try:
+        return int(value)
+    except ValueError:
+        return value
+
+
+def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The --prefill-*/--decode-* layout flags shared by plan, bench and transfer-check."""
+    for side, tp in (("prefill", 1), ("decode", 1)):
+        g = parser.add_argument_group(f"{side} instance")
+        g.add_argument(
+            f"--{side}-tp",
+            type=_int_or_raw,
+            default=tp,
+            metavar="N",
+            help=f"{side} tensor-parallel size (default {tp})",
+        )
+        g.add_argument(
+            f"--{side}-pp",
+            type=_int_or_raw,
+            default=1,
+            metavar="N",
+            help=f"{side} pipeline-parallel size (default 1)",
+        )
+        g.add_argument(
+            f"--{side}-block-size",
+            type=_int_or_raw,
+            default=16,
+            metavar="N",
+            help="tokens per KV block (default 16)",
+        )
+        g.add_argument(
+            f"--{side}-layout",
+            default="HND",
+            metavar="HND|NHD",
+            help="cache layout: HND keeps a head's tokens together, NHD a "
+            "token's heads (default HND)",
+        )
+
+
+def layouts_from_args(args: argparse.Namespace) -> tuple[InstanceLayout, InstanceLayout]:
+    def side(name: str) -> InstanceLayout:
+        try:
+            return InstanceLayout(
+                tp_size=getattr(args, f"{name}_tp"),
+                pp_size=getattr(args, f"{name}_pp"),
+                block_size=getattr(args, f"{name}_block_size"),
+                cache_layout=getattr(args, f"{name}_layout"),
+                dtype=getattr(args, "dtype", None),
+            )
+        except LayoutError as exc:
+            raise LayoutError(f"{name} {exc}") from None
+
+    return side("prefill"), side("decode")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan (and verify) the KV transfer between a prefill and a decode layout",
+        description="Show which bytes every decode worker reads from which prefill worker. "
+        "Exit 0 when the pair is supported, 2 when it is not.",
+    )
+    p.add_argument(
+        "--config",
+        required=True,
+        metavar="PATH",
+        help="HF config.json, .gguf file, directory, or bundled name "
+        "(llama-3.2-1b, tinyllama-1.1b, qwen3-0.6b, smollm2-135m, deepseek-v2-lite)",
+    )
+    add_layout_arguments(p)
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="KV-cache dtype (default: the config's torch_dtype; float32 for GGUF)",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="run the plan on a synthetic multi-block request and check every byte",
+    )
+    p.add_argument(
+        "--tokens",
+        type=_int_or_raw,
+        default=None,
+        metavar="T",
+        help="tokens of the synthetic request (default: 3.5 blocks of the larger size)",
+    )
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.set_defaults(handler=run)
+
+
+def _range(r: tuple[int, int]) -> list[int]:
+    return [r[0], r[1]]
+
+
+def _worker_json(w: WorkerShard) -> dict[str, Any]:
+    return {
+        "rank": w.rank,
+        "tp_rank": w.tp_rank,
+        "pp_rank": w.pp_rank,
+        "kv_heads": _range(w.kv_heads),
+        "layers": _range(w.layers),
+    }
+
+
+def _layout_json(layout: InstanceLayout) -> dict[str, Any]:
+    return {
+        "tp": layout.tp_size,
+        "pp": layout.pp_size,
+        "block_size": layout.block_size,
+        "layout": layout.cache_layout.value,
+    }
+
+
+def plan_to_json(plan: TransferPlan, verified: bool | None) -> dict[str, Any]:
+    """The `--json` contract (field names are stable; more may be added)."""
+    m = plan.model
+    return {
+        "supported": True,
+        "error": None,
+        "model": {
+            "num_layers": m.num_layers,
+            "num_kv_heads": m.num_kv_heads,
+            "head_dim": m.head_dim,
+            "attention": m.attention.value,
+            "dtype": m.dtype,
+        },
+        "prefill": _layout_json(plan.prefill),
+        "decode": _layout_json(plan.decode),
+        "workers": {
+            "prefill": [_worker_json(w) for w in plan.prefill_workers],
+            "decode": [_worker_json(w) for w in plan.decode_workers],
+        },
+        "reads": [
+            {
+                "decode_rank": r.decode_rank,
+                "prefill_rank": r.prefill_rank,
+                "kv_heads": _range(r.kv_heads),
+                "layers": _range(r.layers),
+                "bytes_per_token": r.bytes_per_token,
+            }
+            for r in plan.reads
+        ],
+        "expected_notifications": list(plan.expected_notifications),
+        "verified": verified,
+    }
+
+
+def _error_json(error: str, args: argparse.Namespace, model: ModelKVSpec | None) -> dict[str, Any]:
+    def side(name: str) -> dict[str, Any]:
+        return {
+            "tp": getattr(args, f"{name}_tp"),
+            "pp": getattr(args, f"{name}_pp"),
+            "block_size": getattr(args, f"{name}_block_size"),
+            "layout": str(getattr(args, f"{name}_layout")),
+        }
+
+    return {
+        "supported": False,
+        "error": error,
+        "model": None
+        if model is None
+        else {
+            "num_layers": model.num_layers,
+            "num_kv_heads": model.num_kv_heads,
+            "head_dim": model.head_dim,
+            "attention": model.attention.value,
+            "dtype": model.dtype,
+        },
+        "prefill": side("prefill"),
+        "decode": side("decode"),
+        "workers": {"prefill": [], "decode": []},
+        "reads": [],
+        "expected_notifications": [],
+        "verified": None,
+    }
+
+
+def default_tokens(plan: TransferPlan) -> int:
+    block = max(plan.prefill.block_size, plan.decode.block_size)
+    return 3 * block + block // 2 + 1
+
+
+def descriptor_counts(
+    plan: TransferPlan, num_tokens: int, seed: int = 0
+) -> dict[int, tuple[int, int]]:
+    """(unmerged, merged) descriptors per decode rank for a request with shuffled blocks."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    p_ids = rng.permutation(4 * (-(-num_tokens // plan.prefill.block_size)))
+    d_ids = rng.permutation(4 * (-(-num_tokens // plan.decode.block_size)))
+    for d in plan.decode_workers:
+        lists = copy_lists(plan, d.rank, p_ids, d_ids, num_tokens)
+        out[d.rank] = (sum(c.num_unmerged for c in lists), sum(c.num_descriptors for c in lists))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    model: ModelKVSpec | None = None
+    try:
+        model = load_model_spec(args.config, dtype=args.dtype)
+        prefill, decode = layouts_from_args(args)
+        plan = make_plan(model, prefill, decode)
+    except KVBridgeError as exc:
+        if args.json:
+            print(json.dumps(_error_json(str(exc), args, model)))
+        print(f"kvbridge plan: not supported: {exc}", file=sys.stderr)
+        return 2
+
+    tokens = args.tokens if args.tokens is not None else default_tokens(plan)
+    if isinstance(tokens, str) or tokens <= 0:
+        print(
+            f"kvbridge plan: error: --tokens={tokens!r} must be a positive integer", file=sys.stderr
+        )
+        return 2
+    report: VerifyReport | None = None
+    verified: bool | None = None
+    failure = None
+    if args.verify:
+        try:
+            report = verify_plan(plan, tokens)
+            verified = True
+        except VerificationError as exc:
+            verified, failure = False, str(exc)
+
+    if args.json:
+        print(json.dumps(plan_to_json(plan, verified)))
+    else:
+        from kvbridge.cli.plan_report import print_plan
+
+        counts = report.per_decode_rank if report else descriptor_counts(plan, tokens)
+        print_plan(plan, counts, tokens, report)
+    if failure:
+        print(f"kvbridge plan: VERIFICATION FAILED: {failure}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,211 @@
+"""What the engine needs to know about a model and about itself.
+
+`ModelConfig` is the architecture of a Llama-family decoder (llama, mistral, qwen2 and
+smollm2 share it: RMSNorm, RoPE, GQA attention, SwiGLU MLP), read from a GGUF file's
+metadata or an HF `config.json`. `EngineConfig` is how one instance runs it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvbridge.engine.errors import ModelLoadError
+from kvbridge.plan import gguf_meta
+from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
+from kvbridge.plan.layout import CacheLayout, InstanceLayout, check_tp_size
+
+#: Architectures whose decoder layer is the one `models/llama.py` implements.
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder; `name` is for messages."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"architecture={self.architecture!r} of {self.name} is not supported; "
+                f"the engine runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for f in ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
+                  "num_kv_heads", "head_dim", "vocab_size", "max_position"):
+            value = getattr(self, f)
+            if not isinstance(value, int) or value <= 0:
+                raise ModelLoadError(f"{f}={value!r} in {self.name} must be a positive integer")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads} in {self.name}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_spec(self, dtype: str = "float32") -> ModelKVSpec:
+        """The planner's view of this model's KV cache."""
+        kind = (AttentionKind.MHA if self.num_kv_heads == self.num_attention_heads
+                else AttentionKind.MQA if self.num_kv_heads == 1 else AttentionKind.GQA)
+        return ModelKVSpec(self.num_layers, self.num_attention_heads, self.num_kv_heads,
+                           self.head_dim, dtype, kind, self.name)
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any], name: str) -> ModelConfig:
+        arch = meta.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelLoadError(f"general.architecture is missing from {name}")
+
+        def get(suffix: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{suffix}", default)
+            if value is None:
+                raise ModelLoadError(f"{arch}.{suffix} is missing from {name}")
+            return value
+
+        num_heads = int(get("attention.head_count"))
+        hidden = int(get("embedding_length"))
+        vocab = meta.get(f"{arch}.vocab_size")
+        if vocab is None:
+            tokens = meta.get("tokenizer.ggml.tokens")
+            vocab = len(tokens) if tokens else None
+        if vocab is None:
+            raise ModelLoadError(f"{arch}.vocab_size is missing from {name}")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_attention_heads=num_heads,
+            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+            head_dim=int(get("attention.key_length", hidden // num_heads)),
+            vocab_size=int(vocab),
+            max_position=int(get("context_length", 2048)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            # Filled in by the loader, which knows whether output.weight exists.
+            tie_word_embeddings=True,
+            attention_bias=arch == "qwen2",
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (int(eos),),
+            name=name,
+        )
+
+    @classmethod
+    def from_hf_config(cls, path: Path) -> ModelConfig:
+        name = str(path)
+        try:
+            cfg = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(f"cannot read {path}: {exc}") from None
+        model_type = str(cfg.get("model_type", "llama"))
+        try:
+            num_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+            if cfg.get("rope_scaling"):
+                raise ModelLoadError(
+                    f"rope_scaling={cfg['rope_scaling']!r} in {name} is not supported; "
+                    "the engine implements plain RoPE"
+                )
+            return cls(
+                architecture=model_type,
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+                vocab_size=int(cfg["vocab_size"]),
+                max_position=int(cfg.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=tuple(int(e) for e in eos_ids),
+                name=name,
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"{exc.args[0]} is missing from {name}") from None
+
+    @classmethod
+    def from_gguf(cls, path: Path) -> ModelConfig:
+        return cls.from_gguf_metadata(gguf_meta.read_metadata(path), str(path))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one engine instance runs its model.
+
+    `num_blocks` None sizes each worker's cache to `kv_cache_mb` MiB (at most what
+    `max_num_seqs` sequences of `max_model_len` tokens need). `max_model_len` None is the
+    model's context, capped at 4096 on this CPU engine.
+    """
+
+    tp_size: int = 1
+    block_size: int = 16
+    cache_layout: CacheLayout = CacheLayout.HND
+    num_blocks: int | None = None
+    max_num_seqs: int = 16
+    max_model_len: int | None = None
+    prefill_chunk_size: int = 512
+    kv_dtype: str = "float32"
+    num_threads: int | None = None  # None: 2 for tp 1 in-process, 1 per worker otherwise
+    kv_cache_mb: int = 256
+    worker_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
+        # InstanceLayout validates tp_size and block_size with the planner's words.
+        self.layout()
+        for f in ("max_num_seqs", "prefill_chunk_size", "kv_cache_mb"):
+            if getattr(self, f) <= 0:
+                raise ModelLoadError(f"{f}={getattr(self, f)} must be a positive integer")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ModelLoadError(f"num_blocks={self.num_blocks} must be a positive integer")
+
+    def layout(self) -> InstanceLayout:
+        return InstanceLayout(tp_size=self.tp_size, block_size=self.block_size,
+                              cache_layout=self.cache_layout, dtype=self.kv_dtype)
+
+    def check(self, model: ModelConfig) -> None:
+        """Raise the planner's LayoutError if tp_size does not suit `model`."""
+        check_tp_size(model.kv_spec(self.kv_dtype), self.tp_size)
+
+    def model_len(self, model: ModelConfig) -> int:
+        if self.max_model_len is not None:
+            return min(self.max_model_len, model.max_position)
+        return min(model.max_position, 4096)
+
+    def blocks(self, model: ModelConfig, block_bytes: int) -> int:
+        """Blocks per worker; `block_bytes` is one block over all of a worker's layers."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        wanted = -(-self.model_len(model) // self.block_size) * self.max_num_seqs
+        return max(1, min(wanted, self.kv_cache_mb * 2**20 // block_bytes))

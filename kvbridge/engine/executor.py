@@ -1,0 +1,80 @@
+"""The seam between the driver and its workers.
+
+An `Executor` runs one `StepBatch` on every tp worker and returns rank 0's logits. The
+driver never knows whether the runners live in its own process (tp_size 1), in processes
+it spawned (`tp_launcher.ProcessExecutor`, or the shared-memory `WorkerGroup` that will
+replace it) or in processes torchrun started.
+"""
+
+from __future__ import annotations
+
+import abc
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.errors import EngineError
+from kvbridge.engine.kv_connector import ConnectorSpec, WorkerKVConnector
+from kvbridge.engine.model_runner import ModelRunner
+from kvbridge.engine.parallel.base import SingleProcessCommunicator
+from kvbridge.engine.step import RunnerInfo, StepBatch
+from kvbridge.engine.weights import Progress
+
+
+class Executor(abc.ABC):
+    """Owned by one LLMEngine; `execute` is called from the engine loop only."""
+
+    info: RunnerInfo
+
+    @abc.abstractmethod
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        """Logits [sum(batch.want_logits), vocab] float32; raises WorkerError on failure."""
+
+    def connector_call(self, method: str, payload: bytes) -> list[bytes]:
+        """Run `WorkerKVConnector.handle(method, payload)` on every worker (rank order)."""
+        raise EngineError("this engine was started without a KV connector")
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Stop the workers; idempotent."""
+
+
+def make_worker_connector(runner: ModelRunner, config: EngineConfig, rank: int,
+                          spec: ConnectorSpec | None) -> WorkerKVConnector | None:
+    """The transfer runtime over this worker's KV cache, if the instance has one."""
+    if spec is None:
+        return None
+    from kvbridge.engine.kv_connector import WorkerKVConnector
+
+    return WorkerKVConnector(spec, runner.model_config.kv_spec(config.kv_dtype), config.layout(),
+                             rank, runner.kv_cache.tensor, runner.kv_cache.num_blocks)
+
+
+class InProcessExecutor(Executor):
+    """tp_size 1: the runner lives in the driver's process."""
+
+    def __init__(self, model_path: Path, config: EngineConfig,
+                 progress: Progress | None = None, connector: ConnectorSpec | None = None) -> None:
+        torch.set_num_threads(config.num_threads or 2)
+        self.runner = ModelRunner(model_path, config, SingleProcessCommunicator(), progress)
+        self.info = self.runner.info()
+        self.connector = make_worker_connector(self.runner, config, 0, connector)
+
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        return self.runner.execute(batch)
+
+    def connector_call(self, method: str, payload: bytes) -> list[bytes]:
+        if self.connector is None:
+            return super().connector_call(method, payload)
+        return [self.connector.handle(method, payload)]
+
+    def close(self) -> None:
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The one KV-cache tensor (for registration with the transfer layer)."""
+        return self.runner.kv_cache.tensor

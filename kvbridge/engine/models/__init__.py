@@ -1,0 +1,1 @@
+"""Model definitions (one worker's shard of each)."""

@@ -1,0 +1,128 @@
+"""Continuous batching: which sequences run in the next step, and their blocks.
+
+Policy (one step is either kind, like nano-vllm):
+  * prefill first: the oldest waiting sequence gets its next chunk of at most
+    `prefill_chunk_size` tokens, alone in the step, if its blocks can be allocated and
+    fewer than `max_num_seqs` sequences are running;
+  * otherwise every running sequence decodes one token; a sequence that needs a new block
+    when none is free preempts the newest running sequence (its blocks are freed and it
+    goes back to the front of the queue, to be recomputed).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvbridge.engine.block_manager import BlockManager
+from kvbridge.engine.sequence import Sequence, SequenceStatus
+from kvbridge.engine.step import StepBatch
+
+
+@dataclass
+class ScheduledStep:
+    seqs: list[Sequence]
+    query_lens: list[int]
+    is_prefill: bool
+
+    def to_batch(self, block_size: int) -> StepBatch:
+        """The worker message; the caller has allocated blocks for the new tokens."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        ctx_lens, tables, want = [], [], []
+        for seq, qlen in zip(self.seqs, self.query_lens, strict=True):
+            start, end = seq.num_computed, seq.num_computed + qlen
+            ids += seq.tokens(start, end)
+            positions += range(start, end)
+            slots += [seq.block_ids[p // block_size] * block_size + p % block_size
+                      for p in range(start, end)]
+            ctx_lens.append(end)
+            tables.append(seq.block_ids[: -(-end // block_size)])
+            want.append(end == seq.num_tokens)
+        return StepBatch(input_ids=ids, positions=positions, slot_mapping=slots,
+                         query_lens=list(self.query_lens), context_lens=ctx_lens,
+                         block_tables=tables, want_logits=want)
+
+
+class Scheduler:
+    """Owned by the LLMEngine; holds every unfinished sequence."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 prefill_chunk_size: int) -> None:
+        self.blocks = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.chunk = prefill_chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.append(seq)  # its prompt KV is already in its blocks
+        else:
+            self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledStep | None:
+        """The next step, or None if nothing can run (nothing queued)."""
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            qlen = min(seq.num_tokens - seq.num_computed, self.chunk)
+            need = self.blocks.blocks_for(seq.num_computed + qlen) - len(seq.block_ids)
+            if self.blocks.can_allocate(need):
+                seq.block_ids += self.blocks.allocate(need)
+                return ScheduledStep([seq], [qlen], is_prefill=True)
+            if not self.running:
+                # Nothing will ever free a block for it; the engine checked the prompt fits
+                # the whole cache, so only blocks kept by released-later requests block it.
+                self.blocks.allocate(need)  # raises OutOfBlocksError with the numbers
+        if not self.running:
+            return None
+        scheduled: list[Sequence] = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below by an older sequence
+            while self.blocks.blocks_for(seq.num_tokens) > len(seq.block_ids):
+                if self.blocks.can_allocate(1):
+                    seq.block_ids += self.blocks.allocate(1)
+                elif self.running[-1] is not seq:
+                    self.preempt(self.running[-1])
+                else:
+                    self.preempt(seq)
+                    break
+            if seq in self.running:
+                scheduled.append(seq)
+        if not scheduled:
+            return self.schedule() if self.waiting else None
+        return ScheduledStep(scheduled, [1] * len(scheduled), is_prefill=False)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Drop `seq`'s cache; it will be recomputed from its prompt and outputs so far."""
+        self.running.remove(seq)
+        self.blocks.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def after_step(self, step: ScheduledStep) -> None:
+        """Advance num_computed; a sequence whose prompt is now cached starts decoding."""
+        for seq, qlen in zip(step.seqs, step.query_lens, strict=True):
+            seq.num_computed += qlen
+            if step.is_prefill and seq.num_computed == seq.num_tokens:
+                self.waiting.popleft()
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+
+    def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
+        """Remove a finished or aborted sequence; free its blocks unless told to keep them."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if not keep_blocks and seq.block_ids:
+            self.blocks.free(seq.block_ids)
+            seq.block_ids = []
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,62 @@
+"""A request's state on the driver: its tokens, its blocks and how far the cache has got."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbridge.engine.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # prompt (or part of it) not yet in the cache
+    RUNNING = "running"  # decoding
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context is full
+    PREFILLED = "prefilled"  # prefill-only request: first token out, blocks kept
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass
+class Sequence:
+    """Invariant: the cache holds K/V for all_ids[:num_computed] in blocks `block_ids`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_len: int  # the context limit: prompt + output never exceed it
+    generator: torch.Generator | None = None
+    prefill_only: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    text: str = ""
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

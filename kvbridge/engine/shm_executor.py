@@ -1,0 +1,150 @@
+"""The tensor-parallel executor of one host: tp worker processes in a `WorkerGroup`,
+collectives through shared memory (kvbridge.engine.parallel).
+
+    driver ── "step" (StepBatch msgpack) ──▶ every worker: ModelRunner.execute
+       ▲                                      (shm all-reduce / all-gather between them)
+       └──────────── rank 0: StepResult (logits) ◀──┘
+    driver ── "kv:<method>" ──▶ every worker's WorkerKVConnector.handle ──▶ KVReply
+
+Between calls each worker polls its KV connector (transfers progress only while the
+memory's owner polls). A connector error comes back as a `KVReply` with `ok=False` and
+leaves the group usable; a failed step breaks the group (WorkerError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.errors import EngineError, WorkerError
+from kvbridge.engine.executor import Executor, make_worker_connector
+from kvbridge.engine.kv_connector import ConnectorSpec
+from kvbridge.engine.model_runner import ModelRunner
+from kvbridge.engine.parallel import ParallelError, WorkerContext, WorkerGroup
+from kvbridge.engine.step import StepBatch, StepResult, info_decoder, result_decoder, step_decoder
+from kvbridge.engine.step import encode as encode_msg
+from kvbridge.engine.weights import Progress
+
+
+class WorkerInit(msgspec.Struct, frozen=True):
+    model_path: str
+    config: dict[str, object]
+    connector: ConnectorSpec | None = None
+
+
+class KVReply(msgspec.Struct, frozen=True):
+    ok: bool
+    payload: bytes = b""
+    error: str = ""
+
+
+_init_decoder = msgspec.msgpack.Decoder(WorkerInit)
+_kv_decoder = msgspec.msgpack.Decoder(KVReply)
+
+
+def config_fields(config: EngineConfig) -> dict[str, object]:
+    fields: dict[str, object] = {f: getattr(config, f) for f in config.__dataclass_fields__}
+    fields["cache_layout"] = config.cache_layout.value
+    return fields
+
+
+def worker_entry(ctx: WorkerContext) -> None:
+    """A tp worker: load this rank's shard, attach the KV connector, serve calls."""
+    init = _init_decoder.decode(ctx.init_payload)
+    config = EngineConfig(**init.config)  # type: ignore[arg-type]
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if total and (done == total or done % max(1, total // 5) == 0):
+            ctx.report_progress(f"{stage} {done}/{total}")
+
+    runner = ModelRunner(Path(init.model_path), config, ctx.comm, progress)
+    connector = make_worker_connector(runner, config, ctx.rank, init.connector)
+
+    def handle(method: str, payload: bytes) -> bytes:
+        if method == "step":
+            logits = runner.execute(step_decoder.decode(payload))
+            return encode_msg(StepResult.from_array(logits)) if ctx.rank == 0 else b""
+        if method == "info":
+            return encode_msg(runner.info())
+        if method.startswith("kv:"):
+            if connector is None:
+                return encode_msg(KVReply(False, error="this engine has no KV connector"))
+            try:
+                return encode_msg(KVReply(True, connector.handle(method[3:], payload)))
+            except Exception as exc:  # reported to the driver; the group stays usable
+                return encode_msg(KVReply(False, error=f"{type(exc).__name__}: {exc}"))
+        raise ValueError(f"unknown worker method {method!r}")
+
+    try:
+        ctx.serve(handle, idle=connector.idle_poll if connector is not None else None)
+    finally:
+        if connector is not None:
+            connector.close()
+
+
+class ShmExecutor(Executor):
+    """tp_size workers on this host (spawned processes, shared-memory collectives).
+
+    Owned by one LLMEngine; called from its loop thread only. Every call is bounded by
+    `config.worker_timeout_s`; a worker that fails or dies raises WorkerError naming it.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        config: EngineConfig,
+        progress: Progress | None = None,
+        connector: ConnectorSpec | None = None,
+    ) -> None:
+        init = WorkerInit(str(model_path), config_fields(config), connector)
+
+        def on_progress(rank: int, text: str) -> None:
+            if progress is not None and rank == 0:
+                progress(f"tp worker 0: {text}", 0, 0)
+
+        try:
+            self.group = WorkerGroup(
+                config.tp_size,
+                "kvbridge.engine.shm_executor:worker_entry",
+                msgspec.msgpack.encode(init),
+                start_timeout=config.worker_timeout_s,
+                call_timeout=config.worker_timeout_s,
+                num_threads=config.num_threads or 1,
+                on_progress=on_progress,
+            )
+            infos = [info_decoder.decode(r) for r in self.group.call("info")]
+        except ParallelError as exc:
+            raise WorkerError(f"tp workers failed to start: {exc}") from None
+        self.info = infos[0]
+        if any(i.num_blocks != self.info.num_blocks for i in infos):
+            self.close()
+            raise WorkerError(f"workers disagree on num_blocks: {[i.num_blocks for i in infos]}")
+
+    def execute(self, batch: StepBatch) -> np.ndarray:
+        try:
+            (reply,) = self.group.call("step", encode_msg(batch), ranks=[0])
+        except ParallelError as exc:
+            raise WorkerError(f"tp step failed: {exc}") from None
+        return result_decoder.decode(reply).array()
+
+    def connector_call(self, method: str, payload: bytes) -> list[bytes]:
+        try:
+            replies = [_kv_decoder.decode(r) for r in self.group.call(f"kv:{method}", payload)]
+        except ParallelError as exc:
+            raise WorkerError(f"KV connector call {method!r} failed: {exc}") from None
+        bad = [(rank, r.error) for rank, r in enumerate(replies) if not r.ok]
+        if bad:
+            raise EngineError(
+                f"KV connector {method!r} failed on tp worker {bad[0][0]}: {bad[0][1]}"
+            )
+        return [r.payload for r in replies]
+
+    def close(self) -> None:
+        group = getattr(self, "group", None)
+        if group is not None:
+            with contextlib.suppress(Exception):
+                group.close()

@@ -1,0 +1,243 @@
+"""Byte-exact verification of a plan on numpy buffers.
+
+Every worker's cache is filled with values that encode where they belong:
+a slot holding token t of a request gets hash(layer, kv, global head, t, element,
+request key); every other slot gets hash(layer, kv, head, physical slot, element,
+worker salt). Applying the copy lists must leave each decode worker holding exactly
+the request's values in the request's slots -- what it would have computed itself --
+and every other byte as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.plan.copylist import CopyList, check_block_ids, copy_lists
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.plan.layout import CacheLayout, InstanceLayout, WorkerShard, region_shape
+from kvbridge.plan.planner import TransferPlan
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+class VerificationError(KVBridgeError):
+    """Bytes on a decode worker differ from what it would have computed itself."""
+
+
+@dataclass(frozen=True)
+class RequestSpan:
+    """One request's blocks on one instance: its block ids in token order."""
+
+    block_ids: np.ndarray
+    num_tokens: int
+    key: int = 1
+
+
+def _mix(*parts: np.ndarray | int) -> np.ndarray:
+    """splitmix64 over a combination of the parts (uint64 arithmetic wraps)."""
+    x = np.asarray(np.uint64(0x9E3779B97F4A7C15))
+    for part in parts:
+        x = (x ^ np.asarray(part).astype(np.uint64)) * _M1
+        x = (x ^ (x >> np.uint64(29))) * _M2
+    return x ^ (x >> np.uint64(32))
+
+
+def _grid(
+    model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard, num_blocks: int
+) -> dict[str, np.ndarray]:
+    """Broadcastable index arrays over [region, *region_shape]."""
+    shape = (
+        shard.num_local_layers * model.num_kv_tensors,
+        *region_shape(layout, num_blocks, shard.num_local_heads, model.head_dim),
+    )
+    region, block, a, b, elem = np.ix_(*(np.arange(n) for n in shape))
+    head, slot = (a, b) if layout.cache_layout is CacheLayout.HND else (b, a)
+    return {
+        "layer": shard.layers[0] + region // model.num_kv_tensors,
+        "kv": region % model.num_kv_tensors,
+        "head": shard.kv_heads[0] + head,
+        "block": block,
+        "slot": slot,
+        "elem": elem,
+    }
+
+
+def _request_values(
+    model: ModelKVSpec,
+    layout: InstanceLayout,
+    shard: WorkerShard,
+    num_blocks: int,
+    requests: Sequence[RequestSpan],
+    out: np.ndarray,
+) -> None:
+    """Write every request's token values into `out` (a [regions, *region_shape] array)."""
+    g = _grid(model, layout, shard, num_blocks)
+    dtype = out.dtype
+    for req in requests:
+        ids = check_block_ids(req.block_ids, req.num_tokens, layout.block_size, "request")
+        if len(ids) and ids.max() >= num_blocks:
+            raise VerificationError(f"block id {int(ids.max())} >= num_blocks={num_blocks}")
+        position = np.full(num_blocks, -1, dtype=np.int64)
+        position[ids] = np.arange(len(ids))
+        token = position[g["block"]] * layout.block_size + g["slot"]
+        mask = np.broadcast_to((position[g["block"]] >= 0) & (token < req.num_tokens), out.shape)
+        values = _mix(g["layer"], g["kv"], g["head"], token, g["elem"], int(req.key))
+        out[mask] = np.broadcast_to(values, out.shape)[mask].astype(dtype)
+
+
+def fill_worker_cache(
+    model: ModelKVSpec,
+    layout: InstanceLayout,
+    shard: WorkerShard,
+    num_blocks: int,
+    requests: Sequence[RequestSpan],
+    salt: int,
+) -> np.ndarray:
+    """A worker's cache [regions, *region_shape] (unsigned ints of the cache's itemsize):
+    the requests' tokens hold their values, every other slot values keyed by `salt`."""
+    g = _grid(model, layout, shard, num_blocks)
+    dtype = _UINT[model.itemsize]
+    phys = g["block"] * layout.block_size + g["slot"]
+    out = _mix(g["layer"], g["kv"], g["head"], phys, g["elem"], int(salt) + (1 << 40))
+    out = np.ascontiguousarray(
+        np.broadcast_to(out, np.broadcast_shapes(*(a.shape for a in g.values())))
+    )
+    out = out.astype(dtype)
+    _request_values(model, layout, shard, num_blocks, requests, out)
+    return out
+
+
+def expected_decode_cache(
+    model: ModelKVSpec,
+    layout: InstanceLayout,
+    shard: WorkerShard,
+    initial: np.ndarray,
+    requests: Sequence[RequestSpan],
+) -> np.ndarray:
+    """What a decode worker whose cache was `initial` must hold once the requests' KV
+    arrived: `initial` with the requests' token slots holding their values."""
+    out = initial.copy()
+    _request_values(model, layout, shard, initial.shape[1], requests, out)
+    return out
+
+
+def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of arange(o, o + n) for every run (vectorized)."""
+    total = int(lengths.sum())
+    starts = np.repeat(offsets - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+    return starts + np.arange(total)
+
+
+def apply_copy_lists(
+    src_cache: np.ndarray, dst_cache: np.ndarray, lists: Sequence[CopyList]
+) -> int:
+    """Execute copy lists from one source worker's regions into a destination's (in place).
+    Returns the bytes copied. Both caches are [regions, ...] arrays."""
+    src = src_cache.reshape(src_cache.shape[0], -1).view(np.uint8)
+    dst = dst_cache.reshape(dst_cache.shape[0], -1).view(np.uint8)
+    copied = 0
+    for cl in lists:
+        if len(cl.lengths) == 0:
+            continue
+        for name, offs, side in (("src", cl.src_offsets, src), ("dst", cl.dst_offsets, dst)):
+            end = int((offs + cl.lengths).max())
+            if end > side.shape[1]:
+                raise VerificationError(
+                    f"{name} run ends at byte {end} past the region's {side.shape[1]} bytes"
+                )
+        s_idx, d_idx = (
+            _byte_index(cl.src_offsets, cl.lengths),
+            _byte_index(cl.dst_offsets, cl.lengths),
+        )
+        dst[cl.dst_regions[:, None], d_idx[None, :]] = src[cl.src_regions[:, None], s_idx[None, :]]
+        copied += cl.nbytes
+    return copied
+
+
+@dataclass
+class VerifyReport:
+    """What `verify_plan` checked."""
+
+    num_tokens: int
+    bytes_copied: int = 0
+    descriptors_unmerged: int = 0
+    descriptors: int = 0
+    per_decode_rank: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+
+def _first_mismatch(
+    model: ModelKVSpec,
+    layout: InstanceLayout,
+    shard: WorkerShard,
+    got: np.ndarray,
+    want: np.ndarray,
+) -> str:
+    idx = tuple(int(i[0]) for i in np.nonzero(got != want))
+    region, block = idx[0], idx[1]
+    head, slot = (idx[2], idx[3]) if layout.cache_layout is CacheLayout.HND else (idx[3], idx[2])
+    layer = shard.layers[0] + region // model.num_kv_tensors
+    kv = ("K", "V")[region % model.num_kv_tensors] if not model.is_mla else "latent"
+    bad = int((got != want).sum())
+    return (
+        f"decode rank {shard.rank}: {bad} elements wrong, first at layer {layer} {kv} "
+        f"head {shard.kv_heads[0] + head} block {block} slot {slot} element {idx[4]}"
+    )
+
+
+def verify_plan(
+    plan: TransferPlan, num_tokens: int, *, seed: int = 0, spare_blocks: int = 3
+) -> VerifyReport:
+    """Run the plan for one synthetic request with shuffled, non-contiguous block ids
+    on both sides and check every decode worker byte for byte. Raises VerificationError."""
+    rng = np.random.default_rng(seed)
+    model = plan.model
+
+    def request(layout: InstanceLayout, key: int) -> tuple[int, RequestSpan]:
+        need = -(-num_tokens // layout.block_size)
+        num_blocks = need + spare_blocks
+        ids = rng.permutation(num_blocks)[:need]
+        return num_blocks, RequestSpan(ids, num_tokens, key)
+
+    p_blocks, p_req = request(plan.prefill, key=7)
+    d_blocks, d_req = request(plan.decode, key=7)
+    p_caches = [
+        fill_worker_cache(model, plan.prefill, w, p_blocks, [p_req], salt=1000 + w.rank)
+        for w in plan.prefill_workers
+    ]
+    report = VerifyReport(num_tokens)
+    for d in plan.decode_workers:
+        initial = fill_worker_cache(model, plan.decode, d, d_blocks, [], salt=5000 + d.rank)
+        cache = initial.copy()
+        lists = copy_lists(plan, d.rank, p_req.block_ids, d_req.block_ids, num_tokens)
+        for cl in lists:
+            report.bytes_copied += apply_copy_lists(p_caches[cl.read.prefill_rank], cache, [cl])
+        unmerged = sum(cl.num_unmerged for cl in lists)
+        merged = sum(cl.num_descriptors for cl in lists)
+        report.descriptors_unmerged += unmerged
+        report.descriptors += merged
+        report.per_decode_rank[d.rank] = (unmerged, merged)
+        want = expected_decode_cache(model, plan.decode, d, initial, [d_req])
+        if not np.array_equal(cache, want):
+            raise VerificationError(_first_mismatch(model, plan.decode, d, cache, want))
+    expected_bytes = num_tokens * plan.bytes_per_token
+    if report.bytes_copied != expected_bytes:
+        raise VerificationError(
+            f"copied {report.bytes_copied} bytes, the plan's reads account for {expected_bytes}"
+        )
+    return report
+
+
+def count_contiguous_runs(cl: CopyList, row: int) -> int:
+    """Brute-force count of maximal runs contiguous on both sides, at the granularity of
+    one head row: an independent check of `merge_runs` (used by tests and the bench)."""
+    s_rows = _byte_index(cl.src_offsets // row, cl.lengths // row)
+    d_rows = _byte_index(cl.dst_offsets // row, cl.lengths // row)
+    order = np.argsort(s_rows)
+    s_rows, d_rows = s_rows[order], d_rows[order]
+    breaks = 1 + int(np.count_nonzero((np.diff(s_rows) != 1) | (np.diff(d_rows) != 1)))
+    return breaks * cl.num_region_pairs if len(s_rows) else 0

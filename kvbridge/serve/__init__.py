@@ -1,0 +1,1 @@
+"""Disaggregated serving: prefill and decode instances behind an OpenAI-compatible proxy."""

@@ -1,0 +1,88 @@
+"""What the proxy asks of whatever generates tokens.
+
+The proxy speaks OpenAI to clients and `Backend` to the instances behind it. A backend
+turns one `GenerateRequest` into a stream of `GenerateEvent`s: text deltas as tokens
+come, then one event with `finish_reason` set and the usage and stage timings.
+The messages are msgspec Structs because they also travel between processes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncGenerator
+
+import msgspec
+
+from kvbridge.errors import KVBridgeError
+
+#: Version of the proxy <-> instance messages; bumped on any incompatible change.
+PROTOCOL_VERSION = 1
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+
+
+class GenerateRequest(msgspec.Struct, frozen=True):
+    """One completion: exactly one of `prompt`, `prompt_token_ids`, `messages` is set."""
+
+    request_id: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = (
+        None  # chat: {"role", "content"}; template applied by the instance
+    )
+    version: int = PROTOCOL_VERSION
+
+
+class GenerateEvent(msgspec.Struct):
+    """A piece of a completion. The last one has `finish_reason` ("stop" or "length")."""
+
+    text: str = ""
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    #: stage figures of the finished request (prefill_ms, kv_bytes, transfer_ms, decode_ms, ...)
+    stages: dict[str, float] = msgspec.field(default_factory=dict)
+    error: str | None = None  # set on a failure after streaming began
+
+
+class BackendError(KVBridgeError):
+    """A request the backend refused or could not finish; `status` is the HTTP status
+    the proxy answers with (400 bad request, 503 unavailable, 500 internal)."""
+
+    def __init__(self, message: str, status: int = 500, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+class Backend(abc.ABC):
+    """Generates tokens for the proxy. Owned by the proxy process; called from its
+    event loop, concurrently for many requests."""
+
+    model_name: str
+
+    @abc.abstractmethod
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
+        """Stream the completion. Raises BackendError before the first event if the
+        request cannot start; a failure after that arrives as an event with `error`.
+        Closing the iterator early (client went away) aborts the request."""
+
+    async def health(self) -> dict[str, object]:
+        """Readiness of what sits behind the backend."""
+        return {"status": "ok"}
+
+    async def instance_metrics(self) -> str:
+        """Prometheus text from the instances (blocks in use, ...), appended to /metrics."""
+        return ""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""

@@ -1,0 +1,120 @@
+"""`kvbridge demo`: the whole system once, end to end, checked.
+
+Starts a prefill and a decode instance and the proxy, sends one prompt through the
+OpenAI API, prints the completion and its stages, then asks the decode instance to
+generate the same request colocated (prompt computed there) and checks the texts match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import httpx
+import msgspec
+
+from kvbridge.serve import wire
+from kvbridge.serve.backend import GenerateRequest, SamplingParams
+from kvbridge.serve.disagg_backend import DisaggBackend
+from kvbridge.serve.http_server import ServerThread
+from kvbridge.serve.launcher import Deployment, LaunchError, free_port
+from kvbridge.serve.proxy import make_app
+
+
+def colocated_text(decode_url: str, prompt: str, max_tokens: int) -> str:
+    """The same greedy request computed entirely on one instance."""
+    req = wire.DecodeRequest(
+        GenerateRequest(
+            request_id=f"colocated-{time.time_ns()}",
+            prompt=prompt,
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        )
+    )
+    parts = []
+    with httpx.stream(
+        "POST",
+        f"{decode_url}/internal/generate",
+        content=msgspec.json.encode(req),
+        headers={"content-type": "application/json"},
+        timeout=300,
+    ) as r:
+        for line in r.iter_lines():
+            if line:
+                ev = wire.event_decoder.decode(line)
+                if ev.error:
+                    raise LaunchError(f"colocated generation failed: {ev.error}")
+                parts.append(ev.text)
+    return "".join(parts)
+
+
+def demo(args: argparse.Namespace, prefill_args: list[str], decode_args: list[str]) -> int:
+    say = print
+    dep = Deployment()
+    proxy: ServerThread | None = None
+    try:
+        say(
+            f"starting prefill tp {args.prefill_tp} -> decode tp {args.decode_tp} "
+            f"({args.model}) ..."
+        )
+        prefill = dep.start_instance("prefill", prefill_args, args.host)
+        decode = dep.start_instance("decode", decode_args, args.host)
+        dep.wait_healthy(args.start_timeout_s, say=say)
+        backend = DisaggBackend(
+            [prefill.url],
+            [decode.url],
+            args.model,
+            recompute_on_failure=args.kv_load_failure == "recompute",
+        )
+        port = args.port
+        try:
+            proxy = ServerThread(make_app(backend), args.host, port).start()
+        except Exception:
+            port = free_port(args.host)
+            say(f"port {args.port} is busy; the proxy uses {port}")
+            proxy = ServerThread(make_app(backend), args.host, port).start()
+        body = {
+            "model": args.model,
+            "prompt": args.prompt,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+        }
+        say(f"$ curl {proxy.url}/v1/completions -d '{msgspec.json.encode(body).decode()}'")
+        t0 = time.perf_counter()
+        r = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=300)
+        elapsed = time.perf_counter() - t0
+        if r.status_code != 200:
+            say(f"request failed: HTTP {r.status_code}: {r.text}")
+            return 1
+        out = r.json()
+        text = out["choices"][0]["text"]
+        say(f"completion: {args.prompt!r} -> {text!r}")
+        stages = out.get("kvbridge_stages", {})
+        tokens = out["usage"]["completion_tokens"]
+        decode_ms = stages.get("decode_ms", 0.0)
+        say(
+            f"stages: prefill {stages.get('prefill_ms', 0):.0f} ms | KV "
+            f"{stages.get('kv_bytes', 0) / 2**20:.2f} MiB in {stages.get('transfer_ms', 0):.1f} ms"
+            f" | decode {max(tokens - 1, 0)} tokens in {decode_ms:.0f} ms"
+            + (
+                f" ({(tokens - 1) / decode_ms * 1e3:.1f} tokens/s)"
+                if decode_ms and tokens > 1
+                else ""
+            )
+            + f" | total {elapsed * 1e3:.0f} ms"
+        )
+        if stages.get("kv_load_failed"):
+            say("note: the KV pull failed and the decode instance recomputed the prompt")
+        reference = colocated_text(decode.url, args.prompt, args.max_tokens)
+        if reference != text:
+            say(f"MISMATCH: colocated generation gives {reference!r}")
+            return 1
+        say("check: identical to colocated generation on the decode instance")
+        return 0
+    except LaunchError as exc:
+        print(f"kvbridge demo: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        dep.stop()

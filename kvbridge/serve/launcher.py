@@ -1,0 +1,140 @@
+"""Start a whole disaggregated deployment on this machine: a prefill instance and a
+decode instance as child processes (each with its own tp workers), then the proxy.
+
+Children are started as `python -m kvbridge.cli.main serve --role ...` in their own
+process groups; `Deployment.stop()` (also on Ctrl-C, errors and interpreter exit)
+terminates them and their workers. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvbridge.errors import KVBridgeError
+
+
+class LaunchError(KVBridgeError):
+    """An instance did not come up (it exited, or was not healthy in time)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    """One instance process. It binds a free port itself and writes it to `port_file`
+    (picking a port here and passing it down would race with other listeners)."""
+
+    name: str
+    host: str
+    port_file: Path
+    proc: subprocess.Popen[bytes]
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        if not self.port:
+            deadline = time.monotonic() + 1800
+            while not self.port_file.exists():
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise LaunchError(
+                        f"{self.name} instance exited with status "
+                        f"{self.proc.returncode} before listening"
+                    )
+                time.sleep(0.05)
+            self.port = int(self.port_file.read_text())
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass
+class Deployment:
+    """The instance processes of one `kvbridge serve`; the proxy runs in the caller."""
+
+    children: list[Child] = field(default_factory=list)
+    _tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvbridge-")))
+
+    def start_instance(self, name: str, args: list[str], host: str = "127.0.0.1") -> Child:
+        port_file = self._tmp / f"{name}-{len(self.children)}.port"
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvbridge.cli.main",
+            "serve",
+            *args,
+            "--host",
+            host,
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+        ]
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        child = Child(name, host, port_file, proc)
+        self.children.append(child)
+        atexit.register(self.stop)
+        return child
+
+    def wait_healthy(self, timeout_s: float, say: object = print) -> None:
+        """Return once every child answers /health 200; raise LaunchError naming the one
+        that exited or is still not up after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        pending = list(self.children)
+        last_note = 0.0
+        while pending:
+            for child in list(pending):
+                code = child.proc.poll()
+                if code is not None:
+                    raise LaunchError(
+                        f"{child.name} instance exited with status {code} while "
+                        "starting; its output above says why"
+                    )
+                if not child.port_file.exists():
+                    continue
+                try:
+                    if httpx.get(f"{child.url}/health", timeout=1.0).status_code == 200:
+                        pending.remove(child)
+                        if callable(say):
+                            say(f"{child.name} instance ready at {child.url}")
+                except httpx.HTTPError:
+                    pass
+            now = time.monotonic()
+            if pending and now > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise LaunchError(f"{names} not healthy within {timeout_s:.0f} s")
+            if pending and now - last_note > 15 and callable(say):
+                say("waiting for " + ", ".join(c.name for c in pending) + " to load ...")
+                last_note = now
+            time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for child in self.children:
+            if child.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                child.proc.wait(remaining)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.proc.pid, signal.SIGKILL)
+                child.proc.wait(5)
+        self.children.clear()
+        shutil.rmtree(self._tmp, ignore_errors=True)

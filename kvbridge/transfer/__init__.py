@@ -1,0 +1,72 @@
+"""The transfer runtime: move a request's KV blocks between worker processes with NIXL.
+
+Engine-facing API (mirrors vLLM's KV-connector lifecycle):
+  * prefill worker: `KVProducer.expose(request_id, block_ids, num_tokens)`, then call
+    `poll()` from its loop; `on_release` hands the blocks back once every expected
+    decode worker notified completion (or the lease expired).
+  * decode worker: `KVConsumer.pull(request_id, endpoint, producer_block_ids,
+    local_block_ids, num_tokens)` returns at once; `poll()` reports each request once
+    as DONE or FAILED with its reason.
+Both take a `Transport` (`NixlTransport`: one NIXL agent per process, cache regions
+registered once) and a `TransferConfig`. Modules importing NIXL, ZMQ or msgspec are
+imported lazily by their users; this package itself imports none of them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvbridge.transfer.agent import NixlTransport, Transport, XferState
+    from kvbridge.transfer.config import TransferConfig, load_token
+    from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
+    from kvbridge.transfer.errors import AuthError, HandshakeError, ProtocolError, TransferError
+    from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
+    from kvbridge.transfer.regions import CacheRegions, MemType
+
+_EXPORTS = {
+    "NixlTransport": "agent",
+    "Transport": "agent",
+    "XferState": "agent",
+    "TransferConfig": "config",
+    "load_token": "config",
+    "KVConsumer": "consumer",
+    "TransferResult": "consumer",
+    "TransferState": "consumer",
+    "AuthError": "errors",
+    "HandshakeError": "errors",
+    "ProtocolError": "errors",
+    "TransferError": "errors",
+    "KVProducer": "producer",
+    "Release": "producer",
+    "ReleaseCause": "producer",
+    "CacheRegions": "regions",
+    "MemType": "regions",
+}
+__all__ = [
+    "AuthError",
+    "CacheRegions",
+    "HandshakeError",
+    "KVConsumer",
+    "KVProducer",
+    "MemType",
+    "NixlTransport",
+    "ProtocolError",
+    "Release",
+    "ReleaseCause",
+    "TransferConfig",
+    "TransferError",
+    "TransferResult",
+    "TransferState",
+    "Transport",
+    "XferState",
+    "load_token",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"kvbridge.transfer.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'kvbridge.transfer' has no attribute {name!r}")

@@ -1,0 +1,156 @@
+"""The pipe protocol between a parent and its transfer worker processes.
+
+Commands go parent -> worker, events worker -> parent, each one msgspec-encoded
+frame (`send_bytes`), never pickle. `WorkerSpec` is what a worker is started with.
+"""
+
+from __future__ import annotations
+
+from multiprocessing.connection import Connection
+
+import msgspec
+import numpy as np
+
+from kvbridge.plan.verifier import RequestSpan
+from kvbridge.transfer.messages import LayoutWire, ModelWire
+
+
+class Span(msgspec.Struct, frozen=True, array_like=True):
+    block_ids: list[int]
+    num_tokens: int
+    key: int
+
+    def to_request(self) -> RequestSpan:
+        return RequestSpan(np.asarray(self.block_ids, dtype=np.int64), self.num_tokens, self.key)
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    role: str  # "prefill" or "decode"
+    model: ModelWire
+    layout: LayoutWire
+    rank: int
+    num_blocks: int
+    instance_id: str
+    salt: int
+    fill: list[Span] = []  # prefill: requests whose tokens the cache holds
+    host: str = "127.0.0.1"
+    base_port: int = 0
+    token: bytes | None = None
+    lease_s: float = 120.0
+    transfer_timeout_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    backend_params: dict[str, str] = {}
+    scratch_bytes: int = 0  # benchmarks: a registered contiguous buffer of this size
+    pattern: bool = True  # False (benchmarks): skip the verifiable fill, no Verify
+    max_units: int = 1 << 22  # TransferConfig.max_units (tests force the exact-list path)
+
+
+# -- parent -> worker ----------------------------------------------------------------
+class SetEndpoints(msgspec.Struct, tag=True):
+    endpoints: list[str]
+
+
+class Expose(msgspec.Struct, tag=True):
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+class Pull(msgspec.Struct, tag=True):
+    request_id: str
+    endpoint: str
+    producer_block_ids: list[int]
+    local_block_ids: list[int]
+    num_tokens: int
+
+
+class Verify(msgspec.Struct, tag=True):
+    requests: list[Span]
+
+
+class Status(msgspec.Struct, tag=True):
+    pass
+
+
+class Stop(msgspec.Struct, tag=True):
+    pass
+
+
+class RawRead(msgspec.Struct, tag=True):
+    """Benchmark baseline: one single-descriptor READ of `nbytes` from a peer's scratch
+    buffer into ours (the peer must already be known, i.e. handshaked)."""
+
+    agent_name: str
+    remote_addr: int
+    nbytes: int
+
+
+Command = SetEndpoints | Expose | Pull | Verify | Status | Stop | RawRead
+
+
+# -- worker -> parent ----------------------------------------------------------------
+class Ready(msgspec.Struct, tag=True):
+    rank: int
+    endpoint: str
+    pid: int
+    agent_name: str
+    scratch_addr: int
+
+
+class Released(msgspec.Struct, tag=True):
+    rank: int
+    request_id: str
+    cause: str
+    reason: str
+    num_blocks: int
+
+
+class Finished(msgspec.Struct, tag=True):
+    rank: int
+    request_id: str
+    state: str
+    reason: str
+    local_block_ids: list[int]
+    nbytes: int
+    num_descriptors: int
+    num_unmerged: int
+    num_indices: int
+
+
+class Verified(msgspec.Struct, tag=True):
+    rank: int
+    ok: bool
+    detail: str
+
+
+class StatusReply(msgspec.Struct, tag=True):
+    rank: int
+    held_blocks: int
+    refusals: list[str]
+    rejected: int
+
+
+class Failed(msgspec.Struct, tag=True):
+    rank: int
+    error: str
+
+
+class RawDone(msgspec.Struct, tag=True):
+    rank: int
+    state: str
+    seconds: float
+
+
+Event = Ready | Released | Finished | Verified | StatusReply | Failed | RawDone
+
+_enc = msgspec.msgpack.Encoder()
+cmd_decoder: msgspec.msgpack.Decoder[Command] = msgspec.msgpack.Decoder(Command)
+event_decoder = msgspec.msgpack.Decoder(Event)
+
+
+def send(conn: Connection, msg: msgspec.Struct) -> None:
+    conn.send_bytes(_enc.encode(msg))
+
+
+def recv_event(conn: Connection) -> Event:
+    return event_decoder.decode(conn.recv_bytes())

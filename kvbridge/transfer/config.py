@@ -1,0 +1,95 @@
+"""Configuration of one worker's transfer runtime (producer or consumer side).
+
+Times are seconds. Every wait the runtime does is bounded by one of them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvbridge.errors import ConfigError
+
+#: Environment variables read by `load_token`.
+TOKEN_ENV = "KVBRIDGE_TRANSFER_TOKEN"
+TOKEN_FILE_ENV = "KVBRIDGE_TRANSFER_TOKEN_FILE"
+
+#: Default cap on one side-channel message; a handshake reply is a few KiB plus the
+#: NIXL agent metadata (which grows with registered regions), so 4 MiB is generous.
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How a worker's side channel listens and how long the runtime waits.
+
+    Attributes:
+        host: address the producer's side channel binds (127.0.0.1 unless configured).
+        base_port: worker ``rank`` of a producer instance serves ``base_port + rank``;
+            0 lets the OS pick (the actual endpoint is then reported by the producer).
+        token: shared secret; when set, every side-channel message and every
+            completion notification carries an HMAC-SHA256 over its body, and a
+            message without a valid one is refused.
+        lease_s: a producer releases exposed blocks after this long even if the
+            expected consumers never notified completion.
+        transfer_timeout_s: a consumer fails a request not finished after this long.
+        handshake_timeout_s: a consumer fails a handshake not answered after this long.
+        max_message_bytes: side-channel messages larger than this are rejected.
+        max_units: most descriptors one prepared descriptor list may hold; finer
+            copy lists fall back to per-request descriptor lists.
+    """
+
+    host: str = "127.0.0.1"
+    base_port: int = 0
+    token: bytes | None = None
+    lease_s: float = 120.0
+    transfer_timeout_s: float = 30.0
+    handshake_timeout_s: float = 5.0
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_units: int = 1 << 22
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.base_port < 65536:
+            raise ConfigError(
+                f"base_port={self.base_port} must be in [0, 65536); 0 picks a free port"
+            )
+        for field in ("lease_s", "transfer_timeout_s", "handshake_timeout_s"):
+            value = getattr(self, field)
+            if not value > 0:
+                raise ConfigError(f"{field}={value!r} must be a positive number of seconds")
+        if self.max_message_bytes < 4096:
+            raise ConfigError(
+                f"max_message_bytes={self.max_message_bytes} is too small for a handshake; "
+                "use at least 4096"
+            )
+        if self.token is not None and len(self.token) < 16:
+            raise ConfigError(
+                f"token of {len(self.token)} bytes is too short to authenticate peers; "
+                "use at least 16 bytes (e.g. `openssl rand -hex 32`)"
+            )
+
+    def port_of(self, rank: int) -> int:
+        """The side-channel port worker `rank` binds (0: any free port)."""
+        return self.base_port + rank if self.base_port else 0
+
+
+def load_token(value: str | None = None, path: str | Path | None = None) -> bytes | None:
+    """The shared token from `value`, else the file `path`, else the environment
+    (``KVBRIDGE_TRANSFER_TOKEN``, then the file named by ``KVBRIDGE_TRANSFER_TOKEN_FILE``);
+    None if none is set. Surrounding whitespace of a file's content is ignored."""
+    if value:
+        return value.encode()
+    path = path or os.environ.get(TOKEN_FILE_ENV) or None
+    if path is None:
+        env = os.environ.get(TOKEN_ENV)
+        return env.encode() if env else None
+    try:
+        text = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read transfer token file {path}: {exc.strerror or exc}"
+        ) from None
+    if not text:
+        raise ConfigError(f"transfer token file {path} is empty; put the shared secret in it")
+    return text

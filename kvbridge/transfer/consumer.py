@@ -1,0 +1,368 @@
+"""The consumer side: a decode worker pulls a request's KV from the producer's workers.
+
+Lifecycle (mirrors vLLM's KV-connector): `pull` records the request and returns at
+once; the owner calls `poll()` from its loop, which reports each pulled request
+exactly once as DONE or FAILED (with the reason and the local block ids, handed
+back either way). Handshakes and the cache of producer instances live in
+`peers.ProducerDirectory`. Per request the consumer posts one NIXL READ per producer
+worker, built from the planner's copy lists; each READ carries the `ReadDone`
+notification to its producer worker. Note that with UCX's cma transport a READ is
+copied inside `transfer()`, so a `poll` that posts a large READ takes its copy time.
+
+Bounded failure: a refused or unanswered handshake, a NIXL error or a request running
+past `transfer_timeout_s` fails the request with its reason; a request that gives up
+tells the producer workers still waiting (`ReadDone(ok=False)`), so they release at
+once instead of at the lease. Single-threaded: `pull`, `poll`, `close` from one thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.plan.copylist import copy_lists, region_nbytes
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.transfer.agent import Transport, XferState
+from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.descriptors import (
+    exact_descs,
+    num_units,
+    unit_descs,
+    unit_indices,
+    unit_size,
+)
+from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.messages import (
+    Hello,
+    LayoutWire,
+    ModelWire,
+    ReadDone,
+    encode,
+    spec_error,
+)
+from kvbridge.transfer.peers import PeerState, ProducerDirectory, ProducerInstance, ProducerWorker
+from kvbridge.transfer.regions import CacheRegions
+
+log = logging.getLogger("kvbridge.transfer.consumer")
+
+
+class TransferState(enum.Enum):
+    HANDSHAKING = "handshaking"  # waiting for the producer's workers to answer
+    READING = "reading"  # READs posted
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """The outcome of one pull; `local_block_ids` are the caller's again."""
+
+    request_id: str
+    state: TransferState
+    reason: str
+    local_block_ids: tuple[int, ...]
+    nbytes: int = 0
+    num_descriptors: int = 0  # copy-list descriptors after merging adjacent runs
+    num_unmerged: int = 0  # before merging
+    num_indices: int = 0  # prepared-list entries posted (NIXL merges consecutive ones)
+
+
+@dataclass
+class _Pull:
+    request_id: str
+    instance: ProducerInstance
+    producer_block_ids: np.ndarray
+    local_block_ids: np.ndarray
+    num_tokens: int
+    deadline: float
+    state: TransferState = TransferState.HANDSHAKING
+    xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
+    temp_dlists: list[Any] = field(default_factory=list)
+    notified: set[int] = field(default_factory=set)  # prefill ranks told we are done
+    stats: tuple[int, int, int, int] = (0, 0, 0, 0)
+
+
+class KVConsumer:
+    """One decode worker's side of the transfer runtime; borrows `transport`, which
+    must have `regions` (this worker's cache) registered."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelKVSpec,
+        layout: InstanceLayout,
+        rank: int,
+        regions: CacheRegions,
+        num_blocks: int,
+        transport: Transport,
+        config: TransferConfig,
+        instance_id: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model, self.layout, self.rank = model, layout, rank
+        self.shard = layout.workers(model, "decode")[rank]
+        want_n = num_regions(model, self.shard)
+        want_len = region_nbytes(
+            model.with_dtype(layout.kv_dtype(model)), layout, self.shard, num_blocks
+        )
+        if regions.num_regions != want_n or set(regions.lengths) != {want_len}:
+            raise TransferError(
+                f"decode worker {rank} registered {regions.num_regions} regions of "
+                f"{sorted(set(regions.lengths))} bytes; its layout needs {want_n} regions of "
+                f"{want_len} bytes ({num_blocks} blocks)"
+            )
+        self.regions, self.num_blocks = regions, num_blocks
+        self.transport, self.config, self.instance_id = transport, config, instance_id
+        self._clock = clock
+        self._pulls: dict[str, _Pull] = {}
+        self._local_dlists: dict[int, Any] = {}
+        self._results: list[TransferResult] = []
+        hello = Hello(
+            instance_id=instance_id,
+            rank=rank,
+            model=ModelWire.of(model),
+            layout=LayoutWire.of(layout),
+        )
+        self.directory = ProducerDirectory(
+            model=model,
+            layout=layout,
+            rank=rank,
+            transport=transport,
+            config=config,
+            hello=hello,
+            clock=clock,
+        )
+
+    # -- engine-facing API -------------------------------------------------------------
+    def pull(
+        self,
+        request_id: str,
+        endpoint: str,
+        producer_block_ids: Sequence[int] | np.ndarray,
+        local_block_ids: Sequence[int] | np.ndarray,
+        num_tokens: int,
+    ) -> None:
+        """Start loading `request_id`'s `num_tokens` tokens from the producer instance at
+        `endpoint` (its worker 0's side channel) into `local_block_ids`; returns at once."""
+        if request_id in self._pulls:
+            raise TransferError(f"request_id={request_id!r} is already being pulled")
+        local = np.asarray(local_block_ids, dtype=np.int64).ravel()
+        remote = np.asarray(producer_block_ids, dtype=np.int64).ravel()
+        if len(local) and (local.min() < 0 or local.max() >= self.num_blocks):
+            raise TransferError(
+                f"local_block_ids of {request_id!r} must lie in "
+                f"[0, {self.num_blocks}); got {local.tolist()[:8]}"
+            )
+        if not 0 <= num_tokens <= len(local) * self.layout.block_size:
+            raise TransferError(
+                f"num_tokens={num_tokens} of {request_id!r} does not fit "
+                f"{len(local)} local blocks of {self.layout.block_size} tokens"
+            )
+        inst = self.directory.instance(endpoint)
+        self._pulls[request_id] = _Pull(
+            request_id,
+            inst,
+            remote,
+            local,
+            num_tokens,
+            self._clock() + self.config.transfer_timeout_s,
+        )
+
+    def poll(self) -> list[TransferResult]:
+        """Advance every handshake and pull; returns the requests that finished since."""
+        now = self._clock()
+        self.directory.poll(now)
+        for pull in list(self._pulls.values()):
+            self._advance_pull(pull, now)
+        # Without NIXL's progress thread, our standalone notifications (to replicas
+        # nobody reads, failure notices) leave only while our agent is progressed.
+        for sender, msgs in self.transport.notifs().items():
+            log.debug(
+                "decode worker %d ignored %d notifications from %s", self.rank, len(msgs), sender
+            )
+        out, self._results = self._results, []
+        return out
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Local blocks of requests not yet reported (the rest were handed back)."""
+        return sum(len(p.local_block_ids) for p in self._pulls.values())
+
+    def close(self) -> list[TransferResult]:
+        """Fail what is in flight ("consumer closed"), drop peers; returns those results."""
+        for pull in list(self._pulls.values()):
+            self._finish(pull, TransferState.FAILED, "consumer closed")
+        self.directory.close()
+        for handle in self._local_dlists.values():
+            self.transport.release_dlist(handle)
+        self._local_dlists.clear()
+        out, self._results = self._results, []
+        return out
+
+    # -- requests ----------------------------------------------------------------------
+    def _advance_pull(self, pull: _Pull, now: float) -> None:
+        inst = pull.instance
+        if pull.state is TransferState.HANDSHAKING:
+            if inst.reason:
+                self._finish(pull, TransferState.FAILED, inst.reason)
+                return
+            if inst.is_ready:
+                try:
+                    self._post(pull)
+                except KVBridgeError as exc:
+                    self._finish(pull, TransferState.FAILED, spec_error(exc))
+                    return
+        if pull.state is TransferState.READING:
+            for i, (p, xfer) in list(pull.xfers.items()):
+                st = self.transport.state(xfer)
+                if st is XferState.DONE:  # NIXL delivered the READ's notification
+                    self.transport.release(xfer)
+                    del pull.xfers[i]
+                    pull.notified.add(p)
+                elif st is XferState.ERR:
+                    peer = inst.readers[p]
+                    reason = (
+                        f"NIXL READ from prefill worker {p} ({peer.endpoint}, agent "
+                        f"{peer.agent!r}) ended in ERR state; the producer worker may have died"
+                    )
+                    self.directory.drop(peer, reason)
+                    self._finish(pull, TransferState.FAILED, reason)
+                    return
+            if not pull.xfers:
+                self._finish(pull, TransferState.DONE, "")
+                return
+        if now >= pull.deadline:
+            self._finish(pull, TransferState.FAILED, self._timeout_reason(pull))
+
+    def _timeout_reason(self, pull: _Pull) -> str:
+        t = f"timed out after {self.config.transfer_timeout_s:g} s"
+        if pull.state is TransferState.READING:
+            return f"{t} reading from prefill workers {sorted({p for p, _ in pull.xfers.values()})}"
+        waiting = [w.endpoint for w in pull.instance.workers() if w.state is not PeerState.READY]
+        return f"{t} waiting for handshakes with {sorted(set(waiting))}"
+
+    def _post(self, pull: _Pull) -> None:
+        inst = pull.instance
+        assert inst.plan is not None
+        lists = copy_lists(
+            inst.plan, self.rank, pull.producer_block_ids, pull.local_block_ids, pull.num_tokens
+        )
+        notif = encode(
+            ReadDone(request_id=pull.request_id, instance_id=self.instance_id, rank=self.rank),
+            self.config.token,
+        )
+        nbytes = ndesc = nunmerged = nidx = 0
+        pull.state = TransferState.READING
+        for i, cl in enumerate(lists):
+            p = cl.read.prefill_rank
+            peer = inst.readers[p]
+            assert peer.welcome is not None and peer.regions is not None
+            if (
+                len(pull.producer_block_ids)
+                and pull.producer_block_ids.max() >= peer.welcome.num_blocks
+            ):
+                raise TransferError(
+                    f"producer block id {int(pull.producer_block_ids.max())} of "
+                    f"{pull.request_id!r} is outside prefill worker {p}'s "
+                    f"{peer.welcome.num_blocks} blocks"
+                )
+            if cl.nbytes == 0:  # nothing to read, but the producer still waits for us
+                self.transport.send_notif(peer.agent, notif)
+                pull.notified.add(p)
+                continue
+            g = unit_size(cl, peer.regions.lengths, self.regions.lengths)
+            limit = self.config.max_units
+            if max(num_units(peer.regions, g), num_units(self.regions, g)) <= limit:
+                local = self._local_dlist(g)
+                remote = self.directory.remote_dlist(peer, g)
+                remote_idx, local_idx = unit_indices(cl, g, peer.regions, self.regions)
+            else:  # too fine to prepare whole regions: this request's own descriptors
+                rdescs, ldescs = exact_descs(cl, peer.regions, self.regions)
+                local = self.transport.prep_local(ldescs)
+                remote = self.transport.prep_remote(peer.agent, rdescs, peer.regions.mem_type)
+                pull.temp_dlists += [local, remote]
+                local_idx = remote_idx = np.arange(len(ldescs), dtype=np.int32)
+            try:
+                xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, notif)
+            except TransferError as exc:
+                reason = (
+                    f"READ from prefill worker {p} ({peer.endpoint}) failed: {exc}; "
+                    "the producer worker may have died"
+                )
+                self.directory.drop(peer, reason)
+                raise TransferError(reason) from None
+            pull.xfers[i] = (p, xfer)
+            nbytes += cl.nbytes
+            ndesc += cl.num_descriptors
+            nunmerged += cl.num_unmerged
+            nidx += len(local_idx)
+        for p, peer in inst.unread.items():
+            self._notify(pull, p, peer, notif)
+        pull.stats = (nbytes, ndesc, nunmerged, nidx)
+
+    def _notify(self, pull: _Pull, p: int, peer: ProducerWorker, msg: bytes) -> None:
+        """Send a standalone notification; a dead peer is dropped, not fatal here."""
+        try:
+            self.transport.send_notif(peer.agent, msg)
+            pull.notified.add(p)
+        except TransferError as exc:
+            log.warning(
+                "decode worker %d: notifying prefill worker %d of %r failed: %s",
+                self.rank,
+                p,
+                pull.request_id,
+                exc,
+            )
+
+    def _local_dlist(self, g: int) -> Any:
+        if g not in self._local_dlists:
+            self._local_dlists[g] = self.transport.prep_local(unit_descs(self.regions, g))
+        return self._local_dlists[g]
+
+    def _finish(self, pull: _Pull, state: TransferState, reason: str) -> None:
+        cancelled = all([self.transport.release(x) for _, x in pull.xfers.values()])
+        pull.xfers.clear()
+        if state is TransferState.FAILED and cancelled:
+            # producer workers still waiting for us may release now: we will not read
+            msg = encode(
+                ReadDone(
+                    request_id=pull.request_id,
+                    instance_id=self.instance_id,
+                    rank=self.rank,
+                    ok=False,
+                    reason=reason[:4000],
+                ),
+                self.config.token,
+            )
+            inst = pull.instance
+            for p, peer in (*inst.readers.items(), *inst.unread.items()):
+                if p not in pull.notified and peer.state is PeerState.READY:
+                    self._notify(pull, p, peer, msg)
+        for handle in pull.temp_dlists:
+            self.transport.release_dlist(handle)
+        if state is TransferState.FAILED:
+            log.warning(
+                "decode worker %d: pull of %r failed: %s", self.rank, pull.request_id, reason
+            )
+        del self._pulls[pull.request_id]
+        nbytes, ndesc, nunmerged, nidx = pull.stats
+        self._results.append(
+            TransferResult(
+                pull.request_id,
+                state,
+                reason,
+                tuple(int(b) for b in pull.local_block_ids),
+                nbytes,
+                ndesc,
+                nunmerged,
+                nidx,
+            )
+        )

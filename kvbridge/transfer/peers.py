@@ -1,0 +1,240 @@
+"""A consumer's directory of producer instances: handshakes, validation, caching.
+
+Per producer instance (keyed by its worker-0 side-channel endpoint) the directory
+handshakes with worker 0 (learning the instance's geometry and every worker's
+endpoint), plans the pair with the planner (an incompatible pair fails here with the
+planner's error), then handshakes with each producer worker this decode worker reads
+from -- and, on decode worker 0, with the workers nobody reads (they still wait for a
+notification). Everything is cached until a peer fails; a failed peer is forgotten,
+so the next pull reconnects. Handshakes never block: `poll` advances them, and each
+has a deadline (`handshake_timeout_s`). Single-threaded, owned by one `KVConsumer`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.plan.copylist import region_nbytes
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.plan.planner import TransferPlan, make_plan
+from kvbridge.transfer.agent import Transport
+from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.descriptors import unit_descs
+from kvbridge.transfer.errors import ProtocolError
+from kvbridge.transfer.messages import Hello, Refused, Welcome, spec_error
+from kvbridge.transfer.regions import CacheRegions, MemType
+from kvbridge.transfer.side_channel import SideChannelClient
+
+log = logging.getLogger("kvbridge.transfer.consumer")
+
+
+class PeerState(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class ProducerWorker:
+    """One producer worker as a consumer knows it (valid once READY)."""
+
+    endpoint: str
+    client: SideChannelClient
+    deadline: float
+    state: PeerState = PeerState.CONNECTING
+    welcome: Welcome | None = None
+    agent: str = ""
+    regions: CacheRegions | None = None
+    reason: str = ""
+    remote_dlists: dict[int, Any] = field(default_factory=dict)  # unit size -> prepared list
+
+
+@dataclass
+class ProducerInstance:
+    """A producer instance: its plan with this decode worker and the workers it needs."""
+
+    endpoint: str
+    worker0: ProducerWorker
+    plan: TransferPlan | None = None
+    readers: dict[int, ProducerWorker] = field(default_factory=dict)  # prefill rank we read
+    unread: dict[int, ProducerWorker] = field(default_factory=dict)  # rank 0: nobody reads
+    reason: str = ""  # set once failed
+
+    def workers(self) -> list[ProducerWorker]:
+        return [self.worker0, *self.readers.values(), *self.unread.values()]
+
+    @property
+    def is_ready(self) -> bool:
+        return self.plan is not None and all(w.state is PeerState.READY for w in self.workers())
+
+
+class ProducerDirectory:
+    """Handshakes and caches producer instances for one decode worker."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelKVSpec,
+        layout: InstanceLayout,
+        rank: int,
+        transport: Transport,
+        config: TransferConfig,
+        hello: Hello,
+        clock: Callable[[], float],
+    ) -> None:
+        self.model, self.layout, self.rank = model, layout, rank
+        self.transport, self.config, self._hello, self._clock = transport, config, hello, clock
+        self._workers: dict[str, ProducerWorker] = {}
+        self._instances: dict[str, ProducerInstance] = {}
+
+    def instance(self, endpoint: str) -> ProducerInstance:
+        """The (cached) producer instance whose worker 0 serves `endpoint`."""
+        inst = self._instances.get(endpoint)
+        if inst is None:
+            inst = ProducerInstance(endpoint, self._worker(endpoint))
+            self._instances[endpoint] = inst
+        return inst
+
+    def poll(self, now: float) -> None:
+        """Advance every handshake in flight and plan instances whose worker 0 answered."""
+        for w in list(self._workers.values()):
+            if w.state is PeerState.CONNECTING:
+                self._advance(w, now)
+        for inst in list(self._instances.values()):
+            if inst.plan is None and inst.worker0.state is PeerState.READY and not inst.reason:
+                self._plan(inst)
+
+    def remote_dlist(self, w: ProducerWorker, g: int) -> Any:
+        """`w`'s regions cut into g-byte units, prepared once per (worker, g)."""
+        assert w.regions is not None
+        if g not in w.remote_dlists:
+            w.remote_dlists[g] = self.transport.prep_remote(
+                w.agent, unit_descs(w.regions, g), w.regions.mem_type
+            )
+        return w.remote_dlists[g]
+
+    def drop(self, w: ProducerWorker, reason: str, quiet: bool = False) -> None:
+        """Forget a producer worker (a later pull reconnects) and fail its instances."""
+        if w.state is not PeerState.FAILED and not quiet:
+            log.warning("decode worker %d: %s", self.rank, reason)
+        w.state, w.reason = PeerState.FAILED, reason
+        if self._workers.get(w.endpoint) is w:
+            del self._workers[w.endpoint]
+        w.client.close()
+        for handle in w.remote_dlists.values():
+            self.transport.release_dlist(handle)
+        w.remote_dlists.clear()
+        if w.agent:
+            self.transport.remove_peer(w.agent)
+        for inst in list(self._instances.values()):
+            if any(q is w for q in inst.workers()):
+                inst.reason = inst.reason or reason
+                del self._instances[inst.endpoint]
+
+    def close(self) -> None:
+        for w in list(self._workers.values()):
+            self.drop(w, "consumer closed", quiet=True)
+
+    # -- internals ---------------------------------------------------------------------
+    def _worker(self, endpoint: str) -> ProducerWorker:
+        w = self._workers.get(endpoint)
+        if w is None:
+            client = SideChannelClient(endpoint, self.config.token, self.config.max_message_bytes)
+            w = ProducerWorker(endpoint, client, self._clock() + self.config.handshake_timeout_s)
+            client.send(self._hello)
+            self._workers[endpoint] = w
+        return w
+
+    def _advance(self, w: ProducerWorker, now: float) -> None:
+        try:
+            reply = w.client.try_recv()
+        except ProtocolError as exc:
+            self.drop(w, f"bad handshake reply from {w.endpoint}: {exc}")
+            return
+        if reply is None:
+            if now >= w.deadline:
+                self.drop(
+                    w,
+                    f"handshake with {w.endpoint} timed out after "
+                    f"{self.config.handshake_timeout_s:g} s; is the producer worker "
+                    "running?",
+                )
+        elif isinstance(reply, Refused):
+            self.drop(w, f"producer {w.endpoint} refused the handshake: {reply.reason}")
+        elif isinstance(reply, Welcome):
+            try:
+                self._accept(w, reply)
+            except KVBridgeError as exc:
+                self.drop(w, f"handshake with {w.endpoint} failed: {spec_error(exc)}")
+        else:
+            self.drop(w, f"{w.endpoint} answered a handshake with {type(reply).__name__}")
+
+    def _accept(self, w: ProducerWorker, welcome: Welcome) -> None:
+        """Validate a Welcome against the geometry it claims, then load the agent."""
+        model, layout = welcome.model.to_spec(), welcome.layout.to_layout()
+        workers = layout.workers(model, "prefill")
+        if welcome.rank >= len(workers):
+            raise ProtocolError(
+                f"rank={welcome.rank} outside an instance of {len(workers)} workers"
+            )
+        shard = workers[welcome.rank]
+        want_n = num_regions(model, shard)
+        kv_model = model.with_dtype(layout.kv_dtype(model))
+        want_len = region_nbytes(kv_model, layout, shard, welcome.num_blocks)
+        if len(welcome.regions) != want_n or any(n != want_len for _, n in welcome.regions):
+            raise ProtocolError(
+                f"worker {welcome.rank} offers {len(welcome.regions)} regions; "
+                f"its geometry needs {want_n} of {want_len} bytes"
+            )
+        if welcome.mem_type not in {m.value for m in MemType}:
+            raise ProtocolError(f"mem_type={welcome.mem_type!r}; use DRAM or VRAM")
+        if len(welcome.worker_endpoints) != layout.world_size:
+            raise ProtocolError(
+                f"{len(welcome.worker_endpoints)} worker endpoints for an "
+                f"instance of {layout.world_size} workers"
+            )
+        agent = self.transport.add_peer(welcome.agent_metadata)
+        if agent != welcome.agent_name:
+            raise ProtocolError(
+                f"agent metadata names {agent!r}, the handshake {welcome.agent_name!r}"
+            )
+        w.welcome, w.agent = welcome, agent
+        w.regions = CacheRegions(
+            tuple(a for a, _ in welcome.regions),
+            tuple(n for _, n in welcome.regions),
+            MemType(welcome.mem_type),
+            welcome.device_id,
+        )
+        w.state = PeerState.READY
+
+    def _plan(self, inst: ProducerInstance) -> None:
+        w0 = inst.worker0.welcome
+        assert w0 is not None
+        try:
+            inst.plan = make_plan(
+                w0.model.to_spec(), w0.layout.to_layout(), self.layout, self.model
+            )
+        except KVBridgeError as exc:
+            inst.reason = spec_error(exc)
+            del self._instances[inst.endpoint]
+            return
+
+        def worker(p: int) -> ProducerWorker:
+            return inst.worker0 if p == w0.rank else self._worker(w0.worker_endpoints[p])
+
+        try:
+            for read in inst.plan.reads_for(self.rank):
+                inst.readers[read.prefill_rank] = worker(read.prefill_rank)
+            if self.rank == 0:  # replicas nobody reads still wait for a notification: ours
+                for p, n in enumerate(inst.plan.expected_notifications):
+                    if n == 0:
+                        inst.unread[p] = worker(p)
+        except KVBridgeError as exc:  # e.g. a malformed worker endpoint in the Welcome
+            inst.reason = f"producer {inst.endpoint}: {exc}"
+            del self._instances[inst.endpoint]

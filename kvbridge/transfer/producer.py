@@ -1,0 +1,376 @@
+"""The producer side: a prefill worker exposes finished requests' blocks for reading.
+
+Lifecycle (mirrors vLLM's KV-connector): the engine calls `expose` when a request's
+prefill finished; its blocks stay pinned until every decode worker that the plan
+says reads from this worker (`plan.readers_of(rank)`, known from their handshakes)
+has sent a `ReadDone` notification, or until the lease expires; then `on_release`
+hands the blocks back, with the cause. A worker nobody reads from (an unused replica
+when prefill tp > num_kv_heads) waits for decode worker 0 alone, which notifies it
+once per request. A decode worker that gave up sends `ReadDone(ok=False)`: it will
+not read again, so it counts as done, and the release says ABORTED with its reason.
+A notification that arrives before its request's `expose` (engines race) is kept for
+one lease and applied by `expose`. Duplicate notifications, notifications for already
+released (or never exposed) requests and from workers the plan does not expect are
+ignored (logged). The owner must call
+`poll()` often: it serves the side channel, drives NIXL progress (reads of our memory
+progress only while we poll) and enforces leases. Single-threaded: `expose`, `poll`
+and `close` from one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.plan.copylist import region_nbytes
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.plan.planner import TransferPlan, make_plan
+from kvbridge.transfer.agent import Transport
+from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.errors import ProtocolError, TransferError
+from kvbridge.transfer.messages import (
+    Hello,
+    LayoutWire,
+    Message,
+    ModelWire,
+    Ping,
+    Pong,
+    ReadDone,
+    Refused,
+    Welcome,
+    decode,
+    spec_error,
+)
+from kvbridge.transfer.regions import CacheRegions
+from kvbridge.transfer.side_channel import SideChannelServer
+
+log = logging.getLogger("kvbridge.transfer.producer")
+
+#: How many released request ids are remembered to tell "stale" from "unknown".
+_RECENT = 4096
+#: Notifications kept per request that arrive before its `expose`.
+_MAX_EARLY_PER_REQUEST = 1024
+#: How many decode instances' plans a producer worker keeps.
+_MAX_PEER_INSTANCES = 256
+
+
+class ReleaseCause(enum.Enum):
+    COMPLETED = "completed"  # every expected decode worker notified
+    ABORTED = "aborted"  # every expected decode worker is done, some gave up
+    LEASE_EXPIRED = "lease_expired"  # no (complete) consumer within the lease
+    CLOSED = "closed"  # the producer shut down
+
+
+@dataclass(frozen=True)
+class Release:
+    """Blocks handed back to the engine, and why."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    cause: ReleaseCause
+    reason: str
+
+
+@dataclass
+class _Exposure:
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    deadline: float
+    instance_id: str | None = None
+    notified: set[int] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+
+
+def expected_notifiers(plan: TransferPlan, prefill_rank: int) -> tuple[int, ...]:
+    """Decode ranks whose notification completes a request on `prefill_rank`: its
+    readers, or decode worker 0 alone for a worker nobody reads from."""
+    return plan.readers_of(prefill_rank) or (0,)
+
+
+class KVProducer:
+    """One prefill worker's side of the transfer runtime.
+
+    Owns the worker's side-channel server (endpoint `endpoint`); borrows the
+    transport, which must have `regions` registered. `worker_endpoints` lists the
+    side channels of every worker of this instance (rank order), sent in handshakes;
+    worker 0's is the instance's endpoint. Blocks are never released twice.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: ModelKVSpec,
+        layout: InstanceLayout,
+        rank: int,
+        regions: CacheRegions,
+        num_blocks: int,
+        transport: Transport,
+        config: TransferConfig,
+        instance_id: str,
+        on_release: Callable[[Release], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model, self.layout, self.rank = model, layout, rank
+        self.shard = layout.workers(model, "prefill")[rank]
+        want_n = num_regions(model, self.shard)
+        want_len = region_nbytes(
+            model.with_dtype(layout.kv_dtype(model)), layout, self.shard, num_blocks
+        )
+        if regions.num_regions != want_n or set(regions.lengths) != {want_len}:
+            raise TransferError(
+                f"prefill worker {rank} registered {regions.num_regions} regions of "
+                f"{sorted(set(regions.lengths))} bytes; its layout needs {want_n} regions of "
+                f"{want_len} bytes ({num_blocks} blocks)"
+            )
+        self.regions, self.num_blocks = regions, num_blocks
+        self.transport, self.config, self.instance_id = transport, config, instance_id
+        self.on_release = on_release
+        self._clock = clock
+        self._exposed: dict[str, _Exposure] = {}
+        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # notifications that arrived before their request's `expose`, by request id
+        self._early: collections.OrderedDict[str, list[tuple[float, ReadDone]]] = (
+            collections.OrderedDict()
+        )
+        self._plans: collections.OrderedDict[str, TransferPlan] = collections.OrderedDict()
+        self.releases: list[Release] = []  # every release, in order (for the owner/tests)
+        self.num_ignored_notifs = 0
+        self.refusals: collections.deque[str] = collections.deque(maxlen=64)  # recent, for owners
+        self._server = SideChannelServer(
+            config.host, config.port_of(rank), config.token, config.max_message_bytes, self._handle
+        )
+        self.endpoint = self._server.endpoint
+        self.worker_endpoints: list[str] = [self.endpoint]
+        self._welcome_cache: bytes | None = None
+
+    # -- engine-facing API -------------------------------------------------------------
+    def set_worker_endpoints(self, endpoints: Sequence[str]) -> None:
+        """Tell this worker its instance's side channels (rank order), once all are bound."""
+        if len(endpoints) != self.layout.world_size or endpoints[self.rank] != self.endpoint:
+            raise TransferError(
+                f"worker_endpoints has {len(endpoints)} entries (rank {self.rank}: "
+                f"{endpoints[self.rank] if self.rank < len(endpoints) else None}); expected "
+                f"{self.layout.world_size} with this worker's {self.endpoint} at {self.rank}"
+            )
+        self.worker_endpoints = list(endpoints)
+
+    def expose(
+        self,
+        request_id: str,
+        block_ids: Sequence[int] | np.ndarray,
+        num_tokens: int,
+        lease_s: float | None = None,
+    ) -> None:
+        """Pin `block_ids` (this request's KV, `num_tokens` tokens) for decode workers to read."""
+        ids = tuple(int(b) for b in np.asarray(block_ids).ravel())
+        if request_id in self._exposed:
+            raise TransferError(f"request_id={request_id!r} is already exposed; ids must be unique")
+        if any(not 0 <= b < self.num_blocks for b in ids):
+            raise TransferError(
+                f"block_ids of {request_id!r} must lie in [0, {self.num_blocks}); got "
+                f"{[b for b in ids if not 0 <= b < self.num_blocks][:4]}"
+            )
+        if not 0 <= num_tokens <= len(ids) * self.layout.block_size:
+            raise TransferError(
+                f"num_tokens={num_tokens} of {request_id!r} does not fit {len(ids)} blocks of "
+                f"{self.layout.block_size} tokens"
+            )
+        lease = self.config.lease_s if lease_s is None else lease_s
+        self._exposed[request_id] = _Exposure(ids, num_tokens, self._clock() + lease)
+        for _, msg in self._early.pop(request_id, []):
+            self._apply(msg)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(e.block_ids) for e in self._exposed.values())
+
+    @property
+    def num_rejected(self) -> int:
+        """Side-channel messages rejected so far (malformed, oversized, unauthenticated)."""
+        return self._server.num_rejected
+
+    @property
+    def exposed_request_ids(self) -> list[str]:
+        return list(self._exposed)
+
+    def poll(self, timeout_ms: int = 0) -> list[Release]:
+        """Serve the side channel, take notifications, enforce leases; returns new releases."""
+        start = len(self.releases)
+        self._server.poll(timeout_ms)
+        for sender, msgs in self.transport.notifs().items():
+            for raw in msgs:
+                self._on_notif(sender, raw)
+        now = self._clock()
+        while self._early:  # forget early notifications no expose claimed within a lease
+            rid, early = next(iter(self._early.items()))
+            if early and early[0][0] + self.config.lease_s > now:
+                break
+            del self._early[rid]
+            self._ignore(f"notification for unknown request {rid!r} (never exposed)", warn=True)
+        for rid in [r for r, e in self._exposed.items() if e.deadline <= now]:
+            self._release(rid, ReleaseCause.LEASE_EXPIRED, self._lease_reason(rid))
+        return self.releases[start:]
+
+    def close(self) -> None:
+        """Release everything still pinned (cause CLOSED) and stop serving."""
+        for rid in list(self._exposed):
+            self._release(rid, ReleaseCause.CLOSED, "producer closed")
+        self._server.close()
+
+    # -- internals ---------------------------------------------------------------------
+    def _release(self, request_id: str, cause: ReleaseCause, reason: str) -> None:
+        exp = self._exposed.pop(request_id)
+        self._recent[request_id] = None
+        while len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
+        rel = Release(request_id, exp.block_ids, cause, reason)
+        self.releases.append(rel)
+        if cause is not ReleaseCause.COMPLETED:
+            log.warning("prefill worker %d released %r: %s", self.rank, request_id, reason)
+        if self.on_release is not None:
+            self.on_release(rel)
+
+    def _lease_reason(self, request_id: str) -> str:
+        exp = self._exposed[request_id]
+        lease = f"lease expired after {self.config.lease_s:g} s"
+        if exp.instance_id is None:
+            return f"{lease}: no decode worker notified completion of {request_id!r}"
+        plan = self._plans.get(exp.instance_id)
+        readers = expected_notifiers(plan, self.rank) if plan is not None else ()
+        missing = sorted(set(readers) - exp.notified)
+        return (
+            f"{lease}: {len(exp.notified)} of {len(readers)} decode workers of instance "
+            f"{exp.instance_id!r} notified; missing ranks {missing}"
+        )
+
+    def _on_notif(self, sender: str, raw: bytes) -> None:
+        try:
+            msg = decode(raw, self.config.token, 64 << 10)
+            if not isinstance(msg, ReadDone):
+                raise ProtocolError(f"notification of kind {type(msg).__name__}; expected ReadDone")
+        except ProtocolError as exc:
+            self._ignore(f"notification from agent {sender!r} rejected: {exc}", warn=True)
+            return
+        self._apply(msg)
+
+    def _apply(self, msg: ReadDone) -> None:
+        exp = self._exposed.get(msg.request_id)
+        if exp is None:
+            if msg.request_id in self._recent:
+                self._ignore(
+                    f"stale notification for {msg.request_id!r} from "
+                    f"{msg.instance_id!r} rank {msg.rank}"
+                )
+            else:  # may precede `expose` (a race between engines): keep it for a lease
+                early = self._early.setdefault(msg.request_id, [])
+                if len(early) < _MAX_EARLY_PER_REQUEST:
+                    early.append((self._clock(), msg))
+                while len(self._early) > _RECENT:
+                    self._early.popitem(last=False)
+            return
+        plan = self._plans.get(msg.instance_id)
+        if plan is None:
+            self._ignore(
+                f"notification for {msg.request_id!r} from instance {msg.instance_id!r}, "
+                "which never completed a handshake with this worker",
+                warn=True,
+            )
+            return
+        readers = expected_notifiers(plan, self.rank)
+        if msg.rank not in readers:
+            self._ignore(
+                f"notification for {msg.request_id!r} from decode rank {msg.rank}, "
+                f"which the plan does not have read here (readers {list(readers)})",
+                warn=True,
+            )
+            return
+        if exp.instance_id is None:
+            exp.instance_id = msg.instance_id
+        elif exp.instance_id != msg.instance_id:
+            self._ignore(
+                f"notification for {msg.request_id!r} from a second decode instance "
+                f"{msg.instance_id!r} (first: {exp.instance_id!r})",
+                warn=True,
+            )
+            return
+        if msg.rank in exp.notified:
+            self._ignore(f"duplicate notification for {msg.request_id!r} rank {msg.rank}")
+            return
+        exp.notified.add(msg.rank)
+        if not msg.ok:
+            exp.failures.append(f"decode rank {msg.rank}: {msg.reason}")
+        if exp.notified >= set(readers):
+            if exp.failures:
+                self._release(
+                    msg.request_id,
+                    ReleaseCause.ABORTED,
+                    "decode workers gave up: " + "; ".join(exp.failures),
+                )
+            else:
+                self._release(
+                    msg.request_id,
+                    ReleaseCause.COMPLETED,
+                    f"{len(readers)} decode workers notified",
+                )
+
+    def _ignore(self, what: str, warn: bool = False) -> None:
+        self.num_ignored_notifs += 1
+        (log.warning if warn else log.debug)("prefill worker %d ignored %s", self.rank, what)
+
+    def _handle(self, msg: Message) -> Message | None:
+        if isinstance(msg, Ping):
+            return Pong(nonce=msg.nonce, instance_id=self.instance_id)
+        if not isinstance(msg, Hello):
+            raise ProtocolError(
+                f"a {type(msg).__name__} message is not a request; send Hello or Ping"
+            )
+        if len(self.worker_endpoints) != self.layout.world_size:
+            return Refused(
+                kind="not_ready",
+                reason=f"prefill worker {self.rank} does not know its instance's "
+                f"{self.layout.world_size} worker endpoints yet (set_worker_endpoints)",
+            )
+        try:
+            decode_model = msg.model.to_spec()
+            decode_layout = msg.layout.to_layout()
+            plan = make_plan(self.model, self.layout, decode_layout, decode_model)
+            if msg.rank >= decode_layout.world_size:
+                raise TransferError(
+                    f"decode rank={msg.rank} is outside its world of "
+                    f"{decode_layout.world_size} workers"
+                )
+        except KVBridgeError as exc:
+            log.warning(
+                "prefill worker %d refused the handshake of instance %r rank %d: %s",
+                self.rank,
+                msg.instance_id,
+                msg.rank,
+                exc,
+            )
+            self.refusals.append(spec_error(exc))
+            return Refused(kind="incompatible", reason=spec_error(exc))
+        self._plans[msg.instance_id] = plan
+        self._plans.move_to_end(msg.instance_id)
+        while len(self._plans) > _MAX_PEER_INSTANCES:
+            self._plans.popitem(last=False)
+        return Welcome(
+            instance_id=self.instance_id,
+            rank=self.rank,
+            model=ModelWire.of(self.model),
+            layout=LayoutWire.of(self.layout),
+            num_blocks=self.num_blocks,
+            regions=list(zip(self.regions.addresses, self.regions.lengths, strict=True)),
+            mem_type=self.regions.mem_type.value,
+            device_id=self.regions.device_id,
+            agent_name=self.transport.name,
+            agent_metadata=self.transport.metadata(),
+            worker_endpoints=self.worker_endpoints,
+        )

@@ -1,0 +1,78 @@
+"""The cache regions one worker registers with its transport.
+
+Region r (r = local_layer * num_kv_tensors + kv, see `kvbridge.plan.layout`) is
+`lengths[r]` bytes at `addresses[r]`. Engines usually allocate all of a worker's
+regions as one tensor ``[num_local_layers, num_kv_tensors, *region_shape]``; the
+wire format and the transport never assume that, they take one address per region.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvbridge.transfer.errors import TransferError
+
+
+class MemType(enum.Enum):
+    DRAM = "DRAM"  # host memory
+    VRAM = "VRAM"  # CUDA device memory
+
+
+@dataclass(frozen=True)
+class CacheRegions:
+    """Addresses and byte lengths of one worker's cache regions, in region order."""
+
+    addresses: tuple[int, ...]
+    lengths: tuple[int, ...]
+    mem_type: MemType = MemType.DRAM
+    device_id: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.addresses) != len(self.lengths) or not self.addresses:
+            raise TransferError(
+                f"cache regions: {len(self.addresses)} addresses and {len(self.lengths)} "
+                "lengths; give one (address, length) per region, at least one"
+            )
+        if any(n <= 0 for n in self.lengths) or any(a <= 0 for a in self.addresses):
+            raise TransferError("cache regions need positive addresses and lengths")
+
+    @property
+    def num_regions(self) -> int:
+        return len(self.addresses)
+
+    def as_array(self) -> np.ndarray:
+        """Nx3 uint64 rows (address, length, device id), NIXL's descriptor form."""
+        out = np.empty((self.num_regions, 3), dtype=np.uint64)
+        out[:, 0] = self.addresses
+        out[:, 1] = self.lengths
+        out[:, 2] = self.device_id
+        return out
+
+    @classmethod
+    def from_array(cls, cache: np.ndarray) -> CacheRegions:
+        """Regions of a C-contiguous host array shaped ``[num_regions, ...region_shape]``."""
+        if not cache.flags.c_contiguous:
+            raise TransferError("cache array must be C-contiguous to be registered")
+        n = cache.shape[0]
+        step = cache.nbytes // n
+        base = cache.ctypes.data
+        return cls(tuple(base + r * step for r in range(n)), (step,) * n, MemType.DRAM, 0)
+
+    @classmethod
+    def from_tensor(cls, cache: Any) -> CacheRegions:
+        """Regions of a contiguous torch tensor ``[num_regions, ...]`` (CPU -> DRAM,
+        CUDA -> VRAM on its device). Engines with ``[layers, kv, ...]`` pass ``t.flatten(0, 1)``."""
+        if not cache.is_contiguous():
+            raise TransferError("cache tensor must be contiguous to be registered")
+        n = int(cache.shape[0])
+        step = cache.numel() * cache.element_size() // n
+        base = int(cache.data_ptr())
+        if cache.is_cuda:
+            mem, dev = MemType.VRAM, int(cache.device.index or 0)
+        else:
+            mem, dev = MemType.DRAM, 0
+        return cls(tuple(base + r * step for r in range(n)), (step,) * n, mem, dev)

@@ -1,0 +1,174 @@
+"""The side channel: a producer worker's ZMQ server and a consumer's client.
+
+The server is poll-driven (the producer's owner calls `poll()` from its loop, so no
+extra thread touches state). Each request is one frame (see `messages.py`); a
+malformed, oversized, unknown-kind or unauthenticated frame is answered with
+`Refused`, logged with its reason, and the server goes on serving other peers.
+ZMQ's own MAXMSGSIZE (a multiple of the limit) bounds what it buffers from a peer
+that tries to stream more; such a peer is disconnected by ZMQ itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+
+from kvbridge.transfer.errors import AuthError, HandshakeError, ProtocolError
+from kvbridge.transfer.messages import Message, Refused, decode, encode
+
+log = logging.getLogger("kvbridge.transfer.side_channel")
+
+#: A handler maps a request to its reply (None: no reply).
+Handler = Callable[[Message], Message | None]
+
+_context: zmq.Context[zmq.Socket[bytes]] | None = None
+
+
+def _ctx() -> zmq.Context[zmq.Socket[bytes]]:
+    global _context
+    if _context is None:
+        _context = zmq.Context()
+    return _context
+
+
+class SideChannelServer:
+    """A ROUTER socket serving typed requests; owned and polled by one thread.
+
+    Guarantees: never raises on a bad peer message; every rejection is logged at
+    WARNING with its reason and counted in `num_rejected`.
+    """
+
+    def __init__(
+        self, host: str, port: int, token: bytes | None, max_bytes: int, handler: Handler
+    ) -> None:
+        self._token = token
+        self._max_bytes = max_bytes
+        self._handler = handler
+        self._sock = _ctx().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_bytes)
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                self._sock.bind(f"tcp://{host}:*")
+        except zmq.ZMQError as exc:
+            self._sock.close()
+            raise HandshakeError(
+                f"side channel cannot bind tcp://{host}:{port or '*'}: {exc}; "
+                "choose a free port (or base_port=0 for any)"
+            ) from None
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.num_served = 0
+        self.num_rejected = 0
+
+    def poll(self, timeout_ms: int = 0, max_messages: int = 64) -> int:
+        """Serve up to `max_messages` waiting requests; returns how many were handled."""
+        handled = 0
+        if not self._sock.poll(timeout_ms, zmq.POLLIN):
+            return 0
+        while handled < max_messages:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            handled += 1
+            self._serve(frames)
+        return handled
+
+    def _serve(self, frames: list[bytes]) -> None:
+        identity, payload = frames[0], frames[1:]
+        try:
+            if len(payload) != 1:
+                raise ProtocolError(f"request has {len(payload)} frames; send exactly one")
+            request = decode(payload[0], self._token, self._max_bytes)
+            reply = self._handler(request)
+        except Exception as exc:  # never let one peer's message stop the server
+            if not isinstance(exc, ProtocolError):
+                log.exception("side channel %s: handler failed", self.endpoint)
+                exc = ProtocolError(f"internal error handling the request: {exc}")
+            self.num_rejected += 1
+            kind = "auth" if isinstance(exc, AuthError) else "protocol"
+            log.warning(
+                "side channel %s: rejected a request from peer %s: %s",
+                self.endpoint,
+                identity.hex(),
+                exc,
+            )
+            reply = Refused(kind=kind, reason=str(exc))
+        else:
+            self.num_served += 1
+        if reply is not None:
+            self._sock.send_multipart([identity, encode(reply, self._token)])
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class SideChannelClient:
+    """A DEALER connection to one producer worker; one outstanding request at a time.
+
+    `send` then `try_recv` (non-blocking) lets a consumer's poll loop wait without
+    blocking; `call` is the blocking form with a timeout. A request that timed out
+    leaves the socket unusable (a late reply could answer the next request), so
+    `reset` reconnects before the next one.
+    """
+
+    def __init__(self, endpoint: str, token: bytes | None, max_bytes: int) -> None:
+        self.endpoint = endpoint
+        self._token = token
+        self._max_bytes = max_bytes
+        self._sock = self._connect()
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        sock = _ctx().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise HandshakeError(
+                f"endpoint={self.endpoint!r} is not a usable side-channel address ({exc}); "
+                "expected tcp://HOST:PORT"
+            ) from None
+        return sock
+
+    def send(self, msg: Message) -> None:
+        self._sock.send(encode(msg, self._token), zmq.NOBLOCK)
+
+    def try_recv(self) -> Message | None:
+        """The reply if one arrived, else None; raises ProtocolError on a bad reply."""
+        try:
+            data = self._sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return decode(data, self._token, self._max_bytes)
+
+    def call(self, msg: Message, timeout_s: float) -> Message:
+        """Send `msg` and wait for the reply; raises HandshakeError after `timeout_s`."""
+        self.send(msg)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+                if time.monotonic() >= deadline:
+                    self.reset()
+                    raise HandshakeError(
+                        f"no answer from {self.endpoint} within {timeout_s:g} s; "
+                        "is the producer worker running and the endpoint right?"
+                    )
+                continue
+            reply = self.try_recv()
+            if reply is not None:
+                return reply
+
+    def reset(self) -> None:
+        self._sock.close(linger=0)
+        self._sock = self._connect()
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -1,0 +1,81 @@
+"""Property test: every valid layout pair verifies byte-exact; every invalid one is
+refused with the project's error, naming the offending value."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbridge.errors import KVBridgeError
+from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout
+from kvbridge.plan.planner import make_plan
+from kvbridge.plan.verifier import verify_plan
+from tests.plan.helpers import check_plan_structure
+
+
+@st.composite
+def models(draw: st.DrawFn) -> ModelKVSpec:
+    layers = draw(st.integers(1, 6))
+    if draw(st.booleans()) and draw(st.booleans()):  # ~1/4 MLA
+        heads = draw(st.sampled_from([1, 2, 4, 6, 8, 12]))
+        return ModelKVSpec(
+            layers, heads, 1, draw(st.sampled_from([3, 8])), "bfloat16", AttentionKind.MLA, "mla"
+        )
+    kv = draw(st.sampled_from([1, 2, 3, 4, 5, 6, 8, 10]))
+    heads = kv * draw(st.sampled_from([1, 2, 3]))
+    kind = (
+        AttentionKind.MHA if heads == kv else (AttentionKind.MQA if kv == 1 else AttentionKind.GQA)
+    )
+    return ModelKVSpec(
+        layers,
+        heads,
+        kv,
+        draw(st.sampled_from([2, 4, 8])),
+        draw(st.sampled_from(["float16", "float32", "float8_e4m3fn"])),
+        kind,
+    )
+
+
+@st.composite
+def layouts(draw: st.DrawFn, model: ModelKVSpec) -> InstanceLayout:
+    divisors = [t for t in range(1, 31) if model.num_attention_heads % t == 0]
+    tp = draw(st.one_of(st.sampled_from(divisors), st.integers(1, 30)))
+    pp = draw(st.integers(1, model.num_layers + 1))
+    return InstanceLayout(
+        tp_size=tp,
+        pp_size=pp,
+        block_size=draw(st.integers(1, 20)),
+        cache_layout=draw(st.sampled_from(["HND", "NHD"])),
+    )
+
+
+def is_valid(model: ModelKVSpec, layout: InstanceLayout) -> bool:
+    tp, kv = layout.tp_size, model.num_kv_heads
+    return (
+        model.num_attention_heads % tp == 0
+        and (model.is_mla or kv % tp == 0 or tp % kv == 0)
+        and layout.pp_size <= model.num_layers
+    )
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_layout_pair_verifies_or_is_refused(data: st.DataObject):
+    model = data.draw(models())
+    prefill = data.draw(layouts(model))
+    decode = data.draw(layouts(model))
+    if not (is_valid(model, prefill) and is_valid(model, decode)):
+        try:
+            make_plan(model, prefill, decode)
+        except KVBridgeError as exc:
+            side = "prefill" if not is_valid(model, prefill) else "decode"
+            assert str(exc).startswith(side)
+            assert "use" in str(exc)  # says what would work
+            return
+        raise AssertionError(f"invalid pair accepted: {prefill} {decode}")
+    plan = make_plan(model, prefill, decode)
+    check_plan_structure(plan)
+    tokens = data.draw(st.integers(1, 3 * max(prefill.block_size, decode.block_size) + 2))
+    report = verify_plan(plan, tokens, seed=data.draw(st.integers(0, 2**16)))
+    assert report.bytes_copied == tokens * plan.bytes_per_token

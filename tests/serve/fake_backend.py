@@ -1,0 +1,60 @@
+"""A test double for the proxy's unit tests: deterministic words, optional failures.
+The real prefill -> decode path is tested end to end beside it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from kvbridge.serve.backend import Backend, BackendError, GenerateEvent, GenerateRequest
+
+WORDS = [" Paris", ".", " It", " is", " the", " capital", " of", " France", ".", " The"]
+
+
+class FakeBackend(Backend):
+    def __init__(self) -> None:
+        self.model_name = "fake-model"
+        self.seen: list[GenerateRequest] = []
+        self.aborted: list[str] = []
+        self.fail_after: int | None = None
+        self.delay = 0.0
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        self.seen.append(request)
+        prompt = request.prompt or ""
+        if request.messages is not None:
+            prompt = " ".join(m["content"] for m in request.messages)
+        if request.prompt_token_ids is not None:
+            prompt = " ".join(map(str, request.prompt_token_ids))
+        if not prompt:
+            raise BackendError("prompt is empty; send at least one token", 400, "prompt")
+        n_prompt = len(prompt.split())
+        finished = False
+        try:
+            n = request.sampling.max_tokens
+            for i in range(n):
+                await asyncio.sleep(self.delay)
+                if self.fail_after is not None and i == self.fail_after:
+                    yield GenerateEvent(error="decode instance died")
+                    finished = True
+                    return
+                word = WORDS[i % len(WORDS)]
+                if word.strip() in request.sampling.stop:
+                    yield GenerateEvent(
+                        finish_reason="stop", prompt_tokens=n_prompt, completion_tokens=i
+                    )
+                    finished = True
+                    return
+                last = i == n - 1
+                yield GenerateEvent(
+                    text=word,
+                    token_ids=[100 + i],
+                    finish_reason="length" if last else None,
+                    prompt_tokens=n_prompt,
+                    completion_tokens=i + 1,
+                    stages={"kv_bytes": 1000.0, "transfer_ms": 2.0} if last else {},
+                )
+            finished = True
+        finally:
+            if not finished:
+                self.aborted.append(request.request_id)

@@ -1,0 +1,122 @@
+"""`kvbridge transfer-check` as users run it: one JSON object, exit codes, no leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def kvbridge(*args: str, **kw: object) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.cli.main", "transfer-check", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kw,  # type: ignore[call-overload]
+    )
+
+
+def children_of(pid: int) -> set[int]:
+    """Descendant pids of `pid` (from /proc)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - out
+        out |= frontier
+    return out
+
+
+def is_worker(pid: int) -> bool:
+    """A spawned worker (not multiprocessing's own resource tracker)."""
+    try:
+        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_json_is_exactly_one_object_and_exit_0_when_verified() -> None:
+    proc = kvbridge(
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "4",
+        "--num-kv-heads",
+        "4",
+        "--requests",
+        "3",
+        "--tokens",
+        "40",
+        "--json",
+    )
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    report = json.loads(out)  # the whole of stdout is one object
+    assert report["verified"] is True and report["failures"] == []
+    assert report["requests"] == 3
+    # 4 layers x K,V x 4 heads x head_dim 64 x bf16 per token, 3 requests of 40 tokens
+    assert report["bytes"] == 3 * 40 * 4 * 2 * 4 * 64 * 2
+    for key in ("seconds", "gbps", "descriptors"):
+        assert report[key] > 0
+
+
+def test_unsupported_layout_exits_2_with_the_reason() -> None:
+    proc = kvbridge("--prefill-tp", "3", "--decode-tp", "2", "--json")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    report = json.loads(out)
+    assert report["verified"] is False
+    assert "tp_size=3 neither divides nor is a multiple of num_kv_heads=8" in report["failures"][0]
+
+
+def test_ctrl_c_leaves_no_worker_processes() -> None:
+    proc = kvbridge(
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "2",
+        "--requests",
+        "2",
+        "--tokens",
+        "3000",
+        "--timeout",
+        "600",
+    )
+    workers: set[int] = set()
+    deadline = time.monotonic() + 60
+    while len(workers) < 4 and time.monotonic() < deadline:  # all 4 workers spawned
+        workers = {p for p in children_of(proc.pid) if alive(p) and is_worker(p)}
+        time.sleep(0.2)
+    assert len(workers) >= 4, "the workers never started"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err
+    assert not [p for p in workers if alive(p)]

@@ -1,0 +1,174 @@
+"""Faults with real processes and real NIXL agents: dead producers, absent consumers,
+bad side-channel peers, incompatible geometries. Each failure reaches the waiter with
+its reason within the configured bound; nothing hangs and no block stays held."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+import zmq
+
+from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout
+from kvbridge.transfer.check import make_workload
+from kvbridge.transfer.cluster import Cluster
+from kvbridge.transfer.commands import (
+    Expose,
+    Finished,
+    Pull,
+    Released,
+    Status,
+    StatusReply,
+    Verified,
+    Verify,
+)
+from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, decode, encode
+
+pytestmark = pytest.mark.slow
+
+MODEL = ModelKVSpec(3, 4, 2, 8, "float16", AttentionKind.GQA, "tiny")
+TP1 = InstanceLayout(tp_size=1)
+TOKEN = b"a-shared-transfer-token"
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with Cluster() as c:
+        yield c
+
+
+def results_by_id(c: Cluster, n: int, timeout_s: float) -> dict[str, Finished]:
+    got: list[Finished] = []
+
+    def done() -> bool:
+        got.extend(c.take(Finished))
+        return len(got) >= n
+
+    assert c.wait_until(done, timeout_s), f"only {len(got)} of {n} requests reported"
+    return {f.request_id: f for f in got}
+
+
+def test_killed_producer_fails_its_requests_others_complete(cluster: Cluster) -> None:
+    c = cluster
+    work = make_workload(TP1, TP1, 8, 24, seed=3)
+    opts = {"transfer_timeout_s": 4.0, "handshake_timeout_s": 2.0}
+    a = c.start("prefill", MODEL, TP1, work.prefill_blocks, "A", fill=work.prefill, salt=1, **opts)
+    b = c.start("prefill", MODEL, TP1, work.prefill_blocks, "B", fill=work.prefill, salt=1, **opts)
+    (d,) = c.start("decode", MODEL, TP1, work.decode_blocks, "D", salt=9, **opts).workers
+    source = {f"req-{i}": (a if i % 2 == 0 else b) for i in range(8)}
+
+    def pull(i: int) -> None:
+        rid, ps, ds = f"req-{i}", work.prefill[i], work.decode[i]
+        if source[rid].workers[0].alive:
+            source[rid].workers[0].send(Expose(rid, ps.block_ids, ps.num_tokens))
+        d.send(Pull(rid, source[rid].endpoint, ps.block_ids, ds.block_ids, ds.num_tokens))
+
+    pull(0)
+    pull(1)  # both producers connected and cached
+    first = results_by_id(c, 2, 30)
+    assert {f.state for f in first.values()} == {"done"}
+    a.workers[0].kill()
+    for i in range(2, 8):
+        pull(i)
+    later = results_by_id(c, 6, opts["transfer_timeout_s"] + 10)
+    for rid, f in later.items():
+        if source[rid] is a:
+            assert f.state == "failed", rid
+            assert "prefill worker 0" in f.reason and (
+                "died" in f.reason or "timed out" in f.reason
+            )
+        else:
+            assert f.state == "done", (rid, f.reason)
+    # the decode side handed every block back, and B's requests hold the right bytes
+    d.send(Status())
+    assert c.expect(d, StatusReply, 10).held_blocks == 0
+    done = {**first, **later}
+    ok = [s for i, s in enumerate(work.decode) if done[f"req-{i}"].state == "done"]
+    assert len(ok) == 5  # req-0 (read from A before the kill) and B's four
+    d.send(Verify(ok))
+    v = c.expect(d, Verified, 30)
+    assert v.ok, v.detail
+
+
+def test_producer_releases_after_the_lease_when_no_consumer_comes(cluster: Cluster) -> None:
+    c = cluster
+    work = make_workload(TP1, TP1, 1, 20)
+    (p,) = c.start(
+        "prefill", MODEL, TP1, work.prefill_blocks, "P", fill=work.prefill, lease_s=1.0
+    ).workers
+    span = work.prefill[0]
+    p.send(Expose("orphan", span.block_ids, span.num_tokens))
+    rel = c.expect(p, Released, 15)
+    assert rel.request_id == "orphan" and rel.cause == "lease_expired"
+    assert rel.num_blocks == len(span.block_ids)
+    assert "lease expired after 1 s: no decode worker notified completion" in rel.reason
+    p.send(Status())
+    assert c.expect(p, StatusReply, 10).held_blocks == 0
+
+
+def raw_request(endpoint: str, frame: bytes) -> Refused:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(frame)
+        assert sock.poll(10_000), "the side channel did not answer"
+        reply = decode(sock.recv(), TOKEN, 1 << 22)
+    finally:
+        sock.close()
+    assert isinstance(reply, Refused)
+    return reply
+
+
+def test_bad_side_channel_peers_are_refused_and_good_ones_served(cluster: Cluster) -> None:
+    c = cluster
+    work = make_workload(TP1, TP1, 2, 20)
+    (p,) = c.start(
+        "prefill", MODEL, TP1, work.prefill_blocks, "P", fill=work.prefill, token=TOKEN
+    ).workers
+    hello = Hello(instance_id="x", rank=0, model=ModelWire.of(MODEL), layout=LayoutWire.of(TP1))
+    assert "malformed" in raw_request(p.endpoint, b"\x92\xff garbage").reason
+    assert "exceeds the limit" in raw_request(p.endpoint, b"\x00" * (5 << 20)).reason
+    wrong = raw_request(p.endpoint, encode(hello, b"not-the-right-token!"))
+    assert wrong.kind == "auth" and "wrong HMAC" in wrong.reason
+    # a decode instance without the token is refused; one with it is served
+    (stranger,) = c.start(
+        "decode", MODEL, TP1, work.decode_blocks, "S", salt=7, handshake_timeout_s=5
+    ).workers
+    (good,) = c.start("decode", MODEL, TP1, work.decode_blocks, "D", salt=8, token=TOKEN).workers
+    for i, w in enumerate((stranger, good)):
+        ps, ds = work.prefill[i], work.decode[i]
+        p.send(Expose(f"r{i}", ps.block_ids, ps.num_tokens))
+        w.send(Pull(f"r{i}", p.endpoint, ps.block_ids, ds.block_ids, ds.num_tokens))
+    refused = c.expect(stranger, Finished, 20)
+    assert refused.state == "failed" and "refused the handshake" in refused.reason
+    assert "no HMAC" in refused.reason
+    served = c.expect(good, Finished, 20)
+    assert served.state == "done", served.reason
+    good.send(Verify([work.decode[1]]))
+    assert c.expect(good, Verified, 30).ok
+    p.send(Status())
+    status = c.expect(p, StatusReply, 10)
+    assert status.rejected == 4
+    rel = c.expect(p, Released, 10)
+    assert rel.request_id == "r1" and rel.cause == "completed"
+
+
+def test_incompatible_geometry_fails_on_both_sides_with_the_planners_error(
+    cluster: Cluster,
+) -> None:
+    c = cluster
+    other = ModelKVSpec(3, 4, 2, 16, "float16", AttentionKind.GQA, "other")
+    work = make_workload(TP1, TP1, 1, 20)
+    (p,) = c.start("prefill", MODEL, TP1, work.prefill_blocks, "P", fill=work.prefill).workers
+    (d,) = c.start("decode", other, TP1, work.decode_blocks, "D").workers
+    ps, ds = work.prefill[0], work.decode[0]
+    d.send(Pull("r0", p.endpoint, ps.block_ids, ds.block_ids, ds.num_tokens))
+    f = c.expect(d, Finished, 20)
+    words = "prefill and decode run different models: prefill head_dim=8, decode head_dim=16"
+    assert f.state == "failed" and words in f.reason
+    p.send(Status())
+    assert any(words in r for r in c.expect(p, StatusReply, 10).refusals)
+    assert msgspec.json.encode(f)  # the reason is plain data, never pickled

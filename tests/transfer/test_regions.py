@@ -1,0 +1,48 @@
+"""Cache regions as registered with NIXL: host arrays and tensors (DRAM), CUDA tensors (VRAM)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.regions import CacheRegions, MemType
+
+
+def test_regions_of_an_engine_style_host_tensor() -> None:
+    torch = pytest.importorskip("torch")
+    # [num_local_layers, num_kv_tensors, num_blocks, heads, block_size, head_dim]
+    cache = torch.zeros(3, 2, 5, 2, 4, 8, dtype=torch.bfloat16)
+    regions = CacheRegions.from_tensor(cache.flatten(0, 1))
+    size = 5 * 2 * 4 * 8 * 2
+    assert regions.mem_type is MemType.DRAM and regions.num_regions == 6
+    assert regions.lengths == (size,) * 6
+    assert regions.addresses == tuple(cache.data_ptr() + r * size for r in range(6))
+    with pytest.raises(TransferError, match="contiguous"):
+        CacheRegions.from_tensor(cache.flatten(0, 1).transpose(1, 2))
+
+
+def test_regions_of_a_host_array_and_their_nixl_rows() -> None:
+    arr = np.zeros((4, 1024), dtype=np.uint16)
+    regions = CacheRegions.from_array(arr)
+    rows = regions.as_array()
+    assert rows.shape == (4, 3)
+    assert rows[:, 0].tolist() == [arr.ctypes.data + r * 2048 for r in range(4)]
+    assert rows[:, 1].tolist() == [2048] * 4
+
+
+@pytest.mark.gpu
+def test_cuda_tensor_registers_as_vram() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kvbridge.transfer.agent import NixlTransport
+
+    cache = torch.zeros(4, 2, 16, 8, 64, dtype=torch.bfloat16, device="cuda:0")
+    regions = CacheRegions.from_tensor(cache)
+    assert regions.mem_type is MemType.VRAM and regions.device_id == 0
+    transport = NixlTransport("gpu-test", regions)
+    try:
+        assert transport.metadata()
+    finally:
+        transport.close()

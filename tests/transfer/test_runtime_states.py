@@ -1,0 +1,275 @@
+"""Producer and consumer state machines over a fake transport (real side channel, real
+planner, in one process). The byte-moving tests with real NIXL agents in real
+processes are test_transfers.py and test_faults.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvbridge.plan.copylist import region_nbytes
+from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.transfer.agent import XferState
+from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
+from kvbridge.transfer.messages import ReadDone, decode, encode
+from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
+from kvbridge.transfer.regions import CacheRegions
+
+from .fakes import FakeTransport
+
+MODEL = ModelKVSpec(4, 4, 2, 8, "float16", AttentionKind.GQA, "tiny")
+PREFILL = InstanceLayout(tp_size=1)
+DECODE = InstanceLayout(tp_size=2)
+NUM_BLOCKS = 8
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def regions(layout: InstanceLayout, rank: int, model: ModelKVSpec = MODEL) -> CacheRegions:
+    shard = layout.workers(model)[rank]
+    n, size = num_regions(model, shard), region_nbytes(model, layout, shard, NUM_BLOCKS)
+    base = 1 << 20 if layout is PREFILL else 1 << 30
+    return CacheRegions(tuple(base + i * size for i in range(n)), (size,) * n)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def producer(clock: Clock) -> Iterator[tuple[KVProducer, list[Release]]]:
+    released: list[Release] = []
+    p = KVProducer(
+        model=MODEL,
+        layout=PREFILL,
+        rank=0,
+        regions=regions(PREFILL, 0),
+        num_blocks=NUM_BLOCKS,
+        transport=FakeTransport("prefill0"),
+        config=TransferConfig(lease_s=10, transfer_timeout_s=5, handshake_timeout_s=2),
+        instance_id="P",
+        on_release=released.append,
+        clock=clock,
+    )
+    yield p, released
+    p.close()
+
+
+def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL) -> KVConsumer:
+    return KVConsumer(
+        model=model,
+        layout=DECODE,
+        rank=rank,
+        regions=regions(DECODE, rank, model),
+        num_blocks=NUM_BLOCKS,
+        transport=FakeTransport(f"decode{rank}"),
+        config=TransferConfig(transfer_timeout_s=5, handshake_timeout_s=2),
+        instance_id="D",
+        clock=clock,
+    )
+
+
+def drive(p: KVProducer, consumers: list[KVConsumer], rounds: int = 20) -> list[TransferResult]:
+    out: list[TransferResult] = []
+    for _ in range(rounds):
+        p.poll(timeout_ms=5)
+        for c in consumers:
+            out += c.poll()
+    return out
+
+
+def notify(p: KVProducer, request_id: str, rank: int, instance: str = "D") -> None:
+    assert isinstance(p.transport, FakeTransport)
+    p.transport.inbox.setdefault("decode", []).append(
+        encode(ReadDone(request_id=request_id, instance_id=instance, rank=rank), None)
+    )
+
+
+def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer, clock) -> None:
+    p, released = producer
+    p.expose("r1", [5, 2, 7], 20)
+    cs = [consumer(0, clock), consumer(1, clock)]
+    for c in cs:
+        c.pull("r1", p.endpoint, [5, 2, 7], [1, 6, 3], 20)
+    drive(p, cs)
+    for c in cs:  # one READ per (request, producer worker), carrying the notification
+        t = c.transport
+        assert isinstance(t, FakeTransport) and len(t.reads) == 1
+        local_idx, remote_idx, notif = t.reads[0]
+        assert len(local_idx) == len(remote_idx) > 0
+        assert decode(notif, None, 1 << 16) == ReadDone(
+            request_id="r1", instance_id="D", rank=c.rank
+        )
+        t.read_state = XferState.DONE
+    results = drive(p, cs)
+    assert sorted((r.request_id, r.state) for r in results) == [("r1", TransferState.DONE)] * 2
+    assert all(r.local_block_ids == (1, 6, 3) for r in results)
+    # the fake moved no bytes, so notifications are delivered by hand, as NIXL would
+    notify(p, "r1", 0)
+    p.poll()
+    assert released == []
+    notify(p, "r1", 0)  # duplicate: ignored
+    p.poll()
+    assert released == [] and p.num_ignored_notifs == 1
+    notify(p, "r1", 1)
+    p.poll()
+    assert [(r.request_id, r.cause, r.block_ids) for r in released] == [
+        ("r1", ReleaseCause.COMPLETED, (5, 2, 7))
+    ]
+    notify(p, "r1", 1)  # stale
+    p.poll()
+    assert p.num_ignored_notifs == 2 and len(released) == 1 and p.num_pinned_blocks == 0
+
+
+def test_notifications_the_plan_does_not_expect_are_ignored(producer, clock) -> None:
+    p, released = producer
+    p.expose("r1", [0], 4)
+    notify(p, "r1", 0)  # instance D never handshaked
+    p.poll()
+    c = consumer(0, clock)
+    c.pull("r1", p.endpoint, [0], [0], 4)
+    drive(p, [c])
+    notify(p, "r1", 7)  # not a reader in the plan
+    notify(p, "nope", 0)  # unknown request: kept for a lease in case expose comes late
+    assert isinstance(p.transport, FakeTransport)
+    p.transport.inbox["decode"].append(b"garbage")
+    p.poll()
+    assert released == [] and p.num_ignored_notifs == 3
+    clock.now += 10.1  # a lease later "nope" was never exposed: dropped (and r1 expired)
+    p.poll()
+    assert p.num_ignored_notifs == 4
+    assert [r.cause for r in released] == [ReleaseCause.LEASE_EXPIRED]
+
+
+def test_a_notification_before_expose_completes_the_request(producer, clock) -> None:
+    p, released = producer
+    c0, c1 = consumer(0, clock), consumer(1, clock)
+    for c in (c0, c1):  # both handshake (the plan becomes known) on a first request
+        c.pull("warm", p.endpoint, [0], [0], 4)
+    drive(p, [c0, c1])
+    notify(p, "late", 0)
+    notify(p, "late", 1)
+    p.poll()
+    assert released == []
+    p.expose("late", [3, 4], 20)
+    assert [(r.request_id, r.cause) for r in released] == [("late", ReleaseCause.COMPLETED)]
+    assert p.num_pinned_blocks == 0
+
+
+def test_lease_releases_blocks_a_consumer_never_came_for(producer, clock) -> None:
+    p, released = producer
+    p.expose("lonely", [1, 2], 30)
+    clock.now += 9.9
+    p.poll()
+    assert released == []
+    clock.now += 0.2
+    p.poll()
+    assert len(released) == 1
+    rel = released[0]
+    assert rel.cause is ReleaseCause.LEASE_EXPIRED and rel.block_ids == (1, 2)
+    assert "lease expired after 10 s" in rel.reason and "no decode worker notified" in rel.reason
+
+
+def test_incompatible_pair_fails_on_both_sides_with_the_planners_error(producer, clock) -> None:
+    p, _ = producer
+    other = ModelKVSpec(6, 4, 2, 8, "float16", AttentionKind.GQA, "other")
+    c = consumer(0, clock, other)
+    c.pull("r1", p.endpoint, [0], [0], 4)
+    results = drive(p, [c])
+    assert len(results) == 1 and results[0].state is TransferState.FAILED
+    planner_words = (
+        "prefill and decode run different models: prefill num_layers=4, decode num_layers=6"
+    )
+    assert planner_words in results[0].reason
+    assert any(planner_words in r for r in p.refusals)
+    assert c.num_held_blocks == 0
+
+
+def test_read_error_fails_the_request_and_drops_the_cached_connection(producer, clock) -> None:
+    p, _ = producer
+    p.expose("r1", [0], 4)
+    p.expose("r2", [1], 4)
+    c = consumer(0, clock)
+    c.pull("r1", p.endpoint, [0], [0], 4)
+    drive(p, [c])
+    assert isinstance(c.transport, FakeTransport)
+    c.transport.read_state = XferState.ERR
+    (res,) = drive(p, [c])
+    assert res.state is TransferState.FAILED and "ERR state" in res.reason
+    assert c.transport.peers == []  # forgotten: the next pull handshakes again
+    c.transport.read_state = XferState.DONE
+    c.pull("r2", p.endpoint, [1], [1], 4)
+    (res,) = drive(p, [c])
+    assert res.state is TransferState.DONE
+
+
+def test_unanswered_handshake_and_stuck_read_fail_in_bounded_time(producer, clock) -> None:
+    p, _ = producer
+    c = consumer(0, clock)
+    c.pull("r1", "tcp://127.0.0.1:9", [0], [0], 4)  # nobody there
+    assert c.poll() == []
+    clock.now += 2.1
+    (res,) = c.poll()
+    assert res.state is TransferState.FAILED and "timed out after 2 s" in res.reason
+    p.expose("r2", [0], 4)
+    c.pull("r2", p.endpoint, [0], [3], 4)
+    drive(p, [c])  # the READ stays in PROC (a fake that never finishes)
+    assert isinstance(c.transport, FakeTransport) and len(c.transport.reads) == 1
+    c.transport.read_state = XferState.PROC
+    clock.now += 5.1
+    (res,) = c.poll()
+    assert res.state is TransferState.FAILED and "timed out after 5 s reading" in res.reason
+    assert res.local_block_ids == (3,) and c.num_held_blocks == 0
+
+
+def test_expose_and_pull_validate_their_arguments(producer, clock) -> None:
+    p, _ = producer
+    with pytest.raises(Exception, match=r"block_ids of 'x' must lie in \[0, 8\)"):
+        p.expose("x", [8], 1)
+    with pytest.raises(Exception, match="num_tokens=40 of 'x' does not fit 2 blocks of 16"):
+        p.expose("x", [0, 1], 40)
+    p.expose("x", [0], 1)
+    with pytest.raises(Exception, match="already exposed"):
+        p.expose("x", [1], 1)
+    c = consumer(0, clock)
+    with pytest.raises(Exception, match="local_block_ids"):
+        c.pull("y", p.endpoint, [0], [np.int64(99)], 1)
+
+
+def test_a_consumer_that_gives_up_tells_the_producer_which_releases_at_once(
+    producer, clock
+) -> None:
+    p, released = producer
+    p.expose("r1", [4], 4)
+    cs = [consumer(0, clock), consumer(1, clock)]
+    for c in cs:
+        c.pull("r1", p.endpoint, [4], [2], 4)
+    drive(p, cs)
+    t0, t1 = (c.transport for c in cs)
+    assert isinstance(t0, FakeTransport) and isinstance(t1, FakeTransport)
+    t0.read_state = XferState.DONE
+    drive(p, cs)
+    notify(p, "r1", 0)  # rank 0's READ delivered its notification
+    clock.now += 5.1  # rank 1's READ is stuck: it times out and gives up
+    (res,) = cs[1].poll()
+    assert res.state is TransferState.FAILED
+    ((peer, msg),) = t1.sent
+    assert peer == "prefill0"
+    notice = decode(msg, None, 1 << 16)
+    assert isinstance(notice, ReadDone) and not notice.ok and "timed out" in notice.reason
+    assert isinstance(p.transport, FakeTransport)
+    p.transport.inbox["decode1"] = [msg]
+    p.poll()
+    assert [(r.request_id, r.cause) for r in released] == [("r1", ReleaseCause.ABORTED)]
+    assert "decode rank 1: timed out" in released[0].reason

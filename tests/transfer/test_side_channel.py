@@ -1,0 +1,141 @@
+"""The side channel server: bad peers are refused with a logged reason, good peers served."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from kvbridge.transfer.errors import HandshakeError
+from kvbridge.transfer.messages import Message, Ping, Pong, Refused, decode, encode
+from kvbridge.transfer.side_channel import SideChannelClient, SideChannelServer
+
+TOKEN = b"side-channel-token-0123"
+LIMIT = 64 << 10
+
+
+def handler(msg: Message) -> Message | None:
+    assert isinstance(msg, Ping)
+    return Pong(nonce=msg.nonce, instance_id="server")
+
+
+@pytest.fixture
+def server() -> Iterator[SideChannelServer]:
+    srv = SideChannelServer("127.0.0.1", 0, TOKEN, LIMIT, handler)
+    stop = threading.Event()
+
+    def loop() -> None:  # the only thread that touches the server
+        while not stop.is_set():
+            srv.poll(timeout_ms=10)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    yield srv
+    stop.set()
+    t.join(5)
+    srv.close()
+
+
+def raw_exchange(endpoint: str, frames: list[bytes]) -> Message:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(frames)
+        assert sock.poll(5000), "no answer from the side channel"
+        return decode(sock.recv(), TOKEN, LIMIT)
+    finally:
+        sock.close()
+
+
+def test_binds_loopback_by_default(server: SideChannelServer) -> None:
+    assert server.endpoint.startswith("tcp://127.0.0.1:")
+
+
+def test_bad_peers_are_refused_and_logged_while_good_peers_are_served(
+    server: SideChannelServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvbridge.transfer.side_channel")
+    bad = {
+        "malformed": [b"\xc1\xc1 not msgpack"],
+        "oversized": [b"\x00" * (LIMIT + 1)],
+        "wrong token": [encode(Ping(nonce=1), b"not-the-shared-token")],
+        "no token": [encode(Ping(nonce=1), None)],
+        "two frames": [encode(Ping(nonce=1), TOKEN), b"extra"],
+    }
+    reasons = {}
+    for name, frames in bad.items():
+        reply = raw_exchange(server.endpoint, frames)
+        assert isinstance(reply, Refused), name
+        reasons[name] = reply.reason
+    assert "malformed" in reasons["malformed"]
+    assert f"exceeds the limit of {LIMIT} bytes" in reasons["oversized"]
+    assert "wrong HMAC" in reasons["wrong token"]
+    assert "no HMAC" in reasons["no token"]
+    assert "exactly one" in reasons["two frames"]
+    assert server.num_rejected == len(bad)
+    logged = " ".join(r.getMessage() for r in caplog.records)
+    for reason in reasons.values():
+        assert reason in logged
+    # a good peer is still served afterwards
+    client = SideChannelClient(server.endpoint, TOKEN, LIMIT)
+    try:
+        reply = client.call(Ping(nonce=42), timeout_s=5)
+    finally:
+        client.close()
+    assert reply == Pong(nonce=42, instance_id="server")
+    assert server.num_served == 1
+
+
+def test_a_silent_endpoint_fails_the_call_with_a_reason() -> None:
+    sock = zmq.Context.instance().socket(zmq.ROUTER)  # bound, never answers
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    client = SideChannelClient(f"tcp://127.0.0.1:{port}", None, LIMIT)
+    try:
+        with pytest.raises(
+            HandshakeError, match=r"no answer from tcp://127\.0\.0\.1:\d+ within 0\.2 s"
+        ):
+            client.call(Ping(nonce=1), timeout_s=0.2)
+    finally:
+        client.close()
+        sock.close(linger=0)
+
+
+def test_a_failing_handler_is_answered_and_the_server_keeps_serving() -> None:
+    calls = []
+
+    def flaky(msg: Message) -> Message | None:
+        calls.append(msg)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return handler(msg)
+
+    srv = SideChannelServer("127.0.0.1", 0, None, LIMIT, flaky)
+    client = SideChannelClient(srv.endpoint, None, LIMIT)
+    replies: list[Message | None] = []
+    try:
+        for nonce in (1, 2):
+            client.send(Ping(nonce=nonce))
+            srv.poll(timeout_ms=5000)
+            deadline = time.monotonic() + 5
+            reply = None
+            while reply is None and time.monotonic() < deadline:
+                reply = client.try_recv()
+                time.sleep(0.001)
+            replies.append(reply)
+    finally:
+        client.close()
+        srv.close()
+    assert isinstance(replies[0], Refused) and "internal error handling the request: boom" in (
+        replies[0].reason
+    )
+    assert replies[1] == Pong(nonce=2, instance_id="server")
+
+
+def test_a_malformed_endpoint_is_refused_with_the_expected_form() -> None:
+    with pytest.raises(HandshakeError, match="expected tcp://HOST:PORT"):
+        SideChannelClient("not an endpoint", None, LIMIT)
