@@ -196,3 +196,17 @@ def test_sigkill_probe_sees_zombies_as_dead() -> None:
     assert not is_process_alive(pid)
     os.waitpid(pid, 0)
     assert is_process_alive(os.getpid())
+
+
+def test_files_of_dead_creators_are_swept_when_a_segment_is_created() -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)  # reaped: this pid is gone
+    stale = SHM_DIR / f"kvbridge-comm-{pid}-0123456789ab"
+    stale.write_bytes(b"left by a group killed while starting")
+    mine = ShmSegment(2)  # a live creator's file is never swept
+    with ShmSegment(2):
+        assert not stale.exists()
+        assert (SHM_DIR / mine.name).exists()
+    mine.close()

@@ -20,6 +20,7 @@ from kvbridge.engine.parallel import (
     WorkerGroup,
     WorkerGroupClosedError,
     WorkerStartError,
+    WorkerTimeoutError,
 )
 from kvbridge.engine.parallel.shm_segment import SHM_DIR, is_process_alive
 from tests.parallel.test_shm_comm import check_stress
@@ -29,7 +30,8 @@ pytestmark = pytest.mark.slow
 
 
 def our_segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(f"kvbridge-comm-{os.getpid()}-*")}
+    """Our communicator segments and reply buffers in /dev/shm."""
+    return {p.name for p in SHM_DIR.glob(f"kvbridge-*-{os.getpid()}-*")}
 
 
 def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
@@ -66,6 +68,12 @@ def test_nine_workers_calls_replies_and_collectives() -> None:
         second = group.submit("echo", b"2", ranks=[8])
         assert group.collect(second) == [b"init|8|2"]
         assert group.collect(first)[3] == b"init|3|1"
+        # large replies come back through each worker's shared-memory reply buffer, also
+        # when several are in flight from the same worker
+        big = [bytes([i]) * 300_000 for i in range(3)]
+        handles = [group.submit("echo", b, ranks=[0, 5]) for b in big]
+        for handle, b in reversed(list(zip(handles, big, strict=True))):
+            assert group.collect(handle) == [b"init|0|" + b, b"init|5|" + b]
         # random back-to-back collectives with delayed ranks, checked on every rank
         stress = group.call("stress", json.dumps({"seed": 9, "steps": 80}).encode())
         check_stress([json.loads(r) for r in stress])
@@ -144,3 +152,15 @@ def test_workers_exit_when_the_driver_dies(tmp_path: Path) -> None:
     pids = [int(p) for p in out.stdout.split()]
     assert len(pids) == 2
     assert_gone(pids, timeout=15.0)
+
+
+def test_call_timeout_names_the_silent_ranks_and_close_still_cleans_up() -> None:
+    before = our_segments()
+    with WorkerGroup(1, ECHO) as group:
+        with pytest.raises(WorkerTimeoutError, match=r"no answer from ranks \[0\]"):
+            group.call("sleep", b"3", timeout=0.2)
+        with pytest.raises(WorkerGroupClosedError, match="timed out"):
+            group.call("echo")
+        pids = group.pids
+    assert_gone(pids)
+    assert our_segments() == before

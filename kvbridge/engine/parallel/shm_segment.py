@@ -78,9 +78,28 @@ class SegmentLayout:
         return self.data_offset + (buffer * self.world_size + rank) * self.slot_stride
 
 
+def sweep_stale_segments() -> list[str]:
+    """Remove kvbridge files in /dev/shm whose creator process is gone; returns their names.
+
+    Names carry the creator's pid (kvbridge-<kind>-<pid>-<token>). Files are unlinked as
+    soon as every rank attached, so one that outlived its creator belongs to a group that
+    never finished starting (all its processes were killed): nobody can use it any more.
+    """
+    removed = []
+    for path in SHM_DIR.glob("kvbridge-*-*-*"):
+        parts = path.name.split("-")
+        if len(parts) != 4 or not parts[2].isdigit():
+            continue
+        if not is_process_alive(int(parts[2])):
+            unlink_segment(path.name)
+            removed.append(path.name)
+    return removed
+
+
 def create_segment_file(world_size: int, max_bytes: int) -> str:
     """Create and initialise a segment file; returns its name (not path). Caller unlinks."""
     layout = SegmentLayout(world_size, max_bytes)
+    sweep_stale_segments()
     name = f"kvbridge-comm-{os.getpid()}-{secrets.token_hex(6)}"
     path = SHM_DIR / name
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)

@@ -14,7 +14,8 @@ raw bytes, never pickle). A frame is a fixed header then two byte strings:
 driver -> worker: CALL (method, payload), CALL_NO_REPLY (same; the reply is an empty
 acknowledgement), STOP. worker -> driver: PROGRESS (text), READY, REPLY (bytes), ERROR
 (JSON: error type, message, traceback, whether it is only a consequence of another
-rank's failure).
+rank's failure). The *_SHM variants of CALL, CALL_NO_REPLY and REPLY carry only a u64
+length: the bytes are in the group's `CallBuffer` or the worker's `ReplyBuffer`.
 """
 
 from __future__ import annotations
@@ -33,9 +34,12 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from kvbridge.engine.parallel.errors import PeerAbortedError, PeerDiedError
+from kvbridge.engine.parallel.reply_buffer import SHM_MIN_BYTES, CallBuffer, ReplyBuffer
 from kvbridge.engine.parallel.shm_comm import ShmCommunicator
+from kvbridge.engine.parallel.shm_segment import unlink_segment
 
 _FRAME = struct.Struct("<B3xIQ")
+_LENGTH = struct.Struct("<Q")
 PARENT_CHECK_S = 1.0
 
 #: A worker's call handler: (method, payload) -> reply bytes.
@@ -46,10 +50,13 @@ class Kind(enum.IntEnum):
     CALL = 1
     CALL_NO_REPLY = 2
     STOP = 3
+    CALL_SHM = 4
+    CALL_NO_REPLY_SHM = 5
     PROGRESS = 10
     READY = 11
     REPLY = 12
     ERROR = 13
+    REPLY_SHM = 14
 
 
 def encode_frame(kind: Kind, seq: int = 0, method: str = "", payload: bytes = b"") -> bytes:
@@ -92,6 +99,8 @@ class WorkerContext:
     init_payload: bytes
     conn: Connection
     parent_pid: int
+    call_buffer: CallBuffer | None = None
+    reply_buffer: ReplyBuffer | None = None
 
     def report_progress(self, text: str) -> None:
         """Tell the driver about start-up progress (shown by its `on_progress` callback)."""
@@ -123,7 +132,7 @@ class WorkerContext:
                 now = time.monotonic()
                 if now - last_check >= PARENT_CHECK_S:
                     last_check = now
-                    if os.getppid() != self.parent_pid:
+                    if not self._driver_alive():
                         return  # the driver died without closing its pipe end
                 if idle is not None:
                     idle()
@@ -134,15 +143,18 @@ class WorkerContext:
                 return  # the driver is gone
             if kind == Kind.STOP:
                 return
+            if kind in (Kind.CALL_SHM, Kind.CALL_NO_REPLY_SHM):
+                # take the payload out at once: the driver reuses the buffer after that
+                assert self.call_buffer is not None, "driver used a CallBuffer we lack"
+                payload = self.call_buffer.read(self.rank, seq, decode_length(payload))
+                kind = Kind.CALL if kind == Kind.CALL_SHM else Kind.CALL_NO_REPLY
             try:
                 reply = handler(method, payload) or b""
                 if not isinstance(reply, bytes | bytearray | memoryview):
                     raise TypeError(
                         f"handler for {method!r} returned {type(reply).__name__}; return bytes"
                     )
-                frame = encode_frame(
-                    Kind.REPLY, seq, payload=bytes(reply) if kind == Kind.CALL else b""
-                )
+                frame = self._reply_frame(seq, reply if kind == Kind.CALL else b"")
             except Exception as exc:
                 self.comm.abort(f"its {method!r} handler raised {type(exc).__name__}: {exc}")
                 frame = encode_frame(Kind.ERROR, seq, method, error_payload(exc))
@@ -150,6 +162,26 @@ class WorkerContext:
                 conn.send_bytes(frame)
             except (BrokenPipeError, ConnectionResetError):
                 return
+
+    def _driver_alive(self) -> bool:
+        return os.getppid() == self.parent_pid
+
+    def _reply_frame(self, seq: int, reply: bytes | bytearray | memoryview) -> bytes:
+        data = bytes(reply)
+        buffer = self.reply_buffer
+        if buffer is not None and len(data) >= SHM_MIN_BYTES and buffer.try_write(seq, data):
+            return encode_frame(Kind.REPLY_SHM, seq, payload=encode_length(len(data)))
+        return encode_frame(Kind.REPLY, seq, payload=data)
+
+
+def encode_length(nbytes: int) -> bytes:
+    """The payload of a *_SHM frame."""
+    return _LENGTH.pack(nbytes)
+
+
+def decode_length(payload: bytes) -> int:
+    (nbytes,) = _LENGTH.unpack(payload)
+    return int(nbytes)
 
 
 def resolve_target(target: str) -> Callable[[WorkerContext], None]:
@@ -173,6 +205,8 @@ def worker_main(
     comm_timeout: float,
     connect_timeout: float,
     num_threads: int,
+    call_buffer_name: str,
+    reply_buffer_name: str,
 ) -> None:
     """Entry point of a spawned worker process (see `WorkerGroup`)."""
     import torch
@@ -181,14 +215,32 @@ def worker_main(
     # (it stops or kills its workers), so a worker ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     comm: ShmCommunicator | None = None
+    call_buffer: CallBuffer | None = None
+    reply_buffer: ReplyBuffer | None = None
     try:
         torch.set_num_threads(num_threads)
+        reply_buffer = ReplyBuffer.attach(reply_buffer_name)
+        unlink_segment(reply_buffer_name)  # the driver has it mapped too
+        call_buffer = CallBuffer.attach(call_buffer_name, world_size)
         comm = ShmCommunicator(
             shm_name, rank, world_size, timeout=comm_timeout, connect_timeout=connect_timeout
         )
+        if rank == 0:
+            unlink_segment(call_buffer_name)  # every rank mapped it before connecting
         conn.send_bytes(encode_frame(Kind.PROGRESS, payload=b"communicator connected"))
         func = resolve_target(target)
-        func(WorkerContext(rank, world_size, comm, init_payload, conn, parent_pid))
+        func(
+            WorkerContext(
+                rank,
+                world_size,
+                comm,
+                init_payload,
+                conn,
+                parent_pid,
+                call_buffer=call_buffer,
+                reply_buffer=reply_buffer,
+            )
+        )
     except BaseException as exc:
         if comm is not None:
             comm.abort(f"start-up failed: {type(exc).__name__}: {exc}")
@@ -198,4 +250,7 @@ def worker_main(
     finally:
         if comm is not None:
             comm.close()
+        for buffer in (call_buffer, reply_buffer):
+            if buffer is not None:
+                buffer.close()
         conn.close()

@@ -21,13 +21,27 @@ from kvbridge.engine.parallel.errors import (
     WorkerStartError,
     WorkerTimeoutError,
 )
+from kvbridge.engine.parallel.reply_buffer import (
+    DEFAULT_CALL_MAX_BYTES,
+    DEFAULT_REPLY_MAX_BYTES,
+    SHM_MIN_BYTES,
+    CallBuffer,
+    ReplyBuffer,
+)
 from kvbridge.engine.parallel.shm_segment import DEFAULT_MAX_BYTES, ShmSegment
-from kvbridge.engine.parallel.worker import Kind, decode_frame, encode_frame, worker_main
+from kvbridge.engine.parallel.worker import (
+    Kind,
+    decode_frame,
+    decode_length,
+    encode_frame,
+    encode_length,
+    worker_main,
+)
 
 #: on_progress(rank, text): start-up progress of one worker.
 ProgressCallback = Callable[[int, str], None]
 #: After a first error, how long to wait for the other ranks' answers to find the root cause.
-ERROR_GRACE_S = 1.0
+ERROR_GRACE_S = 2.0
 STOP_GRACE_S = 5.0
 
 
@@ -49,8 +63,13 @@ class _Answers:
         return len(self.replies) + len(self.errors)
 
 
-def _shutdown(procs: list[BaseProcess], conns: list[Connection], segment: ShmSegment) -> None:
-    """Stop workers (politely, then by force), close pipes, remove the segment. Idempotent."""
+def _shutdown(
+    procs: list[BaseProcess],
+    conns: list[Connection],
+    segment: ShmSegment,
+    buffers: list[CallBuffer | ReplyBuffer],
+) -> None:
+    """Stop workers (politely, then by force), close pipes, remove shared memory. Idempotent."""
     for proc, conn in zip(procs, conns, strict=True):
         if proc.is_alive() and not conn.closed:
             with contextlib.suppress(OSError):
@@ -64,6 +83,9 @@ def _shutdown(procs: list[BaseProcess], conns: list[Connection], segment: ShmSeg
             proc.join(5.0)
     for conn in conns:
         conn.close()
+    for buffer in buffers:
+        buffer.close()
+    buffers.clear()
     segment.close()
 
 
@@ -78,12 +100,28 @@ class WorkerGroup:
 
     Guarantees: every call reaches every worker, in submission order. A worker that raises
     makes the call raise `WorkerError` (rank + traceback) as soon as the root cause is
-    known; a worker that dies makes it raise `WorkerDiedError` (rank + exit code) within
-    ~0.1 s; a call that exceeds its timeout raises `WorkerTimeoutError`. After any of
-    these the group is broken (its collectives were aborted): further calls raise
-    `WorkerGroupClosedError`; close it and start a new one. `close()` (also on context
-    exit and at interpreter exit) leaves no process and no /dev/shm file; workers exit
-    by themselves if the driver dies.
+    known; a worker that dies makes it raise `WorkerDiedError` (rank + exit code) as soon
+    as the driver sees the process end; a call that exceeds its timeout raises
+    `WorkerTimeoutError`. After any of these the group is broken (its collectives were
+    aborted): further calls raise `WorkerGroupClosedError`; close it and start a new one.
+    `close()` (also on context exit and at interpreter exit) leaves no process and no
+    /dev/shm file; workers exit by themselves if the driver dies.
+
+    Example::
+
+        # driver
+        with WorkerGroup(3, "kvbridge.engine.tp_worker:main", init_payload=config) as group:
+            sampled = group.call("step", batch_bytes, ranks=[0])[0]
+
+        # kvbridge/engine/tp_worker.py, in each worker process
+        def main(ctx: WorkerContext) -> None:
+            runner = ModelRunner(json.loads(ctx.init_payload), ctx.rank, ctx.comm)
+            ctx.report_progress("weights loaded")
+            ctx.serve(runner.handle)  # handle(method: str, payload: bytes) -> bytes
+
+    Payloads and replies travel through pipes: meant for control messages (token ids,
+    block tables, sampled tokens), not bulk tensors. Workers are spawned, so they
+    re-import the driver's main module: a driver script needs `if __name__ == "__main__":`.
     """
 
     def __init__(
@@ -96,6 +134,8 @@ class WorkerGroup:
         call_timeout: float = 120.0,
         comm_timeout: float = 60.0,
         comm_max_bytes: int = DEFAULT_MAX_BYTES,
+        call_max_bytes: int = DEFAULT_CALL_MAX_BYTES,
+        reply_max_bytes: int = DEFAULT_REPLY_MAX_BYTES,
         num_threads: int = 1,
         on_progress: ProgressCallback | None = None,
     ) -> None:
@@ -115,10 +155,17 @@ class WorkerGroup:
         self._segment = ShmSegment(world_size, comm_max_bytes)
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._segment)
+        self._call_buffer = CallBuffer.create(world_size, call_max_bytes)
+        self._reply_buffers: list[ReplyBuffer] = []
+        buffers: list[CallBuffer | ReplyBuffer] = [self._call_buffer]
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._procs, self._conns, self._segment, buffers
+        )
         ctx = mp.get_context("spawn")
         try:
             for rank in range(world_size):
+                self._reply_buffers.append(ReplyBuffer.create(reply_max_bytes))
+                buffers.append(self._reply_buffers[-1])
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
                     target=worker_main,
@@ -133,6 +180,8 @@ class WorkerGroup:
                         comm_timeout,
                         start_timeout,
                         num_threads,
+                        self._call_buffer.name,
+                        self._reply_buffers[rank].name,
                     ),
                     name=f"kvbridge-tp{rank}",
                     daemon=True,
@@ -178,8 +227,24 @@ class WorkerGroup:
         self._seq += 1
         handle = CallHandle(self._seq, method, wanted)
         self._answers[handle.seq] = _Answers()
+        shared = SHM_MIN_BYTES <= len(payload) <= self._call_buffer.capacity
+        if shared:
+            # one copy for all workers; wait (handling replies) until they took the last one
+            deadline = time.monotonic() + self.call_timeout
+            self._pump(deadline, self._call_buffer.is_free)
+            if not self._call_buffer.is_free():
+                reason = (
+                    f"{method!r}: workers did not take call #{self._call_buffer.last_seq}'s "
+                    f"payload within call_timeout={self.call_timeout} s"
+                )
+                self._fail(reason, WorkerTimeoutError(reason))
+            self._call_buffer.write(handle.seq, payload)
+            payload = encode_length(len(payload))
         for rank, conn in enumerate(self._conns):
-            kind = Kind.CALL if rank in wanted else Kind.CALL_NO_REPLY
+            if rank in wanted:
+                kind = Kind.CALL_SHM if shared else Kind.CALL
+            else:
+                kind = Kind.CALL_NO_REPLY_SHM if shared else Kind.CALL_NO_REPLY
             try:
                 conn.send_bytes(encode_frame(kind, handle.seq, method, payload))
             except OSError:
@@ -291,6 +356,9 @@ class WorkerGroup:
 
     def _handle(self, rank: int, frame: bytes) -> None:
         kind, seq, _method, payload = decode_frame(frame)
+        if kind == Kind.REPLY_SHM:
+            # copy it out now, even for an abandoned call: that frees the worker's buffer
+            kind, payload = Kind.REPLY, self._reply_buffers[rank].read(seq, decode_length(payload))
         if kind == Kind.PROGRESS:
             self._progress(rank, payload.decode(errors="replace"))
         elif kind == Kind.READY:
@@ -309,8 +377,8 @@ class WorkerGroup:
         # the root cause is the first error that is not a consequence of another's failure
         ordered = sorted(answers.errors.items(), key=lambda item: bool(item[1]["secondary"]))
         rank, info = ordered[0]
-        also = [r for r, i in ordered[1:] if not i["secondary"]]
-        after = [r for r, i in ordered[1:] if i["secondary"]]
+        also = sorted(r for r, i in ordered[1:] if not i["secondary"])
+        after = sorted(r for r, i in ordered[1:] if i["secondary"])
         reason = (
             f"worker rank {rank} raised {info['type']} in {handle.method!r} "
             f"(call #{handle.seq}): {info['message']}"
