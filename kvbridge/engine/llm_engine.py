@@ -28,7 +28,7 @@ from kvbridge.engine.sampling import SamplingParams, make_generator, sample
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvbridge.engine.weights import Progress, open_weights, resolve_model
+from kvbridge.engine.weights import Progress, open_weights, read_model_config, resolve_model
 
 ExecutorFactory = Callable[..., Executor]
 
@@ -64,10 +64,10 @@ class LLMEngine:
                  executor_factory: ExecutorFactory | None = None) -> None:
         self.config = config or EngineConfig()
         self.model_path = resolve_model(model)
-        # Read the config (and build the weight cache once) before starting workers, so a
-        # bad tp_size is refused here and workers only memory-map the cache.
+        # Refuse a bad tp_size from the metadata alone, then build the weight cache once
+        # before starting workers, so that they only memory-map it.
+        self.config.check(read_model_config(self.model_path))
         self.model_config = open_weights(self.model_path, progress).config
-        self.config.check(self.model_config)
         self.tokenizer = Tokenizer.load(self.model_path)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.max_model_len = self.config.model_len(self.model_config)

@@ -114,6 +114,13 @@ class WeightSource:
         return name in self.names()
 
 
+def read_model_config(path: Path) -> ModelConfig:
+    """The architecture from metadata only (no tensors read); tie/bias flags are a guess."""
+    if path.is_dir():
+        return ModelConfig.from_hf_config(path / "config.json")
+    return ModelConfig.from_gguf(path)
+
+
 def open_weights(path: Path, progress: Progress | None = None) -> WeightSource:
     """The weight source for a path returned by `resolve_model`."""
     if path.is_dir():
