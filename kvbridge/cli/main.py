@@ -16,6 +16,7 @@ from kvbridge.errors import KVBridgeError
 SUBCOMMAND_MODULES = [
     "kvbridge.cli.plan_cmd",
     "kvbridge.cli.bench_cmd",
+    "kvbridge.cli.generate_cmd",
 ]
 
 

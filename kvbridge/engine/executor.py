@@ -37,8 +37,9 @@ class Executor(abc.ABC):
 class InProcessExecutor(Executor):
     """tp_size 1: the runner lives in the driver's process."""
 
-    def __init__(self, model_path: Path, config: EngineConfig,
-                 progress: Progress | None = None) -> None:
+    def __init__(
+        self, model_path: Path, config: EngineConfig, progress: Progress | None = None
+    ) -> None:
         torch.set_num_threads(config.num_threads or 2)
         self.runner = ModelRunner(model_path, config, SingleProcessCommunicator(), progress)
         self.info = self.runner.info()

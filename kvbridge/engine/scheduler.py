@@ -35,21 +35,30 @@ class ScheduledStep:
             start, end = seq.num_computed, seq.num_computed + qlen
             ids += seq.tokens(start, end)
             positions += range(start, end)
-            slots += [seq.block_ids[p // block_size] * block_size + p % block_size
-                      for p in range(start, end)]
+            slots += [
+                seq.block_ids[p // block_size] * block_size + p % block_size
+                for p in range(start, end)
+            ]
             ctx_lens.append(end)
             tables.append(seq.block_ids[: -(-end // block_size)])
             want.append(end == seq.num_tokens)
-        return StepBatch(input_ids=ids, positions=positions, slot_mapping=slots,
-                         query_lens=list(self.query_lens), context_lens=ctx_lens,
-                         block_tables=tables, want_logits=want)
+        return StepBatch(
+            input_ids=ids,
+            positions=positions,
+            slot_mapping=slots,
+            query_lens=list(self.query_lens),
+            context_lens=ctx_lens,
+            block_tables=tables,
+            want_logits=want,
+        )
 
 
 class Scheduler:
     """Owned by the LLMEngine; holds every unfinished sequence."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 prefill_chunk_size: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, prefill_chunk_size: int
+    ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.chunk = prefill_chunk_size

@@ -106,8 +106,9 @@ class WeightSource:
     def names(self) -> set[str]:
         raise NotImplementedError
 
-    def get(self, name: str, dim: int = 0, start: int | None = None,
-            end: int | None = None) -> torch.Tensor:
+    def get(
+        self, name: str, dim: int = 0, start: int | None = None, end: int | None = None
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def has(self, name: str) -> bool:
@@ -159,13 +160,14 @@ class GGUFWeights(WeightSource):
     def names(self) -> set[str]:
         return set(self._index)
 
-    def get(self, name: str, dim: int = 0, start: int | None = None,
-            end: int | None = None) -> torch.Tensor:
+    def get(
+        self, name: str, dim: int = 0, start: int | None = None, end: int | None = None
+    ) -> torch.Tensor:
         if name not in self._index:
             raise ModelLoadError(f"tensor {name} is missing from {self.config.name}")
         offset, shape = self._index[name]
         count = int(np.prod(shape))
-        view = self._mm[offset:offset + count].reshape(shape)
+        view = self._mm[offset : offset + count].reshape(shape)
         return torch.from_numpy(np.array(_slice(view, dim, start, end), copy=True))
 
 
@@ -199,13 +201,15 @@ def ensure_dequantized(path: Path, config: ModelConfig, progress: Progress | Non
     return target
 
 
-def _dequantize_to(path: Path, config: ModelConfig, target: Path,
-                   progress: Progress | None) -> None:
+def _dequantize_to(
+    path: Path, config: ModelConfig, target: Path, progress: Progress | None
+) -> None:
     try:
         from gguf import GGUFReader, dequantize
     except ImportError:  # pragma: no cover - an install problem
-        raise ModelLoadError("reading GGUF weights needs the gguf package: "
-                             "pip install 'kvbridge[engine]'") from None
+        raise ModelLoadError(
+            "reading GGUF weights needs the gguf package: pip install 'kvbridge[engine]'"
+        ) from None
     reader = GGUFReader(path)
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     index: dict[str, Any] = {}
@@ -271,8 +275,9 @@ class SafetensorsWeights(WeightSource):
     def names(self) -> set[str]:
         return set(self._where)
 
-    def get(self, name: str, dim: int = 0, start: int | None = None,
-            end: int | None = None) -> torch.Tensor:
+    def get(
+        self, name: str, dim: int = 0, start: int | None = None, end: int | None = None
+    ) -> torch.Tensor:
         if name not in self._where:
             raise ModelLoadError(f"tensor {name} is missing from {self.config.name}")
         part = self._where[name].get_slice(name)

@@ -57,9 +57,13 @@ class Oracle:
         if key not in self._cache:
             ids = torch.tensor([prompt_ids])
             with torch.inference_mode():
-                out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
-                                          max_new_tokens=max_new_tokens, do_sample=False)
-            self._cache[key] = out[0, len(prompt_ids):].tolist()
+                out = self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                )
+            self._cache[key] = out[0, len(prompt_ids) :].tolist()
         return self._cache[key]
 
 

@@ -37,8 +37,9 @@ def test_chat_template_matches_transformers(oracle: Oracle) -> None:
     tok = Tokenizer.load(resolve_model("smollm2-135m"))
     messages = [{"role": "user", "content": "What is 2+2?"}]
     text = tok.apply_chat_template(messages)
-    expected = oracle.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                    tokenize=False)
+    expected = oracle.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     assert text == expected
     assert tok.encode(text) == oracle.encode(expected)
 
@@ -59,15 +60,17 @@ def test_capital_of_france_is_paris(engine_tp1: LLMEngine) -> None:
     assert out.text.startswith(" Paris")
 
 
-def test_tp3_greedy_equals_transformers(engine_factory: Callable[..., LLMEngine],
-                                        oracle: Oracle) -> None:
+def test_tp3_greedy_equals_transformers(
+    engine_factory: Callable[..., LLMEngine], oracle: Oracle
+) -> None:
     engine = engine_factory(tp_size=3)
     _check(engine, oracle, PROMPTS, 16)
     assert engine.executor.info.num_local_kv_heads == 1
 
 
-def test_tp9_greedy_equals_transformers(engine_factory: Callable[..., LLMEngine],
-                                        oracle: Oracle) -> None:
+def test_tp9_greedy_equals_transformers(
+    engine_factory: Callable[..., LLMEngine], oracle: Oracle
+) -> None:
     # gloo all-reduce costs ~25 ms at tp 9 here: two prompts keep this under a minute.
     engine = engine_factory(tp_size=9, num_blocks=16)
     _check(engine, oracle, PROMPTS[:2], 16)
