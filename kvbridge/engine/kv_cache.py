@@ -35,7 +35,9 @@ class KVCache:
         self.num_blocks = num_blocks
         self.is_hnd = layout.cache_layout is CacheLayout.HND
         self.region_shape = region_shape(layout, num_blocks, num_local_heads, head_dim)
-        self.tensor = torch.zeros(num_layers, 2, *self.region_shape, dtype=dtype)
+        self.tensor = torch.empty(num_layers, 2, *self.region_shape, dtype=dtype)
+        # fill_ writes every page (torch.zeros may get lazily-mapped zero pages).
+        self.tensor.fill_(0)
         self.num_local_heads = num_local_heads
         self.head_dim = head_dim
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.config import EngineConfig
-from kvbridge.engine.errors import EngineError, RequestError
+from kvbridge.engine.errors import EngineError, OutOfBlocksError, RequestError
 from kvbridge.engine.executor import Executor, InProcessExecutor
 from kvbridge.engine.sampling import SamplingParams, make_generator, sample
 from kvbridge.engine.scheduler import Scheduler
@@ -248,17 +248,33 @@ class LLMEngine:
     ) -> list[Completion]:
         """Run every prompt to completion, batched; results in prompt order."""
         rids = [self.add_request(p, params) for p in prompts]
-        while any(not self._seqs[r].is_finished for r in rids):
-            if not self.has_unfinished():
-                raise EngineError("requests are unfinished but nothing is scheduled")
-            self.step()
+        try:
+            while any(not self._seqs[r].is_finished for r in rids):
+                self._step_or_raise()
+        except BaseException:
+            for r in rids:  # a caller that got an exception does not expect them to go on
+                self.abort(r)
+                self._seqs.pop(r, None)
+                self._detok.pop(r, None)
+            raise
         return [self.pop(r) for r in rids]
+
+    def _step_or_raise(self) -> list[RequestOutput]:
+        """step(), for synchronous callers: nothing schedulable means nothing ever will be."""
+        if self.scheduler.schedule_would_idle():
+            bm = self.block_manager
+            raise OutOfBlocksError(
+                f"the next waiting request needs more KV blocks than the {bm.num_free_blocks} "
+                f"free of {bm.num_blocks}, and nothing running will free any; release blocks "
+                "kept by prefill-only requests or allocate_blocks (release_blocks)"
+            )
+        return self.step()
 
     def prefill(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
         """Prefill-only, synchronously: first token in token_ids, kept blocks in block_ids."""
         rid = self.add_request(prompt, params, prefill_only=True)
         while not self._seqs[rid].is_finished:
-            self.step()
+            self._step_or_raise()
         return self.pop(rid)
 
     def stream(
@@ -268,7 +284,7 @@ class LLMEngine:
         rid = self.add_request(prompt, params)
         try:
             while not self._seqs[rid].is_finished:
-                for out in self.step():
+                for out in self._step_or_raise():
                     if out.request_id == rid:
                         yield out
         finally:

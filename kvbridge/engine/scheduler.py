@@ -83,10 +83,8 @@ class Scheduler:
             if self.blocks.can_allocate(need):
                 seq.block_ids += self.blocks.allocate(need)
                 return ScheduledStep([seq], [qlen], is_prefill=True)
-            if not self.running:
-                # Nothing will ever free a block for it; the engine checked the prompt fits
-                # the whole cache, so only blocks kept by released-later requests block it.
-                self.blocks.allocate(need)  # raises OutOfBlocksError with the numbers
+            # Otherwise it waits: decodes below may finish, or blocks kept for prefill-only
+            # requests / reserved by allocate_blocks may be released by their owner.
         if not self.running:
             return None
         scheduled: list[Sequence] = []
@@ -106,6 +104,16 @@ class Scheduler:
         if not scheduled:
             return self.schedule() if self.waiting else None
         return ScheduledStep(scheduled, [1] * len(scheduled), is_prefill=False)
+
+    def schedule_would_idle(self) -> bool:
+        """True if requests wait but none can run: nothing running, and the first waiting
+        one's next chunk does not fit the free blocks. (Decodes always make progress.)"""
+        if self.running or not self.waiting:
+            return False
+        seq = self.waiting[0]
+        qlen = min(seq.num_tokens - seq.num_computed, self.chunk)
+        need = self.blocks.blocks_for(seq.num_computed + qlen) - len(seq.block_ids)
+        return not self.blocks.can_allocate(need)
 
     def preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s cache; it will be recomputed from its prompt and outputs so far."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvbridge.engine.config import EngineConfig
-from kvbridge.engine.errors import ModelLoadError, RequestError
+from kvbridge.engine.errors import ModelLoadError, OutOfBlocksError, RequestError
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import FinishReason
@@ -155,3 +155,20 @@ def test_tp_size_invalid_for_the_model_is_refused(tp: int) -> None:
 def test_bad_sampling_params_are_refused(kwargs: dict[str, float], words: str) -> None:
     with pytest.raises(KVBridgeError, match=words):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_reserved_blocks_block_new_requests_until_released(
+    engine_factory: Callable[..., LLMEngine],
+) -> None:
+    engine = engine_factory(tp_size=1, num_blocks=40)
+    reserved = engine.allocate_blocks(16 * 40)  # every block, as a decode instance would
+    with pytest.raises(OutOfBlocksError, match="need 1 KV-cache blocks but only 0 of 40"):
+        engine.allocate_blocks(1)
+    with pytest.raises(OutOfBlocksError, match="release blocks kept by prefill-only"):
+        engine.generate(["Once upon a time"], GREEDY8)
+    assert not engine.has_unfinished()  # the refused request was withdrawn, not left queued
+    engine.release_blocks(reserved)
+    out = engine.generate(["I like to eat"], SamplingParams(max_tokens=2))[0]
+    assert len(out.token_ids) == 2
+    assert engine.block_manager.num_free_blocks == 40
