@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvbridge.engine.llm_engine import LLMEngine
     from kvbridge.engine.sampling import SamplingParams
-    from kvbridge.engine.tp_launcher import DistributedExecutor, serve_worker, under_torchrun
+    from kvbridge.engine.torchrun import DistributedExecutor, serve_worker, under_torchrun
     from kvbridge.engine.weights import print_progress, resolve_model
 
     config = engine_config(args)

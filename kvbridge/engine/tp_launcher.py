@@ -1,5 +1,5 @@
 """A minimal multi-process tensor-parallel executor: torch.distributed (gloo) collectives,
-pipes to the driver. Also the torchrun entry (`DistributedExecutor`, `serve_worker`).
+socketpairs to the driver.
 
 This is the stop-gap behind the `Executor` seam until kvbridge.engine.parallel's
 shared-memory `WorkerGroup` replaces it (gloo all-reduce costs ~1.5 ms at tp 3 and ~25 ms
@@ -33,8 +33,8 @@ import kvbridge
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import WorkerError
 from kvbridge.engine.executor import Executor
+from kvbridge.engine.gloo_comm import GlooCommunicator
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.parallel.base import Communicator
 from kvbridge.engine.step import (
     RunnerInfo,
     StepBatch,
@@ -63,31 +63,6 @@ class WorkerReply(msgspec.Struct, frozen=True):
 
 _call_decoder = msgspec.msgpack.Decoder(WorkerCall)
 _reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
-
-
-class GlooCommunicator(Communicator):
-    """`Communicator` over the default torch.distributed process group."""
-
-    def __init__(self) -> None:
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor)
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor)
-        return torch.cat(parts, dim)
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _config_to_json(config: EngineConfig) -> bytes:
@@ -256,80 +231,6 @@ class ProcessExecutor(Executor):
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
-
-
-# ---- torchrun ----
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-    )
-
-
-class DistributedExecutor(Executor):
-    """torchrun rank 0's executor: broadcasts each StepBatch, runs its own shard.
-
-    Ranks > 0 run `serve_worker`. Their failures surface as a gloo timeout or error here.
-    """
-
-    def __init__(
-        self, model_path: Path, config: EngineConfig, progress: Progress | None = None
-    ) -> None:
-        _init_from_env(config)
-        self.comm = GlooCommunicator()
-        self.runner = ModelRunner(model_path, config, self.comm, progress)
-        self.info = self.runner.info()
-
-    def execute(self, batch: StepBatch) -> np.ndarray:
-        _broadcast_bytes(encode(batch))
-        return self.runner.execute(batch)
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            _broadcast_bytes(b"")
-            self.comm.close()
-
-
-def serve_worker(model_path: Path, config: EngineConfig) -> None:
-    """torchrun ranks > 0: follow rank 0's steps until it broadcasts the empty message."""
-    _init_from_env(config)
-    comm = GlooCommunicator()
-    runner = ModelRunner(model_path, config, comm)
-    while True:
-        data = _broadcast_bytes(None)
-        if not data:
-            break
-        runner.execute(step_decoder.decode(data))
-    comm.close()
-
-
-def _init_from_env(config: EngineConfig) -> None:
-    world = int(os.environ["WORLD_SIZE"])
-    if world != config.tp_size:
-        raise WorkerError(
-            f"torchrun WORLD_SIZE={world} but tp_size={config.tp_size}; "
-            f"pass --tp {world} or --nproc-per-node {config.tp_size}"
-        )
-    torch.set_num_threads(config.num_threads or 1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=config.worker_timeout_s))
-
-
-def _broadcast_bytes(data: bytes | None) -> bytes:
-    """Rank 0 sends `data`; every rank returns it (length first, then a uint8 tensor)."""
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, 0)
-    n = int(size.item())
-    if n == 0:
-        return b""
-    if n > MAX_MESSAGE_BYTES:
-        raise WorkerError(f"step message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
-    buf = (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data is not None
-        else torch.empty(n, dtype=torch.uint8)
-    )
-    dist.broadcast(buf, 0)
-    return bytes(buf.numpy()) if data is None else data
 
 
 if __name__ == "__main__":
