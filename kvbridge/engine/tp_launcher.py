@@ -172,8 +172,12 @@ class ProcessExecutor(Executor):
             try:
                 conn.send_bytes(msg)
             except OSError as exc:
+                code = self._procs[rank].poll()
                 self.close()
-                raise WorkerError(f"tp worker {rank} is gone ({exc}); restart the engine") from None
+                raise WorkerError(
+                    f"tp worker {rank} died (exit code {code}; sending the step: {exc}); "
+                    "restart the engine"
+                ) from None
         replies = self._gather("step")
         return result_decoder.decode(replies[0]).array()
 
