@@ -118,27 +118,32 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     rows: dict[str, dict[str, float]] = {}
-    if not args.no_transformers:
-        ids = _prompt_ids(Tokenizer.load(resolve_model(args.model)), args.prompt_tokens)
-        print("running transformers ...", file=sys.stderr, flush=True)
-        rows["transformers"] = _bench_transformers(args, ids)
-    for tp in tps:
-        print(f"running engine tp {tp} ...", file=sys.stderr, flush=True)
-        rows[f"engine tp{tp}"] = _bench_engine(args, tp)
-    base = rows.get("transformers")
-    tp1 = rows.get("engine tp1")
     print(
         f"{'':14} {'start s':>8} {'TTFT ms':>9} {'decode ms/tok':>14} {'tok/s':>7} "
-        f"{'TTFT vs HF':>11} {'decode vs HF':>13} {'step vs tp1':>12}"
+        f"{'TTFT vs HF':>11} {'decode vs HF':>13} {'step vs tp1':>12}",
+        flush=True,
     )
-    for name, r in rows.items():
+
+    def show(name: str, r: dict[str, float]) -> None:
+        # Printed as soon as measured: a slow tp size does not hide the others' figures.
+        rows[name] = r
+        base, tp1 = rows.get("transformers"), rows.get("engine tp1")
         vs_hf_ttft = f"{base['ttft_s'] / r['ttft_s']:.2f}x" if base and r is not base else ""
         vs_hf_dec = f"{base['step_s'] / r['step_s']:.2f}x" if base and r is not base else ""
         vs_tp1 = f"{r['step_s'] / tp1['step_s']:.2f}" if tp1 and name.startswith("engine") else ""
         print(
             f"{name:14} {r['start_s']:8.1f} {r['ttft_s'] * 1e3:9.1f} {r['step_s'] * 1e3:14.1f} "
-            f"{1 / r['step_s']:7.1f} {vs_hf_ttft:>11} {vs_hf_dec:>13} {vs_tp1:>12}"
+            f"{1 / r['step_s']:7.1f} {vs_hf_ttft:>11} {vs_hf_dec:>13} {vs_tp1:>12}",
+            flush=True,
         )
+
+    if not args.no_transformers:
+        ids = _prompt_ids(Tokenizer.load(resolve_model(args.model)), args.prompt_tokens)
+        print("running transformers ...", file=sys.stderr, flush=True)
+        show("transformers", _bench_transformers(args, ids))
+    for tp in tps:
+        print(f"running engine tp {tp} ...", file=sys.stderr, flush=True)
+        show(f"engine tp{tp}", _bench_engine(args, tp))
     print(
         "vs HF: transformers' time / ours (above 1 = faster than transformers); "
         "step vs tp1: decode step time relative to tp 1 (target <= 1.5 at tp 9)"
