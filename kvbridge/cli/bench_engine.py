@@ -43,7 +43,54 @@ def _prompt_ids(tokenizer: Any, n: int) -> list[int]:
     return ids[:n]
 
 
-def _bench_engine(args: argparse.Namespace, tp: int) -> dict[str, float]:
+class _Transformers:
+    """transformers' model on the same file, loaded once, measured next to each engine run
+    (the machine is shared and noisy: only figures taken side by side compare)."""
+
+    def __init__(self, args: argparse.Namespace, ids: list[int]) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from kvbridge.engine.weights import resolve_model
+
+        path = resolve_model(args.model)
+        t0 = time.perf_counter()
+        if path.is_dir():
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+        self.start_s = time.perf_counter() - t0
+        self.x = torch.tensor([ids])
+        self.decode_tokens = args.decode_tokens
+        self.threads = args.threads or 2
+        self._generate(2)  # warm-up
+
+    def _generate(self, n: int) -> float:
+        import torch
+
+        torch.set_num_threads(self.threads)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(
+                self.x,
+                attention_mask=torch.ones_like(self.x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+            )
+        return time.perf_counter() - t
+
+    def measure(self) -> tuple[float, float]:
+        """(TTFT s, decode s per token)."""
+        ttft = self._generate(1)
+        total = self._generate(self.decode_tokens + 1)
+        return ttft, (total - ttft) / self.decode_tokens
+
+
+def _bench_engine(args: argparse.Namespace, tp: int, hf: _Transformers | None) -> dict[str, float]:
+    """Engine figures at `tp` and, measured alternately with them, transformers' figures."""
+    import torch
+
     from kvbridge.cli.generate_cmd import engine_config
     from kvbridge.engine.llm_engine import LLMEngine
     from kvbridge.engine.sampling import SamplingParams
@@ -54,56 +101,25 @@ def _bench_engine(args: argparse.Namespace, tp: int) -> dict[str, float]:
         start_s = time.perf_counter() - t0
         ids = _prompt_ids(engine.tokenizer, args.prompt_tokens)
         engine.generate([ids[:16]], SamplingParams(max_tokens=2))  # warm-up
-        ttfts, steps = [], []
+        params = SamplingParams(max_tokens=args.decode_tokens + 1, ignore_eos=True)
+        ttfts, steps, hf_ttfts, hf_steps = [], [], [], []
         for _ in range(args.repeat):
-            out = engine.generate(
-                [ids], SamplingParams(max_tokens=args.decode_tokens + 1, ignore_eos=True)
-            )[0]
+            if tp == 1:
+                torch.set_num_threads(args.threads or 2)
+            out = engine.generate([ids], params)[0]
             ttfts.append(out.ttft_s)
             steps.append((out.total_s - out.ttft_s) / args.decode_tokens)
+            if hf is not None:
+                hf_ttft, hf_step = hf.measure()
+                hf_ttfts.append(hf_ttft)
+                hf_steps.append(hf_step)
+    med = statistics.median
     return {
         "start_s": start_s,
-        "ttft_s": statistics.median(ttfts),
-        "step_s": statistics.median(steps),
-    }
-
-
-def _bench_transformers(args: argparse.Namespace, ids: list[int]) -> dict[str, float]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from kvbridge.engine.weights import resolve_model
-
-    torch.set_num_threads(args.threads or 2)
-    path = resolve_model(args.model)
-    t0 = time.perf_counter()
-    if path.is_dir():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
-    start_s = time.perf_counter() - t0
-    x = torch.tensor([ids])
-    mask = torch.ones_like(x)
-
-    def run(n: int) -> float:
-        t = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(
-                x, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False
-            )
-        return time.perf_counter() - t
-
-    run(2)  # warm-up
-    ttfts, steps = [], []
-    for _ in range(args.repeat):
-        ttft = run(1)
-        total = run(args.decode_tokens + 1)
-        ttfts.append(ttft)
-        steps.append((total - ttft) / args.decode_tokens)
-    return {
-        "start_s": start_s,
-        "ttft_s": statistics.median(ttfts),
-        "step_s": statistics.median(steps),
+        "ttft_s": med(ttfts),
+        "step_s": med(steps),
+        "hf_ttft_s": med(hf_ttfts) if hf_ttfts else float("nan"),
+        "hf_step_s": med(hf_steps) if hf_steps else float("nan"),
     }
 
 
@@ -114,36 +130,39 @@ def run(args: argparse.Namespace) -> int:
     tps = [int(x) for x in str(args.tp_sizes).split(",") if x.strip()]
     print(
         f"model {args.model}; prompt {args.prompt_tokens} tokens, decode "
-        f"{args.decode_tokens} tokens; median of {args.repeat}; float32 on CPU",
+        f"{args.decode_tokens} tokens; median of {args.repeat}; float32 on CPU; "
+        "transformers measured alternately with each engine run",
         flush=True,
     )
-    rows: dict[str, dict[str, float]] = {}
-    print(
-        f"{'':14} {'start s':>8} {'TTFT ms':>9} {'decode ms/tok':>14} {'tok/s':>7} "
-        f"{'TTFT vs HF':>11} {'decode vs HF':>13} {'step vs tp1':>12}",
-        flush=True,
-    )
-
-    def show(name: str, r: dict[str, float]) -> None:
-        # Printed as soon as measured: a slow tp size does not hide the others' figures.
-        rows[name] = r
-        base, tp1 = rows.get("transformers"), rows.get("engine tp1")
-        vs_hf_ttft = f"{base['ttft_s'] / r['ttft_s']:.2f}x" if base and r is not base else ""
-        vs_hf_dec = f"{base['step_s'] / r['step_s']:.2f}x" if base and r is not base else ""
-        vs_tp1 = f"{r['step_s'] / tp1['step_s']:.2f}" if tp1 and name.startswith("engine") else ""
-        print(
-            f"{name:14} {r['start_s']:8.1f} {r['ttft_s'] * 1e3:9.1f} {r['step_s'] * 1e3:14.1f} "
-            f"{1 / r['step_s']:7.1f} {vs_hf_ttft:>11} {vs_hf_dec:>13} {vs_tp1:>12}",
-            flush=True,
-        )
-
+    hf = None
     if not args.no_transformers:
-        ids = _prompt_ids(Tokenizer.load(resolve_model(args.model)), args.prompt_tokens)
-        print("running transformers ...", file=sys.stderr, flush=True)
-        show("transformers", _bench_transformers(args, ids))
+        print("loading transformers ...", file=sys.stderr, flush=True)
+        hf = _Transformers(
+            args, _prompt_ids(Tokenizer.load(resolve_model(args.model)), args.prompt_tokens)
+        )
+        print(f"transformers load {hf.start_s:.1f} s", flush=True)
+    print(
+        f"{'':10} {'start s':>8} {'TTFT ms':>9} {'ms/tok':>8} {'tok/s':>7} "
+        f"{'HF TTFT ms':>11} {'HF ms/tok':>10} {'TTFT vs HF':>11} {'decode vs HF':>13} "
+        f"{'step vs tp1':>12}",
+        flush=True,
+    )
+    tp1_step = None
     for tp in tps:
         print(f"running engine tp {tp} ...", file=sys.stderr, flush=True)
-        show(f"engine tp{tp}", _bench_engine(args, tp))
+        r = _bench_engine(args, tp, hf)
+        if tp == 1:
+            tp1_step = r["step_s"]
+        vs_ttft = f"{r['hf_ttft_s'] / r['ttft_s']:.2f}x" if hf else ""
+        vs_dec = f"{r['hf_step_s'] / r['step_s']:.2f}x" if hf else ""
+        vs_tp1 = f"{r['step_s'] / tp1_step:.2f}" if tp1_step else ""
+        # Printed as soon as measured: a slow tp size does not hide the others' figures.
+        print(
+            f"{'engine tp' + str(tp):10} {r['start_s']:8.1f} {r['ttft_s'] * 1e3:9.1f} "
+            f"{r['step_s'] * 1e3:8.1f} {1 / r['step_s']:7.1f} {r['hf_ttft_s'] * 1e3:11.1f} "
+            f"{r['hf_step_s'] * 1e3:10.1f} {vs_ttft:>11} {vs_dec:>13} {vs_tp1:>12}",
+            flush=True,
+        )
     print(
         "vs HF: transformers' time / ours (above 1 = faster than transformers); "
         "step vs tp1: decode step time relative to tp 1 (target <= 1.5 at tp 9)"
