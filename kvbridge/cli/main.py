@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "kvbridge.cli.serve_cmd",
     "kvbridge.cli.bench_cmd",
     "kvbridge.cli.transfer_cmd",
+    "kvbridge.cli.generate_cmd",
 ]
 
 

@@ -48,8 +48,16 @@ class ModelConfig:
                 f"architecture={self.architecture!r} of {self.name} is not supported; "
                 f"the engine runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for f in ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads",
-                  "num_kv_heads", "head_dim", "vocab_size", "max_position"):
+        for f in (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+            "max_position",
+        ):
             value = getattr(self, f)
             if not isinstance(value, int) or value <= 0:
                 raise ModelLoadError(f"{f}={value!r} in {self.name} must be a positive integer")
@@ -69,10 +77,22 @@ class ModelConfig:
 
     def kv_spec(self, dtype: str = "float32") -> ModelKVSpec:
         """The planner's view of this model's KV cache."""
-        kind = (AttentionKind.MHA if self.num_kv_heads == self.num_attention_heads
-                else AttentionKind.MQA if self.num_kv_heads == 1 else AttentionKind.GQA)
-        return ModelKVSpec(self.num_layers, self.num_attention_heads, self.num_kv_heads,
-                           self.head_dim, dtype, kind, self.name)
+        kind = (
+            AttentionKind.MHA
+            if self.num_kv_heads == self.num_attention_heads
+            else AttentionKind.MQA
+            if self.num_kv_heads == 1
+            else AttentionKind.GQA
+        )
+        return ModelKVSpec(
+            self.num_layers,
+            self.num_attention_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype,
+            kind,
+            self.name,
+        )
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any], name: str) -> ModelConfig:
@@ -128,11 +148,18 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-            if cfg.get("rope_scaling"):
+            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+            if rope.get("rope_type", rope.get("type", "default")) != "default":
                 raise ModelLoadError(
-                    f"rope_scaling={cfg['rope_scaling']!r} in {name} is not supported; "
-                    "the engine implements plain RoPE"
+                    f"rope type {rope.get('rope_type', rope.get('type'))!r} in {name} is not "
+                    "supported; the engine implements plain RoPE (rope_type 'default')"
                 )
+            theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+            max_position = int(cfg.get("max_position_embeddings", 2048))
+            # Within one sliding window, sliding-window attention is full attention.
+            window = cfg.get("sliding_window")
+            if window and cfg.get("use_sliding_window", True):
+                max_position = min(max_position, int(window))
             return cls(
                 architecture=model_type,
                 hidden_size=hidden,
@@ -142,9 +169,9 @@ class ModelConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=int(cfg.get("head_dim") or hidden // num_heads),
                 vocab_size=int(cfg["vocab_size"]),
-                max_position=int(cfg.get("max_position_embeddings", 2048)),
+                max_position=max_position,
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(theta),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 bos_token_id=cfg.get("bos_token_id"),
@@ -191,8 +218,12 @@ class EngineConfig:
             raise ModelLoadError(f"num_blocks={self.num_blocks} must be a positive integer")
 
     def layout(self) -> InstanceLayout:
-        return InstanceLayout(tp_size=self.tp_size, block_size=self.block_size,
-                              cache_layout=self.cache_layout, dtype=self.kv_dtype)
+        return InstanceLayout(
+            tp_size=self.tp_size,
+            block_size=self.block_size,
+            cache_layout=self.cache_layout,
+            dtype=self.kv_dtype,
+        )
 
     def check(self, model: ModelConfig) -> None:
         """Raise the planner's LayoutError if tp_size does not suit `model`."""

@@ -40,22 +40,34 @@ class Executor(abc.ABC):
         """Stop the workers; idempotent."""
 
 
-def make_worker_connector(runner: ModelRunner, config: EngineConfig, rank: int,
-                          spec: ConnectorSpec | None) -> WorkerKVConnector | None:
+def make_worker_connector(
+    runner: ModelRunner, config: EngineConfig, rank: int, spec: ConnectorSpec | None
+) -> WorkerKVConnector | None:
     """The transfer runtime over this worker's KV cache, if the instance has one."""
     if spec is None:
         return None
     from kvbridge.engine.kv_connector import WorkerKVConnector
 
-    return WorkerKVConnector(spec, runner.model_config.kv_spec(config.kv_dtype), config.layout(),
-                             rank, runner.kv_cache.tensor, runner.kv_cache.num_blocks)
+    return WorkerKVConnector(
+        spec,
+        runner.model_config.kv_spec(config.kv_dtype),
+        config.layout(),
+        rank,
+        runner.kv_cache.tensor,
+        runner.kv_cache.num_blocks,
+    )
 
 
 class InProcessExecutor(Executor):
     """tp_size 1: the runner lives in the driver's process."""
 
-    def __init__(self, model_path: Path, config: EngineConfig,
-                 progress: Progress | None = None, connector: ConnectorSpec | None = None) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        config: EngineConfig,
+        progress: Progress | None = None,
+        connector: ConnectorSpec | None = None,
+    ) -> None:
         torch.set_num_threads(config.num_threads or 2)
         self.runner = ModelRunner(model_path, config, SingleProcessCommunicator(), progress)
         self.info = self.runner.info()

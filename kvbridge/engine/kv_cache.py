@@ -21,37 +21,53 @@ from kvbridge.plan.layout import CacheLayout, InstanceLayout, region_shape
 class KVCache:
     """Owned by one worker's ModelRunner; only that worker's thread touches it."""
 
-    def __init__(self, layout: InstanceLayout, num_layers: int, num_blocks: int,
-                 num_local_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        layout: InstanceLayout,
+        num_layers: int,
+        num_blocks: int,
+        num_local_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
         self.num_blocks = num_blocks
         self.is_hnd = layout.cache_layout is CacheLayout.HND
         self.region_shape = region_shape(layout, num_blocks, num_local_heads, head_dim)
-        self.tensor = torch.zeros(num_layers, 2, *self.region_shape, dtype=dtype)
+        self.tensor = torch.empty(num_layers, 2, *self.region_shape, dtype=dtype)
+        # fill_ writes every page (torch.zeros may get lazily-mapped zero pages).
+        self.tensor.fill_(0)
         self.num_local_heads = num_local_heads
         self.head_dim = head_dim
 
     @staticmethod
-    def block_bytes(num_layers: int, num_local_heads: int, block_size: int, head_dim: int,
-                    itemsize: int) -> int:
+    def block_bytes(
+        num_layers: int, num_local_heads: int, block_size: int, head_dim: int, itemsize: int
+    ) -> int:
         """Bytes one block takes over all layers, K and V, of one worker."""
         return num_layers * 2 * num_local_heads * block_size * head_dim * itemsize
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-        """Store k, v ([T, heads, head_dim]) of T tokens at their slots ([T] int64)."""
+    def slot_index(self, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of each slot; computed once per step, used by every layer."""
+        blocks = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
+        return blocks, slot_mapping - blocks * self.block_size
+
+    def write(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        """Store k, v ([T, heads, head_dim]) of T tokens at their (block, offset) slots."""
+        blocks, offsets = slots
         for kv, x in ((0, k), (1, v)):
             region = self.tensor[layer, kv]
             if self.is_hnd:
-                blocks = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
-                offsets = slot_mapping - blocks * self.block_size
                 region[blocks, :, offsets] = x  # advanced dims first: [T, heads, head_dim]
             else:
-                region.view(-1, self.num_local_heads, self.head_dim)[slot_mapping] = x
+                region[blocks, offsets] = x
 
-    def gather(self, layer: int, block_ids: torch.Tensor,
-               context_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer: int, block_ids: torch.Tensor, context_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a sequence's first `context_len` tokens, each [heads, context_len, head_dim]."""
         out = []
         for kv in (0, 1):

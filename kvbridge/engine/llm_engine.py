@@ -22,14 +22,14 @@ from dataclasses import dataclass
 
 from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.config import EngineConfig
-from kvbridge.engine.errors import EngineError, RequestError
+from kvbridge.engine.errors import EngineError, OutOfBlocksError, RequestError
 from kvbridge.engine.executor import Executor, InProcessExecutor
 from kvbridge.engine.kv_connector import ConnectorSpec
 from kvbridge.engine.sampling import SamplingParams, make_generator, sample
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from kvbridge.engine.weights import Progress, open_weights, resolve_model
+from kvbridge.engine.weights import Progress, open_weights, read_model_config, resolve_model
 
 ExecutorFactory = Callable[..., Executor]
 
@@ -60,16 +60,20 @@ class Completion:
 class LLMEngine:
     """Not thread-safe: one thread calls add_request/step (the serving loop)."""
 
-    def __init__(self, model: str = "smollm2-135m", config: EngineConfig | None = None,
-                 progress: Progress | None = None,
-                 executor_factory: ExecutorFactory | None = None,
-                 connector: ConnectorSpec | None = None) -> None:
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        config: EngineConfig | None = None,
+        progress: Progress | None = None,
+        executor_factory: ExecutorFactory | None = None,
+        connector: ConnectorSpec | None = None,
+    ) -> None:
         self.config = config or EngineConfig()
         self.model_path = resolve_model(model)
-        # Read the config (and build the weight cache once) before starting workers, so a
-        # bad tp_size is refused here and workers only memory-map the cache.
+        # Refuse a bad tp_size from the metadata alone, then build the weight cache once
+        # before starting workers, so that they only memory-map it.
+        self.config.check(read_model_config(self.model_path))
         self.model_config = open_weights(self.model_path, progress).config
-        self.config.check(self.model_config)
         self.tokenizer = Tokenizer.load(self.model_path)
         self.eos_ids = set(self.tokenizer.eos_token_ids) | set(self.model_config.eos_token_ids)
         self.max_model_len = self.config.model_len(self.model_config)
@@ -81,37 +85,51 @@ class LLMEngine:
 
                 executor_factory = ShmExecutor
         if connector is not None:  # each worker attaches the transfer runtime to its cache
-            self.executor = executor_factory(self.model_path, self.config, progress,
-                                             connector=connector)
+            self.executor = executor_factory(
+                self.model_path, self.config, progress, connector=connector
+            )
         else:
             self.executor = executor_factory(self.model_path, self.config, progress)
         self.block_manager = BlockManager(self.executor.info.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.prefill_chunk_size)
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.prefill_chunk_size
+        )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
 
     # ---- requests ----
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, prefill_only: bool = False) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        prefill_only: bool = False,
+    ) -> str:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         seq = self._new_seq(ids, params, request_id, prefill_only)
         self.scheduler.add(seq)
         return seq.request_id
 
-    def add_prefilled_request(self, prompt_ids: list[int], first_token: int,
-                              block_ids: list[int], params: SamplingParams | None = None,
-                              request_id: str | None = None) -> str:
+    def add_prefilled_request(
+        self,
+        prompt_ids: list[int],
+        first_token: int,
+        block_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
         """Decode a request whose prompt K/V already sits in `block_ids` (from
         `allocate_blocks`); its first token was sampled by the prefill instance."""
         params = params or SamplingParams()
         seq = self._new_seq(list(prompt_ids), params, request_id, False)
         need = self.block_manager.blocks_for(len(prompt_ids))
         if len(block_ids) != need:
-            raise RequestError(f"block_ids has {len(block_ids)} blocks but a prompt of "
-                               f"{len(prompt_ids)} tokens needs {need}")
+            raise RequestError(
+                f"block_ids has {len(block_ids)} blocks but a prompt of "
+                f"{len(prompt_ids)} tokens needs {need}"
+            )
         seq.block_ids = list(block_ids)
         seq.num_computed = len(prompt_ids)
         seq.status = SequenceStatus.RUNNING
@@ -138,8 +156,9 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             self._finish(seq, FinishReason.ABORT)
 
-    def _new_seq(self, ids: list[int], params: SamplingParams, request_id: str | None,
-                 prefill_only: bool) -> Sequence:
+    def _new_seq(
+        self, ids: list[int], params: SamplingParams, request_id: str | None, prefill_only: bool
+    ) -> Sequence:
         if not ids:
             raise RequestError("prompt is empty; give at least one token of text")
         if len(ids) >= self.max_model_len:
@@ -186,8 +205,11 @@ class LLMEngine:
             if seq.first_token_time is None:
                 seq.first_token_time = time.perf_counter()
             self._append_token(seq, token)
-            outputs.append(RequestOutput(seq.request_id, [token], seq.text[before:],
-                                         seq.is_finished, seq.finish_reason))
+            outputs.append(
+                RequestOutput(
+                    seq.request_id, [token], seq.text[before:], seq.is_finished, seq.finish_reason
+                )
+            )
         return outputs
 
     def _append_token(self, seq: Sequence, token: int) -> None:
@@ -221,34 +243,59 @@ class LLMEngine:
         end = seq.finish_time or time.perf_counter()
         first = seq.first_token_time or end
         kept = seq.block_ids if seq.finish_reason is FinishReason.PREFILLED else []
-        return Completion(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.text,
-                          seq.finish_reason, first - seq.arrival_time, end - seq.arrival_time,
-                          list(kept))
+        return Completion(
+            seq.request_id,
+            seq.prompt_ids,
+            list(seq.output_ids),
+            seq.text,
+            seq.finish_reason,
+            first - seq.arrival_time,
+            end - seq.arrival_time,
+            list(kept),
+        )
 
-    def generate(self, prompts: list[str] | list[list[int]],
-                 params: SamplingParams | None = None) -> list[Completion]:
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None
+    ) -> list[Completion]:
         """Run every prompt to completion, batched; results in prompt order."""
         rids = [self.add_request(p, params) for p in prompts]
-        while any(not self._seqs[r].is_finished for r in rids):
-            if not self.has_unfinished():
-                raise EngineError("requests are unfinished but nothing is scheduled")
-            self.step()
+        try:
+            while any(not self._seqs[r].is_finished for r in rids):
+                self._step_or_raise()
+        except BaseException:
+            for r in rids:  # a caller that got an exception does not expect them to go on
+                self.abort(r)
+                self._seqs.pop(r, None)
+                self._detok.pop(r, None)
+            raise
         return [self.pop(r) for r in rids]
+
+    def _step_or_raise(self) -> list[RequestOutput]:
+        """step(), for synchronous callers: nothing schedulable means nothing ever will be."""
+        if self.scheduler.schedule_would_idle():
+            bm = self.block_manager
+            raise OutOfBlocksError(
+                f"the next waiting request needs more KV blocks than the {bm.num_free_blocks} "
+                f"free of {bm.num_blocks}, and nothing running will free any; release blocks "
+                "kept by prefill-only requests or allocate_blocks (release_blocks)"
+            )
+        return self.step()
 
     def prefill(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
         """Prefill-only, synchronously: first token in token_ids, kept blocks in block_ids."""
         rid = self.add_request(prompt, params, prefill_only=True)
         while not self._seqs[rid].is_finished:
-            self.step()
+            self._step_or_raise()
         return self.pop(rid)
 
-    def stream(self, prompt: str | list[int],
-               params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield this request's outputs as they come (other requests keep running too)."""
         rid = self.add_request(prompt, params)
         try:
             while not self._seqs[rid].is_finished:
-                for out in self.step():
+                for out in self._step_or_raise():
                     if out.request_id == rid:
                         yield out
         finally:

@@ -26,31 +26,47 @@ from kvbridge.plan.geometry import DTYPE_SIZES
 class ModelRunner:
     """Owned by one worker process (or the driver itself when tp_size == 1)."""
 
-    def __init__(self, model_path: Path, config: EngineConfig, comm: Communicator,
-                 progress: Progress | None = None) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        config: EngineConfig,
+        comm: Communicator,
+        progress: Progress | None = None,
+    ) -> None:
         source = open_weights(model_path, progress if comm.rank == 0 else None)
         self.model_config = source.config
         config.check(self.model_config)
         if comm.world_size != config.tp_size:
-            raise EngineError(f"communicator world_size={comm.world_size} but "
-                              f"tp_size={config.tp_size}; start one worker per tp rank")
+            raise EngineError(
+                f"communicator world_size={comm.world_size} but "
+                f"tp_size={config.tp_size}; start one worker per tp rank"
+            )
         self.comm = comm
         self.model = LlamaForCausalLM(self.model_config, source, comm)
         mc = self.model_config
         heads = self.model.num_local_kv_heads
-        block_bytes = KVCache.block_bytes(mc.num_layers, heads, config.block_size, mc.head_dim,
-                                          DTYPE_SIZES[config.kv_dtype])
+        block_bytes = KVCache.block_bytes(
+            mc.num_layers, heads, config.block_size, mc.head_dim, DTYPE_SIZES[config.kv_dtype]
+        )
         dtype = getattr(torch, config.kv_dtype)
         if dtype != torch.float32:
             raise EngineError(f"kv_dtype={config.kv_dtype!r} is not supported yet; use float32")
-        self.kv_cache = KVCache(config.layout(), mc.num_layers, config.blocks(mc, block_bytes),
-                                heads, mc.head_dim, dtype)
+        self.kv_cache = KVCache(
+            config.layout(),
+            mc.num_layers,
+            config.blocks(mc, block_bytes),
+            heads,
+            mc.head_dim,
+            dtype,
+        )
 
     def info(self) -> RunnerInfo:
-        return RunnerInfo(num_blocks=self.kv_cache.num_blocks,
-                          num_local_kv_heads=self.kv_cache.num_local_heads,
-                          kv_cache_shape=list(self.kv_cache.tensor.shape),
-                          vocab_size=self.model_config.vocab_size)
+        return RunnerInfo(
+            num_blocks=self.kv_cache.num_blocks,
+            num_local_kv_heads=self.kv_cache.num_local_heads,
+            kv_cache_shape=list(self.kv_cache.tensor.shape),
+            vocab_size=self.model_config.vocab_size,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> np.ndarray:
@@ -61,14 +77,19 @@ class ModelRunner:
         positions = torch.tensor(batch.positions, dtype=torch.int64)
         seqs = []
         start = 0
-        for qlen, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables,
-                                    strict=True):
+        for qlen, ctx, table in zip(
+            batch.query_lens, batch.context_lens, batch.block_tables, strict=True
+        ):
             seqs.append(SeqSlice(start, qlen, ctx, torch.tensor(table, dtype=torch.int64)))
             start += qlen
-        meta = AttentionMetadata(torch.tensor(batch.slot_mapping, dtype=torch.int64), seqs)
+        slots = self.kv_cache.slot_index(torch.tensor(batch.slot_mapping, dtype=torch.int64))
+        meta = AttentionMetadata(slots, seqs)
         hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
-        rows = [s.query_start + s.query_len - 1
-                for s, want in zip(seqs, batch.want_logits, strict=True) if want]
+        rows = [
+            s.query_start + s.query_len - 1
+            for s, want in zip(seqs, batch.want_logits, strict=True)
+            if want
+        ]
         if not rows:
             return np.zeros((0, self.model_config.vocab_size), dtype=np.float32)
         logits = self.model.compute_logits(hidden[rows])

@@ -35,21 +35,30 @@ class ScheduledStep:
             start, end = seq.num_computed, seq.num_computed + qlen
             ids += seq.tokens(start, end)
             positions += range(start, end)
-            slots += [seq.block_ids[p // block_size] * block_size + p % block_size
-                      for p in range(start, end)]
+            slots += [
+                seq.block_ids[p // block_size] * block_size + p % block_size
+                for p in range(start, end)
+            ]
             ctx_lens.append(end)
             tables.append(seq.block_ids[: -(-end // block_size)])
             want.append(end == seq.num_tokens)
-        return StepBatch(input_ids=ids, positions=positions, slot_mapping=slots,
-                         query_lens=list(self.query_lens), context_lens=ctx_lens,
-                         block_tables=tables, want_logits=want)
+        return StepBatch(
+            input_ids=ids,
+            positions=positions,
+            slot_mapping=slots,
+            query_lens=list(self.query_lens),
+            context_lens=ctx_lens,
+            block_tables=tables,
+            want_logits=want,
+        )
 
 
 class Scheduler:
     """Owned by the LLMEngine; holds every unfinished sequence."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 prefill_chunk_size: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, prefill_chunk_size: int
+    ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.chunk = prefill_chunk_size
@@ -74,10 +83,8 @@ class Scheduler:
             if self.blocks.can_allocate(need):
                 seq.block_ids += self.blocks.allocate(need)
                 return ScheduledStep([seq], [qlen], is_prefill=True)
-            if not self.running:
-                # Nothing will ever free a block for it; the engine checked the prompt fits
-                # the whole cache, so only blocks kept by released-later requests block it.
-                self.blocks.allocate(need)  # raises OutOfBlocksError with the numbers
+            # Otherwise it waits: decodes below may finish, or blocks kept for prefill-only
+            # requests / reserved by allocate_blocks may be released by their owner.
         if not self.running:
             return None
         scheduled: list[Sequence] = []
@@ -97,6 +104,16 @@ class Scheduler:
         if not scheduled:
             return self.schedule() if self.waiting else None
         return ScheduledStep(scheduled, [1] * len(scheduled), is_prefill=False)
+
+    def schedule_would_idle(self) -> bool:
+        """True if requests wait but none can run: nothing running, and the first waiting
+        one's next chunk does not fit the free blocks. (Decodes always make progress.)"""
+        if self.running or not self.waiting:
+            return False
+        seq = self.waiting[0]
+        qlen = min(seq.num_tokens - seq.num_computed, self.chunk)
+        need = self.blocks.blocks_for(seq.num_computed + qlen) - len(seq.block_ids)
+        return not self.blocks.can_allocate(need)
 
     def preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s cache; it will be recomputed from its prompt and outputs so far."""

@@ -23,8 +23,11 @@ _CONTROL, _USER_DEFINED = 3, 4
 @cache
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -38,8 +41,14 @@ def _bytes_to_unicode() -> dict[int, str]:
 class Tokenizer:
     """Immutable after construction; safe to share between threads for encode/decode."""
 
-    def __init__(self, backend: Any, chat_template: str | None, bos_token: str | None,
-                 eos_token: str | None, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        backend: Any,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token = bos_token
@@ -55,8 +64,9 @@ class Tokenizer:
         from tokenizers import AddedToken, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as Backend
 
-        keep = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                          "tokenizer.ggml.token_type"})
+        keep = frozenset(
+            {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"}
+        )
         meta = gguf_meta.read_metadata(path, keep)
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
@@ -73,17 +83,29 @@ class Tokenizer:
             for i, t in enumerate(tokens)
         }
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        backend = Backend(models.BPE(vocab=vocab, merges=merges, dropout=None,
-                                     continuing_subword_prefix="", end_of_word_suffix="",
-                                     fuse_unk=False))
+        backend = Backend(
+            models.BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        )
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
-        special = [AddedToken(t, normalized=False, special=True)
-                   for t, ty in zip(tokens, types, strict=True)
-                   if ty == _CONTROL and set(t) <= alphabet]
+        special = [
+            AddedToken(t, normalized=False, special=True)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _CONTROL and set(t) <= alphabet
+        ]
         backend.add_special_tokens(special)
-        user = [AddedToken(t, normalized=False, special=False)
-                for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED and t in vocab]
+        user = [
+            AddedToken(t, normalized=False, special=False)
+            for t, ty in zip(tokens, types, strict=True)
+            if ty == _USER_DEFINED and t in vocab
+        ]
         if user:
             backend.add_tokens(user)
 
@@ -92,8 +114,13 @@ class Tokenizer:
             return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        return cls(backend, meta.get("tokenizer.chat_template"), token("bos_token_id"),
-                   token("eos_token_id"), () if eos is None else (int(eos),))
+        return cls(
+            backend,
+            meta.get("tokenizer.chat_template"),
+            token("bos_token_id"),
+            token("eos_token_id"),
+            () if eos is None else (int(eos),),
+        )
 
     @classmethod
     def from_hf_dir(cls, path: Path) -> Tokenizer:
@@ -135,8 +162,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(ids, skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         """Render the model's chat template as transformers does (jinja2, sandboxed,
         trim_blocks + lstrip_blocks)."""
         if not self.chat_template:
@@ -145,8 +173,14 @@ class Tokenizer:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         template = env.from_string(self.chat_template)
-        return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
+        return str(
+            template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        )
 
 
 class IncrementalDetokenizer:
@@ -161,6 +195,6 @@ class IncrementalDetokenizer:
         text = self.tokenizer.decode(ids)
         if text.endswith("\ufffd"):
             return ""
-        delta = text[len(self.text):] if text.startswith(self.text) else text
+        delta = text[len(self.text) :] if text.startswith(self.text) else text
         self.text = text
         return delta

@@ -1,5 +1,5 @@
 """A minimal multi-process tensor-parallel executor: torch.distributed (gloo) collectives,
-pipes to the driver. Also the torchrun entry (`DistributedExecutor`, `serve_worker`).
+socketpairs to the driver.
 
 This is the stop-gap behind the `Executor` seam until kvbridge.engine.parallel's
 shared-memory `WorkerGroup` replaces it (gloo all-reduce costs ~1.5 ms at tp 3 and ~25 ms
@@ -13,6 +13,7 @@ dist.broadcast of uint8 tensors); nothing is unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -22,7 +23,6 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -30,12 +30,11 @@ import torch
 import torch.distributed as dist
 
 import kvbridge
-
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import WorkerError
 from kvbridge.engine.executor import Executor
+from kvbridge.engine.gloo_comm import GlooCommunicator
 from kvbridge.engine.model_runner import ModelRunner
-from kvbridge.engine.parallel.base import Communicator
 from kvbridge.engine.step import (
     RunnerInfo,
     StepBatch,
@@ -66,31 +65,6 @@ _call_decoder = msgspec.msgpack.Decoder(WorkerCall)
 _reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
 
 
-class GlooCommunicator(Communicator):
-    """`Communicator` over the default torch.distributed process group."""
-
-    def __init__(self) -> None:
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor)
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor)
-        return torch.cat(parts, dim)
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _config_to_json(config: EngineConfig) -> bytes:
     fields = {f: getattr(config, f) for f in config.__dataclass_fields__}
     fields["cache_layout"] = config.cache_layout.value
@@ -107,16 +81,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker_main(rank: int, world_size: int, port: int, model_path: str, config_json: bytes,
-                 conn: Connection) -> None:
+def _worker_main(
+    rank: int, world_size: int, port: int, model_path: str, config_json: bytes, conn: Connection
+) -> None:
     """Entry of a spawned worker: load the shard, then serve step calls until "close"."""
     comm: GlooCommunicator | None = None
     try:
         config = _config_from_json(config_json)
         torch.set_num_threads(config.num_threads or 1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
-                                timeout=timedelta(seconds=config.worker_timeout_s))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=config.worker_timeout_s),
+        )
         comm = GlooCommunicator()
         runner = ModelRunner(Path(model_path), config, comm)
         conn.send_bytes(encode(WorkerReply(True, encode(runner.info()))))
@@ -132,10 +111,8 @@ def _worker_main(rank: int, world_size: int, port: int, model_path: str, config_
     except BaseException as exc:  # report any failure to the driver, then exit
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         tb = traceback.format_exc(limit=4)
-        try:
+        with contextlib.suppress(OSError):
             conn.send_bytes(encode(WorkerReply(False, error=f"{detail}\n{tb}")))
-        except OSError:
-            pass
     finally:
         if comm is not None:
             comm.close()
@@ -151,8 +128,9 @@ class ProcessExecutor(Executor):
     and every worker is then stopped.
     """
 
-    def __init__(self, model_path: Path, config: EngineConfig,
-                 progress: Progress | None = None) -> None:
+    def __init__(
+        self, model_path: Path, config: EngineConfig, progress: Progress | None = None
+    ) -> None:
         self.timeout = config.worker_timeout_s
         port = _free_port()
         self._conns: list[Connection] = []
@@ -166,8 +144,17 @@ class ProcessExecutor(Executor):
             ours, theirs = socket.socketpair()
             # A fresh interpreter (not multiprocessing's spawn): it does not re-import the
             # caller's __main__, so scripts without a main guard work too.
-            cmd = [sys.executable, "-m", "kvbridge.engine.tp_launcher", str(rank),
-                   str(config.tp_size), str(port), str(theirs.fileno()), str(model_path), cfg]
+            cmd = [
+                sys.executable,
+                "-m",
+                "kvbridge.engine.tp_launcher",
+                str(rank),
+                str(config.tp_size),
+                str(port),
+                str(theirs.fileno()),
+                str(model_path),
+                cfg,
+            ]
             self._procs.append(subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=env))
             theirs.close()
             self._conns.append(Connection(ours.detach()))
@@ -185,8 +172,12 @@ class ProcessExecutor(Executor):
             try:
                 conn.send_bytes(msg)
             except OSError as exc:
+                code = self._procs[rank].poll()
                 self.close()
-                raise WorkerError(f"tp worker {rank} is gone ({exc}); restart the engine") from None
+                raise WorkerError(
+                    f"tp worker {rank} died (exit code {code}; sending the step: {exc}); "
+                    "restart the engine"
+                ) from None
         replies = self._gather("step")
         return result_decoder.decode(replies[0]).array()
 
@@ -209,26 +200,32 @@ class ProcessExecutor(Executor):
                     raise WorkerError(f"tp worker {rank} failed during {what}: {reply.error}")
                 replies[rank] = reply.payload
                 if progress is not None:
-                    progress("starting tp workers", sum(r is not None for r in replies),
-                             len(replies))
+                    progress(
+                        "starting tp workers", sum(r is not None for r in replies), len(replies)
+                    )
             for rank, proc in enumerate(self._procs):
-                if replies[rank] is None and proc.poll() is not None and not self._conns[rank].poll():
+                if (
+                    replies[rank] is None
+                    and proc.poll() is not None
+                    and not self._conns[rank].poll()
+                ):
                     self.close()
-                    raise WorkerError(f"tp worker {rank} died (exit code {proc.returncode}) "
-                                      f"during {what}")
+                    raise WorkerError(
+                        f"tp worker {rank} died (exit code {proc.returncode}) during {what}"
+                    )
             if time.monotonic() > deadline:
                 late = [r for r, x in enumerate(replies) if x is None]
                 self.close()
-                raise WorkerError(f"tp workers {late} did not answer {what} within "
-                                  f"worker_timeout_s={self.timeout}")
+                raise WorkerError(
+                    f"tp workers {late} did not answer {what} within "
+                    f"worker_timeout_s={self.timeout}"
+                )
         return [r for r in replies if r is not None]
 
     def close(self) -> None:
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send_bytes(encode(WorkerCall("close")))
-            except OSError:
-                pass
         for p in self._procs:
             try:
                 p.wait(timeout=5)
@@ -238,73 +235,6 @@ class ProcessExecutor(Executor):
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
-
-
-# ---- torchrun ----
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ)
-
-
-class DistributedExecutor(Executor):
-    """torchrun rank 0's executor: broadcasts each StepBatch, runs its own shard.
-
-    Ranks > 0 run `serve_worker`. Their failures surface as a gloo timeout or error here.
-    """
-
-    def __init__(self, model_path: Path, config: EngineConfig,
-                 progress: Progress | None = None) -> None:
-        _init_from_env(config)
-        self.comm = GlooCommunicator()
-        self.runner = ModelRunner(model_path, config, self.comm, progress)
-        self.info = self.runner.info()
-
-    def execute(self, batch: StepBatch) -> np.ndarray:
-        _broadcast_bytes(encode(batch))
-        return self.runner.execute(batch)
-
-    def close(self) -> None:
-        if dist.is_initialized():
-            _broadcast_bytes(b"")
-            self.comm.close()
-
-
-def serve_worker(model_path: Path, config: EngineConfig) -> None:
-    """torchrun ranks > 0: follow rank 0's steps until it broadcasts the empty message."""
-    _init_from_env(config)
-    comm = GlooCommunicator()
-    runner = ModelRunner(model_path, config, comm)
-    while True:
-        data = _broadcast_bytes(None)
-        if not data:
-            break
-        runner.execute(step_decoder.decode(data))
-    comm.close()
-
-
-def _init_from_env(config: EngineConfig) -> None:
-    world = int(os.environ["WORLD_SIZE"])
-    if world != config.tp_size:
-        raise WorkerError(f"torchrun WORLD_SIZE={world} but tp_size={config.tp_size}; "
-                          f"pass --tp {world} or --nproc-per-node {config.tp_size}")
-    torch.set_num_threads(config.num_threads or 1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=config.worker_timeout_s))
-
-
-def _broadcast_bytes(data: bytes | None) -> bytes:
-    """Rank 0 sends `data`; every rank returns it (length first, then a uint8 tensor)."""
-    size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(size, 0)
-    n = int(size.item())
-    if n == 0:
-        return b""
-    if n > MAX_MESSAGE_BYTES:
-        raise WorkerError(f"step message of {n} bytes exceeds {MAX_MESSAGE_BYTES}")
-    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data is not None
-           else torch.empty(n, dtype=torch.uint8))
-    dist.broadcast(buf, 0)
-    return bytes(buf.numpy()) if data is None else data
 
 
 if __name__ == "__main__":

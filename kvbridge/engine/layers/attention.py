@@ -30,7 +30,7 @@ class SeqSlice:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64, where each new token's K/V goes
+    slots: tuple[torch.Tensor, torch.Tensor]  # (block, offset) [num_tokens] of each new token
     seqs: list[SeqSlice]
 
 
@@ -39,20 +39,27 @@ class PagedAttention:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.gqa = num_heads != num_kv_heads
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """q [T, heads, dim], k/v [T, kv_heads, dim] -> [T, heads * dim]."""
-        cache.write(layer, k, v, meta.slot_mapping)
+        cache.write(layer, k, v, meta.slots)
         outs = []
         for s in meta.seqs:
-            qs = q[s.query_start:s.query_start + s.query_len].transpose(0, 1)  # [h, q, d]
+            qs = q[s.query_start : s.query_start + s.query_len].transpose(0, 1)  # [h, q, d]
             if s.query_len == s.context_len:
                 # A whole prompt: attend to this step's K/V directly (the cache holds a copy).
-                ks = k[s.query_start:s.query_start + s.query_len].transpose(0, 1)
-                vs = v[s.query_start:s.query_start + s.query_len].transpose(0, 1)
+                ks = k[s.query_start : s.query_start + s.query_len].transpose(0, 1)
+                vs = v[s.query_start : s.query_start + s.query_len].transpose(0, 1)
             else:
                 ks, vs = cache.gather(layer, s.block_ids, s.context_len)
             mask = None
@@ -64,8 +71,13 @@ class PagedAttention:
                 mask = torch.arange(s.context_len).unsqueeze(0) <= rows
                 causal = False
             o = F.scaled_dot_product_attention(
-                qs.unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=mask,
-                is_causal=causal, scale=self.scale, enable_gqa=self.gqa,
+                qs.unsqueeze(0),
+                ks.unsqueeze(0),
+                vs.unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                scale=self.scale,
+                enable_gqa=self.gqa,
             )  # [1, h, q, d]
             outs.append(o[0].transpose(0, 1).reshape(s.query_len, -1))
         return outs[0] if len(outs) == 1 else torch.cat(outs, 0)

@@ -38,8 +38,9 @@ class VocabParallelEmbedding:
         self.weight[: weight.shape[0]] = weight
 
     @classmethod
-    def load(cls, source: WeightSource, name: str, vocab_size: int,
-             comm: Communicator) -> VocabParallelEmbedding:
+    def load(
+        cls, source: WeightSource, name: str, vocab_size: int, comm: Communicator
+    ) -> VocabParallelEmbedding:
         start, end = vocab_range(vocab_size, comm.world_size, comm.rank)
         return cls(source.get(name, 0, start, end), vocab_size, comm)
 

@@ -30,16 +30,21 @@ class ColumnParallelLinear:
     each one's row slice, and `split_sizes` tells the caller how to cut the output.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 split_sizes: list[int]) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, split_sizes: list[int]
+    ) -> None:
         assert weight.shape[0] == sum(split_sizes), (weight.shape, split_sizes)
         self.weight = weight
         self.bias = bias
         self.split_sizes = split_sizes
 
     @classmethod
-    def load(cls, source: WeightSource, prefix_ranges: list[tuple[str, tuple[int, int]]],
-             bias: bool = False) -> ColumnParallelLinear:
+    def load(
+        cls,
+        source: WeightSource,
+        prefix_ranges: list[tuple[str, tuple[int, int]]],
+        bias: bool = False,
+    ) -> ColumnParallelLinear:
         """`prefix_ranges`: (tensor name without .weight, [start, end) rows) per fused part."""
         weights = [source.get(f"{p}.weight", 0, a, b) for p, (a, b) in prefix_ranges]
         biases = [source.get(f"{p}.bias", 0, a, b) for p, (a, b) in prefix_ranges] if bias else []
@@ -59,8 +64,9 @@ class RowParallelLinear:
         self.comm = comm
 
     @classmethod
-    def load(cls, source: WeightSource, prefix: str, cols: tuple[int, int],
-             comm: Communicator) -> RowParallelLinear:
+    def load(
+        cls, source: WeightSource, prefix: str, cols: tuple[int, int], comm: Communicator
+    ) -> RowParallelLinear:
         return cls(source.get(f"{prefix}.weight", 1, *cols).contiguous(), comm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

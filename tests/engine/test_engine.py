@@ -1,0 +1,174 @@
+"""LLMEngine behaviour users rely on: batching, paging, stopping, sampling, seams, errors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.errors import ModelLoadError, OutOfBlocksError, RequestError
+from kvbridge.engine.llm_engine import LLMEngine
+from kvbridge.engine.sampling import SamplingParams
+from kvbridge.engine.sequence import FinishReason
+from kvbridge.errors import KVBridgeError, LayoutError
+
+from .conftest import PROMPTS, Oracle
+
+GREEDY8 = SamplingParams(max_tokens=8)
+
+
+@pytest.mark.slow
+def test_batched_equals_one_at_a_time(engine_tp1: LLMEngine) -> None:
+    batched = engine_tp1.generate(PROMPTS, GREEDY8)
+    alone = [engine_tp1.generate([p], GREEDY8)[0] for p in PROMPTS[:3]]
+    assert [o.token_ids for o in batched[:3]] == [o.token_ids for o in alone]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_small_blocks_chunked_prefill_and_preemption_keep_tokens(
+    engine_factory: Callable[..., LLMEngine], oracle: Oracle, layout: str
+) -> None:
+    # 4-token blocks, 3-token prefill chunks, and a cache too small for all five
+    # prompts at once: sequences get preempted and recomputed, tokens must not change.
+    engine = engine_factory(
+        tp_size=1, block_size=4, cache_layout=layout, prefill_chunk_size=3, num_blocks=12
+    )
+    outs = engine.generate(PROMPTS, GREEDY8)
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert out.token_ids == oracle.greedy(oracle.encode(prompt), 16)[:8], prompt
+    assert engine.block_manager.num_free_blocks == 12
+
+
+@pytest.mark.slow
+def test_no_blocks_leak_after_many_requests(engine_tp1: LLMEngine) -> None:
+    bm = engine_tp1.block_manager
+    prompts = [f"Request number {i} says" for i in range(20)]  # more than max_num_seqs
+    outs = engine_tp1.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert all(len(o.token_ids) == 2 for o in outs)
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(bm.ref_count(i) == 0 for i in range(bm.num_blocks))
+
+
+@pytest.mark.slow
+def test_stop_string_cuts_text(engine_tp1: LLMEngine) -> None:
+    out = engine_tp1.generate(
+        ["The capital of France is"], SamplingParams(max_tokens=16, stop=(".",))
+    )[0]
+    assert out.text == " Paris"
+    assert out.finish_reason is FinishReason.STOP
+
+
+@pytest.mark.slow
+def test_chat_stops_at_eos(engine_tp1: LLMEngine) -> None:
+    tok = engine_tp1.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    out = engine_tp1.generate([prompt], SamplingParams(max_tokens=64))[0]
+    assert out.finish_reason is FinishReason.STOP
+    assert out.token_ids[-1] in tok.eos_token_ids
+    assert "<|im_end|>" not in out.text and out.text
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine_tp1: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    a = engine_tp1.generate(["Once upon a time"], params)[0]
+    b = engine_tp1.generate(["Once upon a time", "I like to eat"], params)[0]
+    other = engine_tp1.generate(
+        ["Once upon a time"], SamplingParams(max_tokens=10, temperature=0.9, seed=8)
+    )[0]
+    assert a.token_ids == b.token_ids
+    assert other.token_ids != a.token_ids
+
+
+@pytest.mark.slow
+def test_stream_deltas_add_up_to_the_completion(engine_tp1: LLMEngine) -> None:
+    deltas = list(engine_tp1.stream("Once upon a time", SamplingParams(max_tokens=12)))
+    whole = engine_tp1.generate(["Once upon a time"], SamplingParams(max_tokens=12))[0]
+    assert [t for d in deltas for t in d.new_token_ids] == whole.token_ids
+    assert "".join(d.new_text for d in deltas) == whole.text
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+
+
+@pytest.mark.slow
+def test_prefill_then_continue_from_blocks_in_another_engine(
+    engine_tp1: LLMEngine, engine_factory: Callable[..., LLMEngine], oracle: Oracle
+) -> None:
+    # The disaggregation seam without the transport: prefill on one engine, copy the
+    # prompt's blocks into another engine's cache by hand, decode there.
+    prompt_ids = oracle.encode("The quick brown fox jumps over")
+    pre = engine_tp1.prefill(prompt_ids)
+    assert pre.finish_reason is FinishReason.PREFILLED and len(pre.token_ids) == 1
+    assert len(pre.block_ids) == engine_tp1.block_manager.blocks_for(len(prompt_ids))
+    decode = engine_factory(tp_size=1, num_blocks=40)
+    dst = decode.allocate_blocks(len(prompt_ids))
+    src_cache = engine_tp1.executor.kv_cache  # [layers, 2, blocks, heads, bs, dim] (HND)
+    dst_cache = decode.executor.kv_cache
+    dst_cache[:, :, torch.tensor(dst)] = src_cache[:, :, torch.tensor(pre.block_ids)]
+    engine_tp1.release_blocks(pre.block_ids)
+    assert engine_tp1.block_manager.num_free_blocks == engine_tp1.block_manager.num_blocks
+    rid = decode.add_prefilled_request(prompt_ids, pre.token_ids[0], dst, GREEDY8)
+    while decode.has_unfinished():
+        decode.step()
+    out = decode.pop(rid)
+    assert out.token_ids == oracle.greedy(prompt_ids, 16)[:8]
+    assert decode.block_manager.num_free_blocks == 40
+
+
+@pytest.mark.slow
+def test_bad_requests_are_refused_with_reasons(engine_tp1: LLMEngine) -> None:
+    with pytest.raises(RequestError, match="prompt is empty"):
+        engine_tp1.add_request("")
+    with pytest.raises(RequestError, match="prompt has 5000 tokens but max_model_len=4096"):
+        engine_tp1.add_request([1] * 5000)
+    with pytest.raises(RequestError, match=r"needs \d+ KV blocks but the cache has"):
+        engine_tp1.add_request([1] * 2000)  # fits the context, not the 96-block cache
+    with pytest.raises(RequestError, match="outside"):
+        engine_tp1.add_request([10**6])
+    assert not engine_tp1.has_unfinished()
+
+
+def test_unknown_model_path_is_refused() -> None:
+    with pytest.raises(ModelLoadError, match="neither a file nor a directory nor a known name"):
+        LLMEngine("/nonexistent/model.gguf")
+
+
+@pytest.mark.parametrize("tp", [2, 4, 6])
+def test_tp_size_invalid_for_the_model_is_refused(tp: int) -> None:
+    with pytest.raises(
+        LayoutError, match=f"tp_size={tp} does not divide num_attention_heads=9.*use one of 1, 3, 9"
+    ):
+        LLMEngine("smollm2-135m", EngineConfig(tp_size=tp))
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"max_tokens": 0}, "max_tokens=0"),
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_k": -2}, "top_k=-2"),
+    ],
+)
+def test_bad_sampling_params_are_refused(kwargs: dict[str, float], words: str) -> None:
+    with pytest.raises(KVBridgeError, match=words):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_reserved_blocks_block_new_requests_until_released(
+    engine_factory: Callable[..., LLMEngine],
+) -> None:
+    engine = engine_factory(tp_size=1, num_blocks=40)
+    reserved = engine.allocate_blocks(16 * 40)  # every block, as a decode instance would
+    with pytest.raises(OutOfBlocksError, match="need 1 KV-cache blocks but only 0 of 40"):
+        engine.allocate_blocks(1)
+    with pytest.raises(OutOfBlocksError, match="release blocks kept by prefill-only"):
+        engine.generate(["Once upon a time"], GREEDY8)
+    assert not engine.has_unfinished()  # the refused request was withdrawn, not left queued
+    engine.release_blocks(reserved)
+    out = engine.generate(["I like to eat"], SamplingParams(max_tokens=2))[0]
+    assert len(out.token_ids) == 2
+    assert engine.block_manager.num_free_blocks == 40

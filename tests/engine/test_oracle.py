@@ -1,0 +1,77 @@
+"""The engine gives exactly transformers' greedy tokens for the same GGUF, at tp 1, 3 and 9."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from kvbridge.engine.llm_engine import LLMEngine
+from kvbridge.engine.sampling import SamplingParams
+from kvbridge.engine.tokenizer import Tokenizer
+from kvbridge.engine.weights import resolve_model
+
+from .conftest import PROMPTS, Oracle
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "The capital of France is",
+    "  leading spaces and\ttabs\nnew lines\n\n",
+    "Ünïcödé: naïve café, 日本語, emoji 🙂👍🏽, math ∑ x²",
+    "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>",
+    "def f(x):\n    return x ** 2  # comment",
+    "1234567890 3.14159 -42 1e-9",
+]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_gives_transformers_ids(oracle: Oracle, text: str) -> None:
+    tok = Tokenizer.load(resolve_model("smollm2-135m"))
+    ids = tok.encode(text)
+    assert ids == oracle.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == oracle.tokenizer.decode(ids)
+
+
+def test_chat_template_matches_transformers(oracle: Oracle) -> None:
+    tok = Tokenizer.load(resolve_model("smollm2-135m"))
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    text = tok.apply_chat_template(messages)
+    expected = oracle.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert text == expected
+    assert tok.encode(text) == oracle.encode(expected)
+
+
+def _check(engine: LLMEngine, oracle: Oracle, prompts: list[str], n: int) -> None:
+    outs = engine.generate(prompts, SamplingParams(max_tokens=n))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.prompt_ids == oracle.encode(prompt)
+        assert out.token_ids == oracle.greedy(out.prompt_ids, n), prompt
+
+
+def test_tp1_greedy_equals_transformers(engine_tp1: LLMEngine, oracle: Oracle) -> None:
+    _check(engine_tp1, oracle, PROMPTS, 16)
+
+
+def test_capital_of_france_is_paris(engine_tp1: LLMEngine) -> None:
+    out = engine_tp1.generate(["The capital of France is"], SamplingParams(max_tokens=4))[0]
+    assert out.text.startswith(" Paris")
+
+
+def test_tp3_greedy_equals_transformers(
+    engine_factory: Callable[..., LLMEngine], oracle: Oracle
+) -> None:
+    engine = engine_factory(tp_size=3)
+    _check(engine, oracle, PROMPTS, 16)
+    assert engine.executor.info.num_local_kv_heads == 1
+
+
+def test_tp9_greedy_equals_transformers(
+    engine_factory: Callable[..., LLMEngine], oracle: Oracle
+) -> None:
+    # gloo all-reduce costs ~25 ms at tp 9 here: two prompts keep this under a minute.
+    engine = engine_factory(tp_size=9, num_blocks=16)
+    _check(engine, oracle, PROMPTS[:2], 16)
+    engine.shutdown()
