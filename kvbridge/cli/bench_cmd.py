@@ -47,6 +47,12 @@ def register(sub: argparse._SubParsersAction) -> None:
             "run_comm_bench",
             "all-reduce latency: shared memory vs gloo",
         ),
+        (
+            "engine",
+            "kvbridge.cli.bench_engine",
+            "run",
+            "TTFT and decode tokens/s at tp 1, 3, 9 next to transformers",
+        ),
     ):
         mod = importlib.import_module(module)
         sp = bench.add_parser(name, help=help_, description=(mod.__doc__ or "").strip())

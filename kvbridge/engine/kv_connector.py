@@ -73,12 +73,7 @@ class PollReply(msgspec.Struct, frozen=True):
 _expose = msgspec.msgpack.Decoder(ExposeArgs)
 _pull = msgspec.msgpack.Decoder(PullArgs)
 _endpoints = msgspec.msgpack.Decoder(list[str])
-_spec = msgspec.msgpack.Decoder(ConnectorSpec)
 poll_decoder = msgspec.msgpack.Decoder(PollReply)
-
-
-def decode_spec(data: bytes) -> ConnectorSpec:
-    return _spec.decode(data)
 
 
 class WorkerKVConnector:
