@@ -123,18 +123,20 @@ class Deployment:
             time.sleep(0.2)
 
     def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM each instance (it stops its engine and tp workers itself), then SIGKILL
+        the process group of any that is still there after `timeout_s`."""
         for child in self.children:
             if child.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGTERM)
+                    child.proc.terminate()
         deadline = time.monotonic() + timeout_s
         for child in self.children:
             remaining = max(0.1, deadline - time.monotonic())
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(remaining)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.proc.pid, signal.SIGKILL)
-                child.proc.wait(5)
+            # tp workers exit on their own when their driver goes; make sure of it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait(5)
         self.children.clear()
         shutil.rmtree(self._tmp, ignore_errors=True)
