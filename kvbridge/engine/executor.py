@@ -1,9 +1,10 @@
 """The seam between the driver and its workers.
 
 An `Executor` runs one `StepBatch` on every tp worker and returns rank 0's logits. The
-driver never knows whether the runners live in its own process (tp_size 1), in processes
-it spawned (`tp_launcher.ProcessExecutor`, or the shared-memory `WorkerGroup` that will
-replace it) or in processes torchrun started.
+driver never knows whether the runners live in its own process (tp_size 1,
+`InProcessExecutor`), in processes it spawned (`shm_executor.ShmExecutor`: a
+`WorkerGroup` with shared-memory collectives) or in processes torchrun started
+(`torchrun.DistributedExecutor`).
 """
 
 from __future__ import annotations

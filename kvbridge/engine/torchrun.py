@@ -19,8 +19,8 @@ import torch.distributed as dist
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import WorkerError
 from kvbridge.engine.executor import Executor
-from kvbridge.engine.gloo_comm import GlooCommunicator
 from kvbridge.engine.model_runner import ModelRunner
+from kvbridge.engine.parallel.torch_dist import TorchDistCommunicator
 from kvbridge.engine.step import StepBatch, encode, step_decoder
 from kvbridge.engine.weights import Progress
 
@@ -44,7 +44,7 @@ class DistributedExecutor(Executor):
         self, model_path: Path, config: EngineConfig, progress: Progress | None = None
     ) -> None:
         _init_from_env(config)
-        self.comm = GlooCommunicator()
+        self.comm = TorchDistCommunicator()
         self.runner = ModelRunner(model_path, config, self.comm, progress)
         self.info = self.runner.info()
 
@@ -61,7 +61,7 @@ class DistributedExecutor(Executor):
 def serve_worker(model_path: Path, config: EngineConfig) -> None:
     """torchrun ranks > 0: follow rank 0's steps until it broadcasts the empty message."""
     _init_from_env(config)
-    comm = GlooCommunicator()
+    comm = TorchDistCommunicator()
     runner = ModelRunner(model_path, config, comm)
     while True:
         data = _broadcast_bytes(None)
