@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan.copylist import copy_lists, region_nbytes
+from kvbridge.plan.copylist import copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.agent import Transport, XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.descriptors import (
@@ -50,7 +50,7 @@ from kvbridge.transfer.messages import (
     spec_error,
 )
 from kvbridge.transfer.peers import PeerState, ProducerDirectory, ProducerInstance, ProducerWorker
-from kvbridge.transfer.regions import CacheRegions
+from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
 
 log = logging.getLogger("kvbridge.transfer.consumer")
 
@@ -109,17 +109,7 @@ class KVConsumer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model, self.layout, self.rank = model, layout, rank
-        self.shard = layout.workers(model, "decode")[rank]
-        want_n = num_regions(model, self.shard)
-        want_len = region_nbytes(
-            model.with_dtype(layout.kv_dtype(model)), layout, self.shard, num_blocks
-        )
-        if regions.num_regions != want_n or set(regions.lengths) != {want_len}:
-            raise TransferError(
-                f"decode worker {rank} registered {regions.num_regions} regions of "
-                f"{sorted(set(regions.lengths))} bytes; its layout needs {want_n} regions of "
-                f"{want_len} bytes ({num_blocks} blocks)"
-            )
+        self.shard = worker_shard_checked(model, layout, "decode", rank, regions, num_blocks)
         self.regions, self.num_blocks = regions, num_blocks
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self._clock = clock

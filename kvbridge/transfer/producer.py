@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan.copylist import region_nbytes
 from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.plan.layout import InstanceLayout
 from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
@@ -49,7 +48,7 @@ from kvbridge.transfer.messages import (
     decode,
     spec_error,
 )
-from kvbridge.transfer.regions import CacheRegions
+from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
 from kvbridge.transfer.side_channel import SideChannelServer
 
 log = logging.getLogger("kvbridge.transfer.producer")
@@ -119,17 +118,7 @@ class KVProducer:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model, self.layout, self.rank = model, layout, rank
-        self.shard = layout.workers(model, "prefill")[rank]
-        want_n = num_regions(model, self.shard)
-        want_len = region_nbytes(
-            model.with_dtype(layout.kv_dtype(model)), layout, self.shard, num_blocks
-        )
-        if regions.num_regions != want_n or set(regions.lengths) != {want_len}:
-            raise TransferError(
-                f"prefill worker {rank} registered {regions.num_regions} regions of "
-                f"{sorted(set(regions.lengths))} bytes; its layout needs {want_n} regions of "
-                f"{want_len} bytes ({num_blocks} blocks)"
-            )
+        self.shard = worker_shard_checked(model, layout, "prefill", rank, regions, num_blocks)
         self.regions, self.num_blocks = regions, num_blocks
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self.on_release = on_release

@@ -14,6 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from kvbridge.plan.copylist import region_nbytes
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout, WorkerShard, num_regions
 from kvbridge.transfer.errors import TransferError
 
 
@@ -76,3 +79,25 @@ class CacheRegions:
         else:
             mem, dev = MemType.DRAM, 0
         return cls(tuple(base + r * step for r in range(n)), (step,) * n, mem, dev)
+
+
+def worker_shard_checked(
+    model: ModelKVSpec,
+    layout: InstanceLayout,
+    side: str,
+    rank: int,
+    regions: CacheRegions,
+    num_blocks: int,
+) -> WorkerShard:
+    """Worker `rank`'s shard of its instance, after checking its registered regions have
+    the number and size the layout needs (TransferError naming both otherwise)."""
+    shard = layout.workers(model, side)[rank]
+    want_n = num_regions(model, shard)
+    want_len = region_nbytes(model.with_dtype(layout.kv_dtype(model)), layout, shard, num_blocks)
+    if regions.num_regions != want_n or set(regions.lengths) != {want_len}:
+        raise TransferError(
+            f"{side} worker {rank} registered {regions.num_regions} regions of "
+            f"{sorted(set(regions.lengths))} bytes; its layout needs {want_n} regions of "
+            f"{want_len} bytes ({num_blocks} blocks)"
+        )
+    return shard
