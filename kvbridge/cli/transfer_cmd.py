@@ -16,9 +16,9 @@ import math
 import sys
 from typing import Any
 
-from kvbridge.errors import ConfigError, KVBridgeError, LayoutError
+from kvbridge.cli.plan_cmd import add_layout_arguments, layouts_from_args
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec, load_model_spec
-from kvbridge.plan.layout import InstanceLayout
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -43,12 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     model.add_argument("--mla", action="store_true", help="an MLA cache (one latent of D)")
     model.add_argument("--dtype", default=None, help="KV dtype (default: config's, or bfloat16)")
-    for side in ("prefill", "decode"):
-        g = p.add_argument_group(f"{side} instance")
-        g.add_argument(f"--{side}-tp", type=int, default=1, metavar="N", help="default 1")
-        g.add_argument(f"--{side}-pp", type=int, default=1, metavar="N", help="default 1")
-        g.add_argument(f"--{side}-block-size", type=int, default=16, metavar="N", help="default 16")
-        g.add_argument(f"--{side}-layout", default="HND", metavar="HND|NHD", help="default HND")
+    add_layout_arguments(p)
     p.add_argument("--requests", type=int, default=4, metavar="N", help="default 4")
     p.add_argument("--tokens", type=int, default=100, metavar="T", help="default 100")
     p.add_argument("--seed", type=int, default=0, help="block-id shuffle seed (default 0)")
@@ -77,18 +72,6 @@ def model_from_args(args: argparse.Namespace) -> ModelKVSpec:
     )
 
 
-def _layout(args: argparse.Namespace, side: str) -> InstanceLayout:
-    try:
-        return InstanceLayout(
-            tp_size=getattr(args, f"{side}_tp"),
-            pp_size=getattr(args, f"{side}_pp"),
-            block_size=getattr(args, f"{side}_block_size"),
-            cache_layout=getattr(args, f"{side}_layout"),
-        )
-    except LayoutError as exc:
-        raise LayoutError(f"{side} {exc}") from None
-
-
 def run(args: argparse.Namespace) -> int:
     from kvbridge.transfer.check import run_check
 
@@ -97,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--requests={args.requests} --tokens={args.tokens}; both must be >= 1"
             )
+        # layouts first: they refuse a non-integer tp before the geometry uses it
+        prefill, decode = layouts_from_args(args)
         model = model_from_args(args)
-        prefill, decode = _layout(args, "prefill"), _layout(args, "decode")
         report = run_check(
             model,
             prefill,
