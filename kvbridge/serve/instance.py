@@ -31,6 +31,7 @@ from kvbridge.serve import wire
 from kvbridge.serve.backend import PROTOCOL_VERSION, GenerateEvent, GenerateRequest
 from kvbridge.serve.engine_loop import EngineLoop, _Stream, _Transfer, engine_sampling
 from kvbridge.serve.metrics import Metrics
+from kvbridge.serve.openai_protocol import error_body
 
 
 class Role(enum.Enum):
@@ -49,17 +50,8 @@ REQUEST_TIMEOUT_S = 300.0
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(
-        {
-            "error": {
-                "message": message,
-                "type": "server_error" if status >= 500 else "invalid_request_error",
-                "param": None,
-                "code": None,
-            }
-        },
-        status_code=status,
-    )
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return JSONResponse(error_body(message, type_=kind), status_code=status)
 
 
 def prompt_ids(engine: LLMEngine, gen: GenerateRequest) -> list[int]:
