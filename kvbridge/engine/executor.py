@@ -28,6 +28,10 @@ class Executor(abc.ABC):
     """Owned by one LLMEngine; `execute` is called from the engine loop only."""
 
     info: RunnerInfo
+    #: True when the workers progress their KV connector between calls by themselves;
+    #: otherwise the driver must call connector "poll" now and then (an idle producer
+    #: answers handshakes and runs leases only when polled).
+    connector_polls_itself: bool = False
 
     @abc.abstractmethod
     def execute(self, batch: StepBatch) -> np.ndarray:

@@ -4,8 +4,9 @@ A prefill instance's workers each own a `KVProducer`, a decode instance's a
 `KVConsumer`, over the worker's one KV-cache tensor (registered with NIXL once). The
 driver reaches them through `Executor.connector_call(method, payload)`, which runs
 `WorkerKVConnector.handle` on every worker; between calls the worker's loop calls
-`idle_poll()` every millisecond or so, since without NIXL's progress thread the
-process that owns the memory must poll for remote reads to progress.
+`idle_poll()` every millisecond while a transfer is pending (less often otherwise),
+since without NIXL's progress thread the process that owns the memory must poll for
+remote reads to progress.
 
 All messages are msgspec structs; this module imports the transfer layer's public API
 only (kvbridge.transfer), lazily, so an engine without a connector never loads NIXL.
@@ -24,8 +25,12 @@ from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.config import TransferConfig
 
-#: How often an idle worker polls its side channel and leases (seconds).
-IDLE_POLL_S = 0.01
+#: How often an idle producer worker polls its side channel and leases (seconds).
+IDLE_POLL_S = 0.05
+#: How often a worker polls while one of its transfers is pending (seconds).
+BUSY_POLL_S = 0.001
+#: How often an idle consumer worker polls (nothing is pending; a pull wakes it).
+CONSUMER_IDLE_S = 0.5
 
 
 class ConnectorRole(enum.Enum):
@@ -143,16 +148,14 @@ class WorkerKVConnector:
             return msgspec.msgpack.encode(PollReply(events, pinned))
         raise ValueError(f"unknown connector method {method!r}")
 
-    def idle_poll(self) -> None:
-        """Progress transfers and collect finished requests. Every call while a transfer
-        is pending; otherwise at most every IDLE_POLL_S (side-channel handshakes, leases),
-        so a dozen idle workers do not eat the cores."""
-        busy = (self.producer is not None and self.producer.num_pinned_blocks > 0) or (
-            self.consumer is not None and self.consumer.num_held_blocks > 0
-        )
+    def idle_poll(self) -> float:
+        """Progress transfers and collect finished requests. Returns how long the worker
+        may wait before the next call (see `_poll_interval`), so that a dozen idle
+        workers do not eat the cores."""
         now = time.monotonic()
-        if not busy and now - self._last_poll < IDLE_POLL_S:
-            return
+        interval = self._poll_interval()
+        if now - self._last_poll < interval:
+            return interval - (now - self._last_poll)
         self._last_poll = now
         if self.producer is not None:
             for rel in self.producer.poll(0):
@@ -162,6 +165,18 @@ class WorkerKVConnector:
             for res in self.consumer.poll():
                 ok = res.state.value == "done"
                 self._events.append(ConnectorEvent(res.request_id, ok, res.reason, res.nbytes))
+        return self._poll_interval()
+
+    def _poll_interval(self) -> float:
+        """BUSY_POLL_S while a transfer is pending (a read from this worker's memory
+        progresses only while it polls); IDLE_POLL_S for an idle producer (it answers
+        handshakes and runs leases); CONSUMER_IDLE_S for an idle consumer, which has
+        nothing to progress until the next pull (a call, which wakes the worker)."""
+        if self.producer is not None:
+            return BUSY_POLL_S if self.producer.num_pinned_blocks > 0 else IDLE_POLL_S
+        if self.consumer is not None and self.consumer.num_held_blocks > 0:
+            return BUSY_POLL_S
+        return CONSUMER_IDLE_S
 
     def close(self) -> None:
         if self.producer is not None:

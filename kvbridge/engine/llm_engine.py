@@ -151,6 +151,11 @@ class LLMEngine:
         """Call every worker's KV connector (see kvbridge.engine.kv_connector)."""
         return self.executor.connector_call(method, payload)
 
+    @property
+    def connector_polls_itself(self) -> bool:
+        """Whether the workers progress their KV connector without "poll" calls."""
+        return self.executor.connector_polls_itself
+
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
         if seq is not None and not seq.is_finished:

@@ -93,6 +93,8 @@ class ShmExecutor(Executor):
     `config.worker_timeout_s`; a worker that fails or dies raises WorkerError naming it.
     """
 
+    connector_polls_itself = True  # worker_entry serves with idle=connector.idle_poll
+
     def __init__(
         self,
         model_path: Path,

@@ -63,10 +63,20 @@ class _Transfer:
 class EngineLoop:
     """Owns `engine` once started; all engine calls go through `call`."""
 
-    def __init__(self, engine: LLMEngine, world_size: int, has_connector: bool) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        world_size: int,
+        has_connector: bool,
+        poll_when_idle: bool = True,
+    ) -> None:
+        """`poll_when_idle`: poll the connector every IDLE_POLL_S even with no transfer in
+        flight (a producer answers handshakes and runs leases there when its engine runs
+        in this process); a consumer has nothing to progress then."""
         self.engine = engine
         self.world_size = world_size
         self.has_connector = has_connector
+        self.poll_when_idle = poll_when_idle
         self._tasks: queue.SimpleQueue[
             tuple[Callable[[LLMEngine], Any], concurrent.futures.Future[Any]]
         ] = queue.SimpleQueue()
@@ -114,7 +124,8 @@ class EngineLoop:
                     worked = True
                 now = time.monotonic()
                 busy = bool(self.transfers)
-                if self.has_connector and now - last_poll >= (BUSY_POLL_S if busy else IDLE_POLL_S):
+                due = now - last_poll >= (BUSY_POLL_S if busy else IDLE_POLL_S)
+                if self.has_connector and (busy or self.poll_when_idle) and due:
                     self._poll_connector()
                     last_poll = now
             except Exception as exc:  # a worker died: fail everyone, refuse new work

@@ -1,4 +1,5 @@
-"""Instances shared by the end-to-end serving tests: started once per session, since
+"""Instances shared by the end-to-end serving tests: started once for tests/serve (and
+stopped before the next package runs), since
 loading two dozen tp workers on two cores is the slow part."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from kvbridge.serve.launcher import Deployment
 from tests.serve.helpers import instance_args
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def instances():
     """Prefill and decode instances at tp 1, 3 and 9 (block 16, HND), plus a tp-1 decode
     instance with block size 32 and NHD; keys ("prefill", tp), ("decode", tp), "decode32"."""

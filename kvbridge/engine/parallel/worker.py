@@ -109,14 +109,16 @@ class WorkerContext:
     def serve(
         self,
         handler: Handler,
-        idle: Callable[[], None] | None = None,
+        idle: Callable[[], float | None] | None = None,
         idle_interval_s: float = 0.001,
     ) -> None:
         """Report ready, then run calls until the driver says stop or goes away.
 
-        `idle`, if given, runs whenever no call arrived for `idle_interval_s` (e.g. to
-        progress transfers that need this process to poll); an exception it raises is
-        fatal to the worker, like a handler's.
+        `idle`, if given, runs whenever no call arrived for a while (e.g. to progress
+        transfers that need this process to poll): `idle_interval_s` after a call, then
+        after whatever delay its last run returned (None: `idle_interval_s` again), so an
+        idle worker can sleep longer than a busy one. An exception it raises is fatal to
+        the worker, like a handler's.
 
         Every call gets exactly one answer: REPLY with the handler's bytes, or ERROR with
         its traceback. A handler that raises aborts the communicator first, so peers that
@@ -125,9 +127,10 @@ class WorkerContext:
         """
         conn = self.conn
         conn.send_bytes(encode_frame(Kind.READY))
-        wait_s = PARENT_CHECK_S if idle is None else min(idle_interval_s, PARENT_CHECK_S)
+        idle_wait_s = idle_interval_s
         last_check = time.monotonic()
         while True:
+            wait_s = PARENT_CHECK_S if idle is None else min(idle_wait_s, PARENT_CHECK_S)
             if not conn.poll(wait_s):
                 now = time.monotonic()
                 if now - last_check >= PARENT_CHECK_S:
@@ -135,8 +138,10 @@ class WorkerContext:
                     if not self._driver_alive():
                         return  # the driver died without closing its pipe end
                 if idle is not None:
-                    idle()
+                    next_wait = idle()
+                    idle_wait_s = idle_interval_s if next_wait is None else max(0.0, next_wait)
                 continue
+            idle_wait_s = idle_interval_s  # a call may have started work to progress
             try:
                 kind, seq, method, payload = decode_frame(conn.recv_bytes())
             except EOFError:
