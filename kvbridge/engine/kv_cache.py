@@ -53,29 +53,27 @@ class KVCache:
         blocks = torch.div(slot_mapping, self.block_size, rounding_mode="floor")
         return blocks, slot_mapping - blocks * self.block_size
 
-    def write(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor]
-    ) -> None:
-        """Store k, v ([T, heads, head_dim]) of T tokens at their (block, offset) slots."""
+    def write(self, layer: int, kv: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Store K and V (`kv`: [T, 2, heads, head_dim]) of T tokens at their (block, offset)
+        slots, both in one indexed copy."""
         blocks, offsets = slots
-        for kv, x in ((0, k), (1, v)):
-            region = self.tensor[layer, kv]
-            if self.is_hnd:
-                region[blocks, :, offsets] = x  # advanced dims first: [T, heads, head_dim]
-            else:
-                region[blocks, offsets] = x
+        both = self.tensor[layer]  # [2, *region_shape]
+        if self.is_hnd:
+            # [2, blocks, heads, bs, dim][:, b, :, o]: advanced dims first -> [T, 2, heads, dim]
+            both[:, blocks, :, offsets] = kv
+        else:
+            # [2, blocks, bs, heads, dim][:, b, o]: adjacent advanced dims -> [2, T, heads, dim]
+            both[:, blocks, offsets] = kv.transpose(0, 1)
 
     def gather(
         self, layer: int, block_ids: torch.Tensor, context_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a sequence's first `context_len` tokens, each [heads, context_len, head_dim]."""
-        out = []
-        for kv in (0, 1):
-            blocks = self.tensor[layer, kv].index_select(0, block_ids)
-            if self.is_hnd:  # [n, heads, bs, dim] -> [heads, n * bs, dim]
-                x = blocks.transpose(0, 1).reshape(self.num_local_heads, -1, self.head_dim)
-                out.append(x[:, :context_len])
-            else:  # [n, bs, heads, dim] -> [n * bs, heads, dim] -> [heads, ctx, dim]
-                x = blocks.reshape(-1, self.num_local_heads, self.head_dim)
-                out.append(x[:context_len].transpose(0, 1))
-        return out[0], out[1]
+        blocks = self.tensor[layer].index_select(1, block_ids)  # K and V in one gather
+        if self.is_hnd:  # [2, n, heads, bs, dim] -> [2, heads, n * bs, dim]
+            x = blocks.transpose(1, 2).reshape(2, self.num_local_heads, -1, self.head_dim)
+            x = x[:, :, :context_len]
+        else:  # [2, n, bs, heads, dim] -> [2, n * bs, heads, dim] -> [2, heads, ctx, dim]
+            x = blocks.reshape(2, -1, self.num_local_heads, self.head_dim)
+            x = x[:, :context_len].transpose(1, 2)
+        return x[0], x[1]

@@ -46,20 +46,19 @@ class PagedAttention:
         self,
         layer: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        kv: torch.Tensor,
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """q [T, heads, dim], k/v [T, kv_heads, dim] -> [T, heads * dim]."""
-        cache.write(layer, k, v, meta.slots)
+        """q [T, heads, dim], kv [T, 2 (K, V), kv_heads, dim] -> [T, heads * dim]."""
+        cache.write(layer, kv, meta.slots)
         outs = []
         for s in meta.seqs:
             qs = q[s.query_start : s.query_start + s.query_len].transpose(0, 1)  # [h, q, d]
             if s.query_len == s.context_len:
                 # A whole prompt: attend to this step's K/V directly (the cache holds a copy).
-                ks = k[s.query_start : s.query_start + s.query_len].transpose(0, 1)
-                vs = v[s.query_start : s.query_start + s.query_len].transpose(0, 1)
+                kvs = kv[s.query_start : s.query_start + s.query_len].permute(1, 2, 0, 3)
+                ks, vs = kvs[0], kvs[1]  # [kv_heads, q, d]
             else:
                 ks, vs = cache.gather(layer, s.block_ids, s.context_len)
             mask = None

@@ -83,12 +83,14 @@ class LlamaDecoderLayer:
         n = x.shape[0]
         residual = x
         h = self.input_layernorm(x)
-        q, k, v = self.qkv_proj(h).split(self.qkv_proj.split_sizes, dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(cos_sin, q, k)
-        h = self.o_proj(self.attn(local_layer, q, k, v, cache, meta))
+        nq, nkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(h).view(n, nq + 2 * nkv, self.head_dim)
+        # rotate q and k heads together, and put the rotated k back beside v, so that
+        # k and v go to the cache as one [T, 2, kv_heads, head_dim] tensor
+        qk = self.rotary(cos_sin, qkv[:, : nq + nkv])
+        qkv[:, nq : nq + nkv] = qk[:, nq:]
+        kv = qkv[:, nq:].view(n, 2, nkv, self.head_dim)
+        h = self.o_proj(self.attn(local_layer, qk[:, :nq], kv, cache, meta))
         x = residual + h
         residual = x
         h = self.post_attention_layernorm(x)
