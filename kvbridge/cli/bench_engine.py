@@ -30,6 +30,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=2, help="timed runs per figure (median)")
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time each tp > 1 with free collectives (tp shard processes, no "
+        "communication): what the step costs on these cores before any communication",
+    )
+    p.add_argument(
         "--no-transformers",
         action="store_true",
         help="skip the transformers baseline (it needs transformers + accelerate)",
@@ -123,6 +129,17 @@ def _bench_engine(args: argparse.Namespace, tp: int, hf: _Transformers | None) -
     }
 
 
+def _floor(args: argparse.Namespace, tp: int, leave_core: bool) -> float:
+    from kvbridge.cli.bench_floor import floor_step_s
+    from kvbridge.cli.generate_cmd import engine_config
+    from kvbridge.engine.weights import resolve_model
+
+    what = "switch" if leave_core else "floor"
+    print(f"running {what} tp {tp} ...", file=sys.stderr, flush=True)
+    config = engine_config(args, tp_size=tp, prefill_chunk_size=max(512, args.prompt_tokens))
+    return floor_step_s(resolve_model(args.model), config, args.prompt_tokens, args.decode_tokens)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvbridge.engine.tokenizer import Tokenizer
     from kvbridge.engine.weights import resolve_model
@@ -163,10 +180,26 @@ def run(args: argparse.Namespace) -> int:
             f"{r['hf_step_s'] * 1e3:10.1f} {vs_ttft:>11} {vs_dec:>13} {vs_tp1:>12}",
             flush=True,
         )
+        if args.floor and tp > 1:
+            for label, leave_core in (("floor", False), ("switch", True)):
+                floor = _floor(args, tp, leave_core)
+                vs_floor = f"{floor / tp1_step:.2f}" if tp1_step else ""
+                print(
+                    f"{label + ' tp' + str(tp):10} {'':8} {'':9} {floor * 1e3:8.1f} "
+                    f"{1 / floor:7.1f} {'':11} {'':10} {'':>11} {'':>13} {vs_floor:>12}",
+                    flush=True,
+                )
     print(
         "vs HF: transformers' time / ours (above 1 = faster than transformers); "
         "step vs tp1: decode step time relative to tp 1 (target <= 1.5 at tp 9)"
     )
+    if args.floor:
+        print(
+            "floor tpN: N processes each computing its rank's shard at the same time with "
+            "collectives that exchange nothing; switch tpN: the same, but each collective "
+            "sleeps 10 us (the rank leaves its core, as a waiting rank must when ranks "
+            "outnumber cores)"
+        )
     return 0
 
 

@@ -76,3 +76,21 @@ def test_generate_under_torchrun_tp3() -> None:
     assert len(lines) == 1  # only rank 0 prints
     out = json.loads(lines[0])
     assert out["token_ids"] == [7042, 30, 198, 198] and out["tp_size"] == 3
+
+
+def test_bench_engine_prints_the_no_communication_floor() -> None:
+    args = ["--tp-sizes", "1,3", "--floor", "--no-transformers", "--prompt-tokens", "32"]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbridge.cli.bench_engine", *args, "--decode-tokens", "3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0] + line.split()[1]: line.split() for line in out.stdout.splitlines()}
+    for row in ("enginetp1", "enginetp3", "floortp3", "switchtp3"):
+        assert row in rows, out.stdout
+    # the floor rows carry a step time and its ratio to tp 1 (ms/tok, tok/s, step vs tp1)
+    ms, per_s, vs_tp1 = (float(v) for v in rows["floortp3"][2:5])
+    assert ms > 0 and abs(per_s - 1e3 / ms) < 0.2 and vs_tp1 > 0
