@@ -58,7 +58,7 @@ class ShmCommunicator(Communicator):
         *,
         timeout: float = 60.0,
         connect_timeout: float | None = None,
-        spin_iters: int = 16,
+        spin_iters: int | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise CommUsageError(f"rank={rank} is outside [0, world_size={world_size})")
@@ -70,7 +70,9 @@ class ShmCommunicator(Communicator):
         self.timeout = timeout
         self._mm, layout = map_segment(name, world_size)
         self.max_bytes = layout.slot_bytes
-        self._sync = ShmArrivals(self._mm, layout, rank, timeout=timeout, spin_iters=spin_iters)
+        self._sync = ShmArrivals(
+            name, self._mm, layout, rank, timeout=timeout, spin_iters=spin_iters
+        )
         self._slot_bytes = [
             [
                 np.ndarray(
@@ -84,6 +86,18 @@ class ShmCommunicator(Communicator):
             for b in range(2)
         ]
         self._typed: dict[tuple[int, torch.dtype], list[np.ndarray]] = {}
+        # every rank's float32 slot of buffer b as one [W, floats] array: the common
+        # all-reduce (a float32 tensor that fits a slot) is one copy and one numpy reduce
+        self._f32_rows = [
+            np.ndarray(
+                (world_size, layout.slot_bytes // 4),
+                dtype=np.float32,
+                buffer=self._mm,
+                offset=layout.slot_offset(b, 0) + SLOT_HEADER_BYTES,
+                strides=(layout.slot_stride, 4),
+            )
+            for b in range(2)
+        ]
         try:
             self._sync.arrive_and_wait(OP_CONNECT, 0, 0, connect_timeout or timeout)
         except BaseException:
@@ -99,7 +113,15 @@ class ShmCommunicator(Communicator):
         code = self._check_tensor(tensor, "all_reduce")
         if tensor.dtype == torch.uint8:
             raise CommUsageError("all_reduce of uint8 would overflow; use int32 or int64")
-        for part in self._chunks(_flat_numpy(tensor)):
+        flat = _flat_numpy(tensor)
+        if tensor.dtype == torch.float32 and flat.nbytes <= self.max_bytes:
+            rows = self._f32_rows[self._sync.next_buffer][:, : flat.size]
+            rows[self.rank] = flat
+            self._sync.arrive_and_wait(OP_ALL_REDUCE, flat.nbytes, code)
+            # reducing the outer axis adds row after row: rank order, like _sum_in_rank_order
+            np.add.reduce(rows, axis=0, out=flat)
+            return tensor
+        for part in self._chunks(flat):
             views = self._views(tensor.dtype, part.size)
             np.copyto(views[self.rank], part)
             self._sync.arrive_and_wait(OP_ALL_REDUCE, part.nbytes, code)
@@ -161,6 +183,7 @@ class ShmCommunicator(Communicator):
         self._sync.release()
         self._slot_bytes = []
         self._typed = {}
+        self._f32_rows = []
         # BufferError: a caller still holds a view; the mapping goes with the last reference
         with contextlib.suppress(BufferError):
             self._mm.close()

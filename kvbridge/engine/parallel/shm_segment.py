@@ -6,14 +6,19 @@ every region starts on a 64-byte boundary, each rank's control block on its own 
     offset                              size              content
     0                                   4096              header: magic, version,
                                                           world_size, slot_bytes,
-                                                          abort (0, or rank + 1)
+                                                          abort (0, or rank + 1),
+                                                          woken seq of wake FIFO 0, 1
     4096 + r*CTRL_BYTES                 CTRL_BYTES        control block of rank r:
                                                           [0] pid, [1] arrived seq,
+                                                          [2] sleeping seq,
                                                           [8:] abort reason (utf-8)
     data_offset + (b*W + r)*slot_stride slot_stride       slot of rank r in buffer b
                                                           (b = seq % 2): 64-byte slot
                                                           header [seq, op, nbytes,
                                                           dtype], then slot_bytes data
+
+Beside the file, two FIFOs `<name>.wake0` and `<name>.wake1` (one per buffer) let
+waiting ranks sleep until the last rank arrives (see shm_sync.py).
 
 `max_bytes` (slot_bytes) bounds one collective's bytes per rank; larger tensors are
 split into slot-sized pieces by the communicator. Memory: 2 * world_size slots.
@@ -39,7 +44,7 @@ from kvbridge.engine.parallel.errors import CommError, CommUsageError
 
 SHM_DIR = Path("/dev/shm")
 MAGIC = int.from_bytes(b"KVBSHM01", "little")
-VERSION = 1
+VERSION = 2
 HEADER_BYTES = 4096
 CTRL_BYTES = 256  # four cache lines: no false sharing between ranks' flags
 SLOT_HEADER_BYTES = 64
@@ -48,9 +53,11 @@ NUM_BUFFERS = 2  # double buffering: see the protocol in shm_comm.py
 DEFAULT_MAX_BYTES = 4 << 20
 
 # header int64 indices
-H_MAGIC, H_VERSION, H_WORLD, H_SLOT_BYTES, H_ABORT = range(5)
+H_MAGIC, H_VERSION, H_WORLD, H_SLOT_BYTES, H_ABORT, H_WOKEN = range(6)  # H_WOKEN + buffer
 # control block int64 indices
-C_PID, C_ARRIVED = 0, 1
+C_PID, C_ARRIVED, C_SLEEPING = 0, 1, 2
+#: the wake FIFOs beside a segment file, one per buffer
+WAKE_SUFFIXES = (".wake0", ".wake1")
 # slot header int64 indices
 S_SEQ, S_OP, S_NBYTES, S_DTYPE = range(4)
 
@@ -104,6 +111,8 @@ def create_segment_file(world_size: int, max_bytes: int) -> str:
     path = SHM_DIR / name
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
+        for suffix in WAKE_SUFFIXES:
+            os.mkfifo(SHM_DIR / f"{name}{suffix}", 0o600)
         os.ftruncate(fd, layout.total_bytes)
         with mmap.mmap(fd, HEADER_BYTES) as mm:
             header = np.ndarray((8,), dtype=np.int64, buffer=mm)
@@ -123,9 +132,10 @@ def create_segment_file(world_size: int, max_bytes: int) -> str:
 
 
 def unlink_segment(name: str) -> None:
-    """Remove a segment's file if it is still there (idempotent)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(SHM_DIR / name)
+    """Remove a segment's file and its wake FIFOs if still there (idempotent)."""
+    for suffix in ("", *WAKE_SUFFIXES):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SHM_DIR / f"{name}{suffix}")
 
 
 class ShmSegment:

@@ -26,17 +26,33 @@ the flag store. Other CPUs (aarch64) are untested. Flags are aligned int64 words
 written by its own rank only (the abort word by whichever rank fails first; any one is a
 valid root cause), so their loads and stores are single-copy atomic.
 
-Waiting spins `spin_iters` polls, then yields the core (`os.sched_yield`, essential when
-ranks outnumber cores), then sleeps briefly once a wait passes 20 ms. Every ~100 ms of
-waiting it checks the pids of the ranks it waits for, so a dead peer fails the collective
-within ~0.1-0.2 s; any failure aborts the group (a flag every waiter polls), so the other
-ranks fail promptly too, naming the rank at the root of it.
+Waiting spins `spin_iters` polls (only when every rank can hold a core), then sleeps in
+the kernel: the rank marks itself sleeping (ctrl[r].sleeping = seq), fences, checks the
+flags once more and blocks in poll() on the wake FIFO of buffer b. A rank that arrives,
+fences and sees every rank arrived is a last arriver: if any rank sleeps on seq it sets
+header.woken[b] = seq and writes one byte to that FIFO, which wakes every sleeper at
+once (one syscall, however many ranks). Both sides store, fence, then load, so either
+the sleeper sees the last arrival or the last arriver sees the sleeper: no lost wake-up.
+
+Nobody drains a byte when it is written; a byte left in FIFO b is stale once seq is
+complete, and the next sleeper on b (seq + 2 or later) that is woken by it while the
+flags are incomplete drains it. If woken[b] changed to its own seq during the drain, it
+may have eaten that real wake-up, so it writes a byte back. Sleeping instead of spinning
+or yielding matters when ranks outnumber cores (tp 9 on 2 cores): a waiting rank then
+takes no CPU time from the ranks still computing.
+
+Every ~100 ms of waiting a sleeper checks the pids of the ranks it waits for, so a dead
+peer fails the collective within ~0.1-0.2 s; any failure aborts the group (a flag every
+waiter checks, plus a byte in both FIFOs), so the other ranks fail promptly too, naming
+the rank at the root of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import select
 import struct
 import threading
 import time
@@ -53,9 +69,13 @@ from kvbridge.engine.parallel.errors import (
 from kvbridge.engine.parallel.shm_segment import (
     C_ARRIVED,
     C_PID,
+    C_SLEEPING,
     CTRL_BYTES,
     H_ABORT,
+    H_WOKEN,
     REASON_BYTES,
+    SHM_DIR,
+    WAKE_SUFFIXES,
     SegmentLayout,
     is_process_alive,
 )
@@ -64,8 +84,7 @@ OP_CONNECT, OP_BARRIER, OP_ALL_REDUCE, OP_ALL_GATHER, OP_BROADCAST = 1, 2, 3, 4,
 OP_NAMES = {1: "connect", 2: "barrier", 3: "all_reduce", 4: "all_gather", 5: "broadcast"}
 _HEADER = struct.Struct("<4q")
 PROBE_INTERVAL_S = 0.1
-YIELD_PHASE_S = 0.02
-MAX_SLEEP_S = 0.001
+SPIN_ITERS = 16
 
 _fence_lock = threading.Lock()
 
@@ -87,16 +106,21 @@ class ShmArrivals:
 
     def __init__(
         self,
+        name: str,
         mm: mmap.mmap,
         layout: SegmentLayout,
         rank: int,
         *,
         timeout: float,
-        spin_iters: int,
+        spin_iters: int | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = layout.world_size
         self.timeout = timeout
+        if spin_iters is None:
+            # spinning pays only when every rank can hold a core; otherwise a spinning
+            # rank takes the core that a rank it waits for needs
+            spin_iters = SPIN_ITERS if self.world_size <= len(os.sched_getaffinity(0)) else 0
         self.spin_iters = spin_iters
         self.seq = 0  # collectives this rank has started
         self.broken: str | None = None
@@ -107,6 +131,17 @@ class ShmArrivals:
         ctrl_words = [(layout.ctrl_offset + r * CTRL_BYTES) // 8 for r in range(self.world_size)]
         self._pid_words = [w + C_PID for w in ctrl_words]
         self._arrived_words = [w + C_ARRIVED for w in ctrl_words]
+        self._sleeping_words = [w + C_SLEEPING for w in ctrl_words]
+        # O_RDWR: opening a FIFO this way never blocks, and it is never "closed" under us
+        self._wake_fds = [
+            os.open(SHM_DIR / f"{name}{suffix}", os.O_RDWR | os.O_NONBLOCK)
+            for suffix in WAKE_SUFFIXES
+        ]
+        self._pollers = []
+        for fd in self._wake_fds:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            self._pollers.append(poller)
         # slot_headers[b]: (W, 4) int64 view of the slot headers of buffer b
         self._slot_headers = [
             np.ndarray(
@@ -140,7 +175,11 @@ class ShmArrivals:
             headers[self.rank] = expected
             memory_fence()
             self._words[self._arrived_words[self.rank]] = seq
-            self._wait(seq, op, timeout or self.timeout)
+            memory_fence()
+            if self._all_arrived(seq):
+                self._wake_sleepers(seq)
+            else:
+                self._wait(seq, op, timeout or self.timeout)
             memory_fence()
             if headers.tobytes() != _HEADER.pack(*expected) * self.world_size:
                 self._raise_mismatch(headers, expected)
@@ -161,45 +200,75 @@ class ShmArrivals:
         memory_fence()
         if self._words[H_ABORT] == 0:
             self._words[H_ABORT] = self.rank + 1
+        memory_fence()
+        for fd in self._wake_fds:  # every sleeper wakes and sees the abort
+            with contextlib.suppress(OSError):
+                os.write(fd, b"a")
 
     def release(self) -> None:
         """Drop every view of the mapping (so it can be closed)."""
         self.broken = self.broken or "the communicator was closed"
+        for fd in self._wake_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_fds = []
         self._words.release()
         self._slot_headers = []
 
     def _reason_offset(self, rank: int) -> int:
         return self._layout.ctrl_offset + rank * CTRL_BYTES + 64
 
-    def _wait(self, seq: int, op: int, timeout: float) -> None:
+    def _all_arrived(self, seq: int) -> bool:
         words = self._words
-        for word in self._arrived_words:
-            if words[word] >= seq:
-                continue
-            for _ in range(self.spin_iters):
-                if words[word] >= seq:
-                    break
-            else:
-                self._wait_slow(seq, op, timeout)
-                return
+        for word in self._arrived_words:  # noqa: SIM110 - no generator on this hot path
+            if words[word] < seq:
+                return False
+        return True
 
-    def _wait_slow(self, seq: int, op: int, timeout: float) -> None:
+    def _wake_sleepers(self, seq: int) -> None:
+        """As a last arriver of `seq`: wake every rank sleeping on it, with one write."""
         words = self._words
+        if any(words[w] == seq for w in self._sleeping_words):
+            buffer = seq % 2
+            words[H_WOKEN + buffer] = seq
+            memory_fence()
+            with contextlib.suppress(BlockingIOError):  # full: plenty of bytes to wake on
+                os.write(self._wake_fds[buffer], b"w")
+
+    def _wait(self, seq: int, op: int, timeout: float) -> None:
+        for _ in range(self.spin_iters):
+            if self._all_arrived(seq):
+                return
+        self._sleep(seq, op, timeout)
+
+    def _sleep(self, seq: int, op: int, timeout: float) -> None:
+        words = self._words
+        buffer = seq % 2
+        fd, poller = self._wake_fds[buffer], self._pollers[buffer]
+        words[self._sleeping_words[self.rank]] = seq
+        memory_fence()
         start = time.monotonic()
         next_probe = start + PROBE_INTERVAL_S
-        sleep_s = 0.0001
-        while any(words[word] < seq for word in self._arrived_words):
+        while not self._all_arrived(seq):
             if words[H_ABORT]:
                 self._raise_aborted(seq, op)
             now = time.monotonic()
             if now >= next_probe:
                 self._probe_peers(seq, op, now - start, timeout)
                 next_probe = now + PROBE_INTERVAL_S
-            if now - start < YIELD_PHASE_S:
-                os.sched_yield()
-            else:
-                time.sleep(sleep_s)
-                sleep_s = min(sleep_s * 2, MAX_SLEEP_S)
+            if not poller.poll(max(1, int((next_probe - now) * 1000) + 1)):
+                continue
+            memory_fence()
+            if self._all_arrived(seq) or words[H_WOKEN + buffer] == seq:
+                continue  # a real wake-up for this seq: leave its byte to the others
+            # a stale byte (an earlier seq of this buffer): drain it, then make sure the
+            # drain did not eat this seq's byte, written meanwhile
+            with contextlib.suppress(BlockingIOError):
+                os.read(fd, 4096)
+            memory_fence()
+            if words[H_WOKEN + buffer] == seq:
+                with contextlib.suppress(BlockingIOError):
+                    os.write(fd, b"w")
 
     def _probe_peers(self, seq: int, op: int, waited: float, timeout: float) -> None:
         missing = [r for r in range(self.world_size) if self._words[self._arrived_words[r]] < seq]
