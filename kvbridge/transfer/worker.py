@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -132,29 +132,20 @@ class _Worker:
         )
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
+        common: dict[str, Any] = dict(
+            model=model,
+            layout=self.layout,
+            rank=spec.rank,
+            regions=regions,
+            num_blocks=spec.num_blocks,
+            transport=self.transport,
+            config=config,
+            instance_id=spec.instance_id,
+        )
         if spec.role == "prefill":
-            self.producer = KVProducer(
-                model=model,
-                layout=self.layout,
-                rank=spec.rank,
-                regions=regions,
-                num_blocks=spec.num_blocks,
-                transport=self.transport,
-                config=config,
-                instance_id=spec.instance_id,
-                on_release=self._on_release,
-            )
+            self.producer = KVProducer(**common, on_release=self._on_release)
         else:
-            self.consumer = KVConsumer(
-                model=model,
-                layout=self.layout,
-                rank=spec.rank,
-                regions=regions,
-                num_blocks=spec.num_blocks,
-                transport=self.transport,
-                config=config,
-                instance_id=spec.instance_id,
-            )
+            self.consumer = KVConsumer(**common)
 
     def _on_release(self, rel: Release) -> None:
         send(
