@@ -49,7 +49,8 @@ class GenerateEvent(msgspec.Struct):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    #: stage figures of the finished request (prefill_ms, kv_bytes, transfer_ms, decode_ms, ...)
+    #: stage figures of the finished request (prefill_ms, kv_bytes, transfer_ms, decode_ms
+    #: after the KV load, ...)
     stages: dict[str, float] = msgspec.field(default_factory=dict)
     error: str | None = None  # set on a failure after streaming began
 

@@ -170,8 +170,9 @@ class EngineLoop:
         if out.finished:
             self.streams.pop(out.request_id, None)
             self.engine.pop(out.request_id)
-            elapsed = time.perf_counter() - stream.started
-            stream.stages["decode_ms"] = elapsed * 1e3
+            elapsed_ms = (time.perf_counter() - stream.started) * 1e3
+            # decode only: a decode instance's stream starts before its KV load
+            stream.stages["decode_ms"] = elapsed_ms - stream.stages.get("transfer_ms", 0.0)
             if finish is None:
                 stream.put(GenerateEvent(error=f"request ended: {out.finish_reason}"))
                 return

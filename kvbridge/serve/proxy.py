@@ -59,8 +59,27 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+class JSONBodies:
+    """ASGI middleware: every POST body is JSON, whatever Content-Type it declares.
+
+    `curl URL -d '{"prompt": ...}'` sends application/x-www-form-urlencoded, and FastAPI
+    would then refuse the body as not a JSON object; the OpenAI endpoints take nothing but
+    JSON, so the declared type is replaced rather than trusted.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
 def make_app(backend: Backend, metrics: Metrics | None = None) -> FastAPI:
     app = FastAPI(title="kvbridge", version="0.1.0")
+    app.add_middleware(JSONBodies)
     m = metrics or proxy_metrics()
     app.state.metrics = m
     app.state.backend = backend

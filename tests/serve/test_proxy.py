@@ -39,6 +39,20 @@ def test_completion_shape_and_usage(server):
     assert backend.seen[-1].sampling.max_tokens == 3
 
 
+def test_json_body_without_a_json_content_type(server):
+    """`curl URL -d '{...}'` declares a form body; the README's command must still work."""
+    srv, _ = server
+    body = json.dumps({"prompt": "The capital of France is", "max_tokens": 2})
+    r = httpx.post(
+        f"{srv.url}/v1/completions",
+        content=body,
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == " Paris."
+
+
 def test_stop_string_and_token_prompt(server):
     srv, backend = server
     r = httpx.post(
