@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,12 +63,32 @@ class Child:
         return f"http://{self.host}:{self.port}"
 
 
+def _sigterm_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """Make SIGTERM raise SystemExit, so `finally` blocks and atexit stop the instances.
+
+    The default action ends the process at once, and uvicorn re-raises the SIGTERM it
+    caught once the proxy has shut down: either way the instances (in their own
+    sessions) would be left running. Only from the main thread, and only over the
+    default handler."""
+    if threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, _sigterm_exit)
+
+
 @dataclass
 class Deployment:
     """The instance processes of one `kvbridge serve`; the proxy runs in the caller."""
 
     children: list[Child] = field(default_factory=list)
     _tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvbridge-")))
+
+    def __post_init__(self) -> None:
+        _exit_cleanly_on_sigterm()
 
     def start_instance(self, name: str, args: list[str], host: str = "127.0.0.1") -> Child:
         port_file = self._tmp / f"{name}-{len(self.children)}.port"

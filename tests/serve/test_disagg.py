@@ -211,3 +211,52 @@ def test_prefill_instance_killed(fault_setup, policy):
             assert "prefill instance" in err["message"] and err["type"] == "server_error"
     finally:
         proxy.stop()
+
+
+def test_sigterm_to_serve_stops_its_instances(tmp_path):
+    """`kvbridge serve` killed with SIGTERM (as by systemd, docker or `timeout`) stops
+    the instance processes it started; they live in their own sessions, so nothing else
+    would."""
+    import subprocess
+    import sys
+
+    from kvbridge.serve.launcher import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvbridge.cli.main", "serve", "--prefill-tp", "1"]
+    cmd += ["--decode-tp", "1", "--kv-cache-mb", "32", "--port", str(port)]
+    serve = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert serve.poll() is None, serve.stderr.read() if serve.stderr else ""
+            time.sleep(0.5)
+        children = [
+            int(pid)
+            for pid in subprocess.run(
+                ["pgrep", "-P", str(serve.pid), "-f", "kvbridge.cli.main serve --role"],
+                capture_output=True,
+                text=True,
+            ).stdout.split()
+        ]
+        assert children, "no instance processes found"
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(60)
+        alive = [pid for pid in children if _alive(pid)]
+        assert alive == [], f"instances still running after SIGTERM: {alive}"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
