@@ -137,7 +137,9 @@ def _floor(args: argparse.Namespace, tp: int, leave_core: bool) -> float:
     what = "switch" if leave_core else "floor"
     print(f"running {what} tp {tp} ...", file=sys.stderr, flush=True)
     config = engine_config(args, tp_size=tp, prefill_chunk_size=max(512, args.prompt_tokens))
-    return floor_step_s(resolve_model(args.model), config, args.prompt_tokens, args.decode_tokens)
+    return floor_step_s(
+        resolve_model(args.model), config, args.prompt_tokens, args.decode_tokens, leave_core
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ for nobody. That isolates what the switches alone cost on this machine.
 from __future__ import annotations
 
 import multiprocessing as mp
-import statistics
 import time
 from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
@@ -121,4 +120,4 @@ def floor_step_s(
             p.join(10)
             if p.is_alive():
                 p.kill()
-    return max(times) if len(times) > 1 else statistics.fmean(times)
+    return max(times)
