@@ -7,7 +7,10 @@ request, block size 16; prefill tp 2 -> decode tp 4). Measures, as medians:
   (a)   the same bytes per decode worker as ONE single-descriptor NIXL READ between
         the same processes, all decode workers at once;
   (b)   one in-process memcpy (numpy) of the same total bytes, into touched memory.
-Also prints the descriptors posted per request before and after merging.
+Also prints the descriptors posted per request before and after merging, and the
+kernel's floor under the transport (kvbridge.transfer.cma_floor): the plan's runs and
+the same bytes contiguous, read with bare `process_vm_readv` calls, which is what UCX
+does between processes on one host.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.plan.layout import CacheLayout, InstanceLayout
 from kvbridge.plan.planner import make_plan
+from kvbridge.transfer import cma_floor
 from kvbridge.transfer.check import make_workload
 from kvbridge.transfer.cluster import Cluster
 from kvbridge.transfer.commands import Expose, Finished, Pull, RawDone, RawRead, Released, Span
@@ -33,6 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-tp", type=int, default=2, help="default 2")
     parser.add_argument("--decode-tp", type=int, default=4, help="default 4")
     parser.add_argument("--layout", default="HND", help="cache layout of both sides (HND|NHD)")
+    parser.add_argument(
+        "--block-size", type=int, default=16, help="block size of both sides (default 16)"
+    )
+    parser.add_argument(
+        "--no-floor",
+        dest="floor",
+        action="store_false",
+        help="skip the kernel floor (bare process_vm_readv of the same runs)",
+    )
     parser.add_argument(
         "--backend-param",
         action="append",
@@ -50,8 +63,10 @@ def _gbps(nbytes: int, seconds: float) -> float:
 def run_transfer_bench(args: argparse.Namespace) -> int:
     model = ModelKVSpec(32, 32, 8, 128, "bfloat16", AttentionKind.GQA, "32-layer GQA")
     layout = CacheLayout.parse(args.layout)
-    prefill = InstanceLayout(tp_size=args.prefill_tp, block_size=16, cache_layout=layout)
-    decode = InstanceLayout(tp_size=args.decode_tp, block_size=16, cache_layout=layout)
+    prefill = InstanceLayout(
+        tp_size=args.prefill_tp, block_size=args.block_size, cache_layout=layout
+    )
+    decode = InstanceLayout(tp_size=args.decode_tp, block_size=args.block_size, cache_layout=layout)
     plan = make_plan(model, prefill, decode)
     tokens, repeat = args.tokens, max(1, args.repeat)
     params = dict(kv.split("=", 1) for kv in args.backend_param)
@@ -146,7 +161,30 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
     )
     ratio = t_raw / t_plan
     print(f"plan / (a) = {ratio:.2f} (target >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'})")
+    if args.floor:
+        _print_floor(total // max(merged, 1), merged, repeat)
     return 0
+
+
+def _print_floor(run_bytes: int, num_runs: int, repeat: int) -> None:
+    floor = cma_floor.measure(run_bytes, num_runs, repeat)
+    if floor is None:
+        print("kernel floor: process_vm_readv is unavailable here (not Linux, or refused)")
+        return
+    total = run_bytes * num_runs
+    print(
+        "kernel floor under UCX's same-host transport (bare process_vm_readv, one process, "
+        "no library):"
+    )
+    for name, t in (
+        (f"{num_runs} runs of {run_bytes} B, {cma_floor.IOV_MAX} per call", floor.scattered_s),
+        ("the same bytes, contiguous", floor.contiguous_s),
+    ):
+        print(f"  {name:44} {t * 1e3:8.1f} ms {_gbps(total, t):7.2f} GB/s")
+    print(
+        f"  runs / contiguous = {floor.ratio:.2f}: the most a CMA transfer of these runs can "
+        "reach against one contiguous read here (UCX makes one call per descriptor)"
+    )
 
 
 def _one_request(

@@ -120,3 +120,25 @@ def test_ctrl_c_leaves_no_worker_processes() -> None:
     assert proc.returncode == 130, err
     assert "interrupted" in err
     assert not [p for p in workers if alive(p)]
+
+
+def test_bench_transfer_prints_the_plan_the_baselines_and_the_kernel_floor() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = ["--tokens", "64", "--repeat", "1", "--block-size", "32"]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvbridge.cli.main", "bench", "transfer", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "prefill tp2 block 32 HND -> decode tp4 block 32 HND" in text
+    for row in ("plan's transfer (runtime)", "(a) one single-descriptor READ", "(b) in-process"):
+        assert row in text
+    # 64 tokens = 2 blocks of 32; 32 layers x K/V; 4 decode workers, each one 16 KiB run
+    # (2 of a prefill worker's 4 heads) per block and region
+    assert "descriptors posted per request: 1024 before merging, 512 after" in text
+    assert "512 runs of 16384 B, 1024 per call" in text
+    assert "runs / contiguous = " in text

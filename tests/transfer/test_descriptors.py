@@ -88,3 +88,13 @@ def test_unit_and_exact_descriptors_move_the_planned_bytes(model, prefill, decod
                 flat_dst[lo : lo + int(n)] = flat_src[ro : ro + int(n)]
         assert np.array_equal(by_units, want), f"decode rank {d.rank} (units)"
         assert np.array_equal(by_exact, want), f"decode rank {d.rank} (exact)"
+
+
+def test_cma_floor_reads_every_byte_of_the_runs() -> None:
+    from kvbridge.transfer.cma_floor import measure
+
+    floor = measure(run_bytes=4096, num_runs=2500, repeat=1)
+    assert floor is not None, "process_vm_readv of a child process failed on Linux"
+    assert (floor.run_bytes, floor.num_runs) == (4096, 2500)
+    assert floor.scattered_s > 0 and floor.contiguous_s > 0
+    assert floor.ratio == floor.contiguous_s / floor.scattered_s
