@@ -17,10 +17,12 @@ once instead of at the lease. Single-threaded: `pull`, `poll`, `close` from one 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan.copylist import copy_lists
+from kvbridge.plan.copylist import CopyList, copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.agent import Transport, XferState
@@ -88,6 +90,9 @@ class _Pull:
     xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
     temp_dlists: list[Any] = field(default_factory=list)
     notified: set[int] = field(default_factory=set)  # prefill ranks told we are done
+    notif: bytes = b""  # our completion notification
+    # prefill ranks read by more than one READ: none carries `notif`; it follows the last
+    silent: set[int] = field(default_factory=set)
     stats: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
@@ -216,10 +221,13 @@ class KVConsumer:
         if pull.state is TransferState.READING:
             for i, (p, xfer) in list(pull.xfers.items()):
                 st = self.transport.state(xfer)
-                if st is XferState.DONE:  # NIXL delivered the READ's notification
+                if st is XferState.DONE:  # NIXL delivered the READ's notification, if any
                     self.transport.release(xfer)
                     del pull.xfers[i]
-                    pull.notified.add(p)
+                    if p not in pull.silent:
+                        pull.notified.add(p)
+                    elif all(q != p for q, _ in pull.xfers.values()):  # p's last READ
+                        self._notify(pull, p, inst.readers[p], pull.notif)
                 elif st is XferState.ERR:
                     peer = inst.readers[p]
                     reason = (
@@ -244,8 +252,10 @@ class KVConsumer:
 
     def _prepare(self, inst: ProducerInstance) -> None:
         """Prepare, once per instance, the descriptor lists a whole-block request needs
-        (probe: scattered odd block ids on both sides, so no run merges across blocks);
-        lists of a finer unit size (e.g. a partial last block) are prepared on first use."""
+        (probe: scattered odd block ids on both sides, so no run merges across blocks),
+        and remember their unit per prefill rank. Copies finer than that unit (those of a
+        partial last block) get per-request descriptors instead: a list of whole regions
+        cut that fine would hold ~a descriptor per token and head, and take seconds."""
         assert inst.plan is not None
         inst.prepared = True
         bp, bd = inst.plan.prefill.block_size, inst.plan.decode.block_size
@@ -263,6 +273,7 @@ class KVConsumer:
             if max(num_units(peer.regions, g), num_units(self.regions, g)) <= self.config.max_units:
                 self._local_dlist(g)
                 self.directory.remote_dlist(peer, g)
+                inst.block_units[cl.read.prefill_rank] = g
 
     def _post(self, pull: _Pull) -> None:
         inst = pull.instance
@@ -270,13 +281,14 @@ class KVConsumer:
         lists = copy_lists(
             inst.plan, self.rank, pull.producer_block_ids, pull.local_block_ids, pull.num_tokens
         )
-        notif = encode(
+        notif = pull.notif = encode(
             ReadDone(request_id=pull.request_id, instance_id=self.instance_id, rank=self.rank),
             self.config.token,
         )
         nbytes = ndesc = nunmerged = nidx = 0
         pull.state = TransferState.READING
-        for i, cl in enumerate(lists):
+        posts: list[tuple[int, ProducerWorker, tuple[Any, np.ndarray, Any, np.ndarray]]] = []
+        for cl in lists:
             p = cl.read.prefill_rank
             peer = inst.readers[p]
             assert peer.welcome is not None and peer.regions is not None
@@ -293,20 +305,19 @@ class KVConsumer:
                 self.transport.send_notif(peer.agent, notif)
                 pull.notified.add(p)
                 continue
-            g = unit_size(cl, peer.regions.lengths, self.regions.lengths)
-            limit = self.config.max_units
-            if max(num_units(peer.regions, g), num_units(self.regions, g)) <= limit:
-                local = self._local_dlist(g)
-                remote = self.directory.remote_dlist(peer, g)
-                remote_idx, local_idx = unit_indices(cl, g, peer.regions, self.regions)
-            else:  # too fine to prepare whole regions: this request's own descriptors
-                rdescs, ldescs = exact_descs(cl, peer.regions, self.regions)
-                local = self.transport.prep_local(ldescs)
-                remote = self.transport.prep_remote(peer.agent, rdescs, peer.regions.mem_type)
-                pull.temp_dlists += [local, remote]
-                local_idx = remote_idx = np.arange(len(ldescs), dtype=np.int32)
+            posts += [(p, peer, r) for r in self._reads(pull, cl, peer, inst.block_units.get(p))]
+            nbytes += cl.nbytes
+            ndesc += cl.num_descriptors
+            nunmerged += cl.num_unmerged
+        # A prefill worker read by one READ gets the notification with it; one read by
+        # several (whole blocks + a partial last block) gets it after the last completes.
+        reads_of = Counter(p for p, _, _ in posts)
+        pull.silent = {p for p, n in reads_of.items() if n > 1}
+        for p, peer, (local, local_idx, remote, remote_idx) in posts:
             try:
-                xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, notif)
+                xfer, _ = self.transport.read(
+                    local, local_idx, remote, remote_idx, b"" if p in pull.silent else notif
+                )
             except TransferError as exc:
                 reason = (
                     f"READ from prefill worker {p} ({peer.endpoint}) failed: {exc}; "
@@ -314,14 +325,38 @@ class KVConsumer:
                 )
                 self.directory.drop(peer, reason)
                 raise TransferError(reason) from None
-            pull.xfers[i] = (p, xfer)
-            nbytes += cl.nbytes
-            ndesc += cl.num_descriptors
-            nunmerged += cl.num_unmerged
+            pull.xfers[len(pull.xfers)] = (p, xfer)
             nidx += len(local_idx)
         for p, peer in inst.unread.items():
             self._notify(pull, p, peer, notif)
         pull.stats = (nbytes, ndesc, nunmerged, nidx)
+
+    def _reads(
+        self, pull: _Pull, cl: CopyList, peer: ProducerWorker, unit: int | None
+    ) -> list[tuple[Any, np.ndarray, Any, np.ndarray]]:
+        """(local list, local indices, remote list, remote indices) of each READ for `cl`:
+        copies that are whole `unit`s index the prepared lists; the rest (a partial last
+        block) get this request's own descriptors, prepared now and released with it."""
+        assert peer.regions is not None
+        out = []
+        whole = np.zeros(len(cl.lengths), dtype=bool)
+        if unit is not None:
+            whole = (cl.lengths % unit == 0) & (cl.src_offsets % unit == 0)
+            whole &= cl.dst_offsets % unit == 0
+            if whole.any():
+                remote_idx, local_idx = unit_indices(
+                    _select(cl, whole), unit, peer.regions, self.regions
+                )
+                local, remote = self._local_dlist(unit), self.directory.remote_dlist(peer, unit)
+                out.append((local, local_idx, remote, remote_idx))
+        if not whole.all():
+            rdescs, ldescs = exact_descs(_select(cl, ~whole), peer.regions, self.regions)
+            local = self.transport.prep_local(ldescs)
+            remote = self.transport.prep_remote(peer.agent, rdescs, peer.regions.mem_type)
+            pull.temp_dlists += [local, remote]
+            idx = np.arange(len(ldescs), dtype=np.int32)
+            out.append((local, idx, remote, idx))
+        return out
 
     def _notify(self, pull: _Pull, p: int, peer: ProducerWorker, msg: bytes) -> None:
         """Send a standalone notification; a dead peer is dropped, not fatal here."""
@@ -381,3 +416,13 @@ class KVConsumer:
                 nidx,
             )
         )
+
+
+def _select(cl: CopyList, mask: np.ndarray) -> CopyList:
+    """The copies of `cl` where `mask` holds (every region pair keeps them)."""
+    return dataclasses.replace(
+        cl,
+        src_offsets=cl.src_offsets[mask],
+        dst_offsets=cl.dst_offsets[mask],
+        lengths=cl.lengths[mask],
+    )

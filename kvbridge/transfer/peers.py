@@ -66,6 +66,7 @@ class ProducerInstance:
     unread: dict[int, ProducerWorker] = field(default_factory=dict)  # rank 0: nobody reads
     reason: str = ""  # set once failed
     prepared: bool = False  # descriptor lists of a whole-block request prepared
+    block_units: dict[int, int] = field(default_factory=dict)  # prefill rank -> their unit
 
     def workers(self) -> list[ProducerWorker]:
         return [self.worker0, *self.readers.values(), *self.unread.values()]

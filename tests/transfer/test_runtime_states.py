@@ -98,10 +98,10 @@ def notify(p: KVProducer, request_id: str, rank: int, instance: str = "D") -> No
 
 def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer, clock) -> None:
     p, released = producer
-    p.expose("r1", [5, 2, 7], 20)
+    p.expose("r1", [5, 2, 7], 48)
     cs = [consumer(0, clock), consumer(1, clock)]
     for c in cs:
-        c.pull("r1", p.endpoint, [5, 2, 7], [1, 6, 3], 20)
+        c.pull("r1", p.endpoint, [5, 2, 7], [1, 6, 3], 48)
     drive(p, cs)
     for c in cs:  # one READ per (request, producer worker), carrying the notification
         t = c.transport
@@ -130,6 +130,32 @@ def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer
     notify(p, "r1", 1)  # stale
     p.poll()
     assert p.num_ignored_notifs == 2 and len(released) == 1 and p.num_pinned_blocks == 0
+
+
+def test_a_partial_last_block_is_a_second_read_and_the_notification_follows_both(
+    producer, clock
+) -> None:
+    """20 tokens = 1 whole block of 16 + 4 tokens: the whole block indexes the lists
+    prepared at handshake; the 4 tokens get their own descriptors (a list of whole
+    regions cut per token would take seconds to prepare); the producer is told once
+    both READs are done."""
+    p, _ = producer
+    p.expose("r1", [5, 2], 20)
+    c = consumer(0, clock)
+    c.pull("r1", p.endpoint, [5, 2], [1, 6], 20)
+    drive(p, [c])
+    t = c.transport
+    assert isinstance(t, FakeTransport) and len(t.reads) == 2
+    assert [notif for _, _, notif in t.reads] == [b"", b""]
+    (whole_l, whole_r, _), (tail_l, tail_r, _) = t.reads
+    assert len(whole_l) == len(whole_r) > 0 and len(tail_l) == len(tail_r) > 0
+    assert t.sent == []  # not before the READs are done
+    t.read_state = XferState.DONE
+    results = drive(p, [c])
+    assert [(r.request_id, r.state) for r in results] == [("r1", TransferState.DONE)]
+    assert [decode(msg, None, 1 << 16) for _, msg in t.sent] == [
+        ReadDone(request_id="r1", instance_id="D", rank=0)
+    ]
 
 
 def test_notifications_the_plan_does_not_expect_are_ignored(producer, clock) -> None:
