@@ -178,3 +178,28 @@ def test_apply_refuses_runs_past_the_region():
     src = fill_worker_cache(m, plan.prefill, plan.prefill_workers[0], 4, [], salt=1)
     with pytest.raises(VerificationError, match="past the region"):
         apply_copy_lists(src, src.copy(), [cl])
+
+
+def test_a_first_copy_list_imports_nothing():
+    """A decode worker's first request must not pay a lazy import (numpy.ma, on the
+    first np.unique, took over a second with nine workers starting at once)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from kvbridge.plan.copylist import copy_lists\n"
+        "from kvbridge.plan.geometry import AttentionKind, ModelKVSpec\n"
+        "from kvbridge.plan.layout import InstanceLayout\n"
+        "from kvbridge.plan.planner import make_plan\n"
+        "m = ModelKVSpec(30, 9, 3, 64, 'float32', AttentionKind.GQA, 'm')\n"
+        "plan = make_plan(m, InstanceLayout(tp_size=3), InstanceLayout(tp_size=9))\n"
+        "before = set(sys.modules)\n"
+        "for rank in range(9):\n"
+        "    for cl in copy_lists(plan, rank, np.array([5, 1]), np.array([0, 7]), 20):\n"
+        "        assert cl.nbytes > 0\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
