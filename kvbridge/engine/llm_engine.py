@@ -24,7 +24,7 @@ from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import EngineError, OutOfBlocksError, RequestError
 from kvbridge.engine.executor import Executor, InProcessExecutor
-from kvbridge.engine.kv_connector import ConnectorSpec
+from kvbridge.engine.kv_connector import ConnectorRole, ConnectorSpec
 from kvbridge.engine.sampling import SamplingParams, make_generator, sample
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -84,6 +84,7 @@ class LLMEngine:
                 from kvbridge.engine.shm_executor import ShmExecutor
 
                 executor_factory = ShmExecutor
+        self.connector = connector
         if connector is not None:  # each worker attaches the transfer runtime to its cache
             self.executor = executor_factory(
                 self.model_path, self.config, progress, connector=connector
@@ -155,6 +156,17 @@ class LLMEngine:
     def connector_polls_itself(self) -> bool:
         """Whether the workers progress their KV connector without "poll" calls."""
         return self.executor.connector_polls_itself
+
+    @property
+    def connector_needs_idle_polls(self) -> bool:
+        """Whether the serving loop must poll the connector even with no transfer in
+        flight: a producer answers handshakes and runs its leases in those polls, unless
+        its workers poll themselves. An idle consumer has nothing to progress."""
+        return (
+            self.connector is not None
+            and self.connector.role == ConnectorRole.PRODUCER.value
+            and not self.connector_polls_itself
+        )
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)

@@ -67,16 +67,12 @@ class EngineLoop:
         self,
         engine: LLMEngine,
         world_size: int,
-        has_connector: bool,
-        poll_when_idle: bool = True,
     ) -> None:
-        """`poll_when_idle`: poll the connector every IDLE_POLL_S even with no transfer in
-        flight (a producer answers handshakes and runs leases there when its engine runs
-        in this process); a consumer has nothing to progress then."""
         self.engine = engine
         self.world_size = world_size
-        self.has_connector = has_connector
-        self.poll_when_idle = poll_when_idle
+        self.has_connector = engine.connector is not None
+        # every IDLE_POLL_S even with no transfer in flight (see the engine's property)
+        self.poll_when_idle = engine.connector_needs_idle_polls
         self._tasks: queue.SimpleQueue[
             tuple[Callable[[LLMEngine], Any], concurrent.futures.Future[Any]]
         ] = queue.SimpleQueue()

@@ -67,12 +67,7 @@ def run_instance(args: argparse.Namespace) -> int:
     endpoints = [msgspec.msgpack.decode(raw) for raw in engine.connector_call("endpoint", b"")]
     if role is Role.PREFILL:
         engine.connector_call("set_endpoints", msgspec.msgpack.encode(endpoints))
-    loop = EngineLoop(
-        engine,
-        world_size=args.tp,
-        has_connector=True,
-        poll_when_idle=role is Role.PREFILL and not engine.connector_polls_itself,
-    ).start()
+    loop = EngineLoop(engine, world_size=args.tp).start()
     inst = Instance(loop, role, instance_id, args.model, KVLoadFailure(args.kv_load_failure))
     inst.endpoint = endpoints[0] if role is Role.PREFILL else ""
     print(
