@@ -11,8 +11,10 @@ A request's copy list is then an index array on each side: the copy
 units on both sides. g is the gcd of the copy list's offsets, lengths and region
 lengths, so every copy is a whole number of units; NIXL merges consecutive units
 back into one descriptor when both sides are contiguous, so a run of units costs no
-more on the wire than one descriptor. When g is so fine that a prepared list would
-exceed `max_units`, `exact_descs` gives the request's own merged descriptors instead.
+more on the wire than one descriptor. Lists are prepared only at the unit of whole
+blocks (and only up to `max_units`): the copies of a partial last block, whose unit can
+be a single token of one head, get the request's own merged descriptors from
+`exact_descs` instead (the consumer posts them as a second READ).
 """
 
 from __future__ import annotations
