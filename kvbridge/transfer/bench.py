@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.plan.layout import CacheLayout, InstanceLayout
 from kvbridge.plan.planner import make_plan
@@ -61,6 +62,8 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def run_transfer_bench(args: argparse.Namespace) -> int:
+    if args.tokens < 1:
+        raise ConfigError(f"--tokens={args.tokens} must be a positive number of tokens")
     model = ModelKVSpec(32, 32, 8, 128, "bfloat16", AttentionKind.GQA, "32-layer GQA")
     layout = CacheLayout.parse(args.layout)
     prefill = InstanceLayout(
