@@ -44,7 +44,11 @@ class KVCache:
         shape = (num_layers, 2, *self.region_shape)
         nbytes = int(np.prod(shape)) * dtype.itemsize
         # fill_ writes every page (np.zeros may get lazily-mapped zero pages).
-        self.tensor = torch.from_numpy(np.empty(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        if nbytes:
+            raw = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+            self.tensor = raw.view(dtype).view(shape)
+        else:
+            self.tensor = torch.empty(shape, dtype=dtype)
         self.tensor.fill_(0)
         self.num_local_heads = num_local_heads
         self.head_dim = head_dim

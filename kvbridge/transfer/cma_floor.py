@@ -83,6 +83,7 @@ def measure(run_bytes: int, num_runs: int, repeat: int = 3, seed: int = 0) -> Cm
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_hold, args=(child, 2 * total), daemon=True)
     proc.start()
+    child.close()  # ours: so that a child dying at start reads as end-of-file, not a wait
     try:
         if not parent.poll(60):
             return None

@@ -5,8 +5,10 @@ once; the owner calls `poll()` from its loop, which reports each pulled request
 exactly once as DONE or FAILED (with the reason and the local block ids, handed
 back either way). Handshakes and the cache of producer instances live in
 `peers.ProducerDirectory`. Per request the consumer posts one NIXL READ per producer
-worker, built from the planner's copy lists; each READ carries the `ReadDone`
-notification to its producer worker. Note that with UCX's cma transport a READ is
+worker, built from the planner's copy lists, carrying the `ReadDone` notification to
+that worker. Copies that are not whole units of the lists prepared at handshake (a
+partial last block) go in a second READ with descriptor lists of their own; a worker
+read twice gets its notification from us once its last READ is done. Note that with UCX's cma transport a READ is
 copied inside `transfer()`, so a `poll` that posts a large READ takes its copy time.
 
 Bounded failure: a refused or unanswered handshake, a NIXL error or a request running
@@ -120,6 +122,7 @@ class KVConsumer:
         self._clock = clock
         self._pulls: dict[str, _Pull] = {}
         self._local_dlists: dict[int, Any] = {}
+        self._orphan_dlists: list[Any] = []  # of READs that could not be cancelled
         self._results: list[TransferResult] = []
         hello = Hello(
             instance_id=instance_id,
@@ -197,9 +200,10 @@ class KVConsumer:
         for pull in list(self._pulls.values()):
             self._finish(pull, TransferState.FAILED, "consumer closed")
         self.directory.close()
-        for handle in self._local_dlists.values():
+        for handle in (*self._local_dlists.values(), *self._orphan_dlists):
             self.transport.release_dlist(handle)
         self._local_dlists.clear()
+        self._orphan_dlists.clear()
         out, self._results = self._results, []
         return out
 
@@ -352,8 +356,9 @@ class KVConsumer:
         if not whole.all():
             rdescs, ldescs = exact_descs(_select(cl, ~whole), peer.regions, self.regions)
             local = self.transport.prep_local(ldescs)
+            pull.temp_dlists.append(local)  # released with the request, even if the next fails
             remote = self.transport.prep_remote(peer.agent, rdescs, peer.regions.mem_type)
-            pull.temp_dlists += [local, remote]
+            pull.temp_dlists.append(remote)
             idx = np.arange(len(ldescs), dtype=np.int32)
             out.append((local, idx, remote, idx))
         return out
@@ -396,8 +401,18 @@ class KVConsumer:
             for p, peer in (*inst.readers.items(), *inst.unread.items()):
                 if p not in pull.notified and peer.state is PeerState.READY:
                     self._notify(pull, p, peer, msg)
-        for handle in pull.temp_dlists:
-            self.transport.release_dlist(handle)
+        if cancelled:
+            for handle in pull.temp_dlists:
+                self.transport.release_dlist(handle)
+        elif pull.temp_dlists:  # a READ NIXL could not cancel may still use them
+            self._orphan_dlists += pull.temp_dlists
+            log.warning(
+                "decode worker %d: keeping %d descriptor lists of %r until close: NIXL "
+                "could not cancel its READ",
+                self.rank,
+                len(pull.temp_dlists),
+                pull.request_id,
+            )
         if state is TransferState.FAILED:
             log.warning(
                 "decode worker %d: pull of %r failed: %s", self.rank, pull.request_id, reason

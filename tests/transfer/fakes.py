@@ -20,7 +20,10 @@ class FakeTransport:
         self.inbox: dict[str, list[bytes]] = {}
         self.peers: list[str] = []
         self.reads: list[tuple[np.ndarray, np.ndarray, bytes]] = []
-        self.read_state = XferState.PROC
+        self.read_state = XferState.PROC  # of every READ not in xfer_states
+        self.xfer_states: dict[int, XferState] = {}  # READ handle (1, 2, ...) -> state
+        self.released_dlists: list[Any] = []
+        self.cancellable = True  # what `release` of a READ answers
         self.sent: list[tuple[str, bytes]] = []
 
     def metadata(self) -> bytes:
@@ -41,7 +44,7 @@ class FakeTransport:
         return ("remote", peer, len(descs))
 
     def release_dlist(self, handle: Any) -> None:
-        pass
+        self.released_dlists.append(handle)
 
     def read(
         self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
@@ -50,10 +53,10 @@ class FakeTransport:
         return len(self.reads), XferState.PROC
 
     def state(self, xfer: Any) -> XferState:
-        return self.read_state
+        return self.xfer_states.get(xfer, self.read_state)
 
     def release(self, xfer: Any) -> bool:
-        return True
+        return self.cancellable
 
     def send_notif(self, peer: str, msg: bytes) -> None:
         self.sent.append((peer, msg))

@@ -158,6 +158,53 @@ def test_a_partial_last_block_is_a_second_read_and_the_notification_follows_both
     ]
 
 
+def test_split_reads_notify_only_after_the_last_and_never_after_a_failure(producer, clock) -> None:
+    p, _ = producer
+    p.expose("r1", [5, 2], 20)
+    p.expose("r2", [3, 4], 20)
+    c = consumer(0, clock)
+    c.pull("r1", p.endpoint, [5, 2], [1, 6], 20)
+    drive(p, [c])
+    t = c.transport
+    assert isinstance(t, FakeTransport) and len(t.reads) == 2
+    t.xfer_states = {1: XferState.DONE}  # the whole block is in, the partial one is not
+    assert drive(p, [c]) == [] and t.sent == []
+    t.xfer_states = {1: XferState.DONE, 2: XferState.DONE}
+    assert [r.state for r in drive(p, [c])] == [TransferState.DONE]
+    assert [decode(m, None, 1 << 16).ok for _, m in t.sent] == [True]
+    # its own descriptor lists (4 layers x K/V: one run each) are released with it
+    assert t.released_dlists == [("local", 8), ("remote", "prefill0", 8)]
+
+    # r2: the whole block is in, the partial one still running at the deadline: the
+    # producer hears ok=False (release now), never ok=True
+    t.sent.clear()
+    c.pull("r2", p.endpoint, [3, 4], [2, 7], 20)
+    drive(p, [c])
+    assert len(t.reads) == 4
+    t.xfer_states[3] = XferState.DONE
+    clock.now += 6  # past transfer_timeout_s
+    [result] = drive(p, [c])
+    assert result.state is TransferState.FAILED and "timed out" in result.reason
+    assert [decode(m, None, 1 << 16).ok for _, m in t.sent] == [False]
+
+
+def test_lists_of_a_read_nixl_cannot_cancel_are_kept_until_close(producer, clock) -> None:
+    p, _ = producer
+    p.expose("r1", [5, 2], 20)
+    c = consumer(0, clock)
+    c.pull("r1", p.endpoint, [5, 2], [1, 6], 20)
+    drive(p, [c])
+    t = c.transport
+    assert isinstance(t, FakeTransport) and len(t.reads) == 2
+    t.cancellable = False
+    clock.now += 6  # past transfer_timeout_s
+    [result] = drive(p, [c])
+    assert result.state is TransferState.FAILED
+    assert ("local", 8) not in t.released_dlists  # the READ may still write through them
+    c.close()
+    assert ("local", 8) in t.released_dlists and ("remote", "prefill0", 8) in t.released_dlists
+
+
 def test_notifications_the_plan_does_not_expect_are_ignored(producer, clock) -> None:
     p, released = producer
     p.expose("r1", [0], 4)
