@@ -132,6 +132,18 @@ def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer
     assert p.num_ignored_notifs == 2 and len(released) == 1 and p.num_pinned_blocks == 0
 
 
+def pull_split(p: KVProducer, clock: Clock) -> tuple[KVConsumer, FakeTransport]:
+    """Request "r1": 20 tokens = one whole block of 16 + 4 tokens, pulled by decode
+    worker 0, its two READs posted."""
+    p.expose("r1", [5, 2], 20)
+    c = consumer(0, clock)
+    c.pull("r1", p.endpoint, [5, 2], [1, 6], 20)
+    drive(p, [c])
+    t = c.transport
+    assert isinstance(t, FakeTransport) and len(t.reads) == 2
+    return c, t
+
+
 def test_a_partial_last_block_is_a_second_read_and_the_notification_follows_both(
     producer, clock
 ) -> None:
@@ -140,12 +152,7 @@ def test_a_partial_last_block_is_a_second_read_and_the_notification_follows_both
     regions cut per token would take seconds to prepare); the producer is told once
     both READs are done."""
     p, _ = producer
-    p.expose("r1", [5, 2], 20)
-    c = consumer(0, clock)
-    c.pull("r1", p.endpoint, [5, 2], [1, 6], 20)
-    drive(p, [c])
-    t = c.transport
-    assert isinstance(t, FakeTransport) and len(t.reads) == 2
+    c, t = pull_split(p, clock)
     assert [notif for _, _, notif in t.reads] == [b"", b""]
     (whole_l, whole_r, _), (tail_l, tail_r, _) = t.reads
     assert len(whole_l) == len(whole_r) > 0 and len(tail_l) == len(tail_r) > 0
@@ -160,13 +167,8 @@ def test_a_partial_last_block_is_a_second_read_and_the_notification_follows_both
 
 def test_split_reads_notify_only_after_the_last_and_never_after_a_failure(producer, clock) -> None:
     p, _ = producer
-    p.expose("r1", [5, 2], 20)
+    c, t = pull_split(p, clock)
     p.expose("r2", [3, 4], 20)
-    c = consumer(0, clock)
-    c.pull("r1", p.endpoint, [5, 2], [1, 6], 20)
-    drive(p, [c])
-    t = c.transport
-    assert isinstance(t, FakeTransport) and len(t.reads) == 2
     t.xfer_states = {1: XferState.DONE}  # the whole block is in, the partial one is not
     assert drive(p, [c]) == [] and t.sent == []
     t.xfer_states = {1: XferState.DONE, 2: XferState.DONE}
@@ -190,12 +192,7 @@ def test_split_reads_notify_only_after_the_last_and_never_after_a_failure(produc
 
 def test_lists_of_a_read_nixl_cannot_cancel_are_kept_until_close(producer, clock) -> None:
     p, _ = producer
-    p.expose("r1", [5, 2], 20)
-    c = consumer(0, clock)
-    c.pull("r1", p.endpoint, [5, 2], [1, 6], 20)
-    drive(p, [c])
-    t = c.transport
-    assert isinstance(t, FakeTransport) and len(t.reads) == 2
+    c, t = pull_split(p, clock)
     t.cancellable = False
     clock.now += 6  # past transfer_timeout_s
     [result] = drive(p, [c])
