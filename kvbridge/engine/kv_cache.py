@@ -41,14 +41,10 @@ class KVCache:
         self.num_blocks = num_blocks
         self.is_hnd = layout.cache_layout is CacheLayout.HND
         self.region_shape = region_shape(layout, num_blocks, num_local_heads, head_dim)
-        shape = (num_layers, 2, *self.region_shape)
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        # fill_ writes every page (np.zeros may get lazily-mapped zero pages).
-        if nbytes:
-            raw = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
-            self.tensor = raw.view(dtype).view(shape)
-        else:
-            self.tensor = torch.empty(shape, dtype=dtype)
+        # numpy's unsigned integers of the same width, viewed as `dtype`; fill_ writes
+        # every page (np.zeros may get lazily-mapped zero pages)
+        raw = np.empty((num_layers, 2, *self.region_shape), dtype=f"u{dtype.itemsize}")
+        self.tensor = torch.from_numpy(raw).view(dtype)
         self.tensor.fill_(0)
         self.num_local_heads = num_local_heads
         self.head_dim = head_dim

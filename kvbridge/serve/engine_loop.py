@@ -63,11 +63,7 @@ class _Transfer:
 class EngineLoop:
     """Owns `engine` once started; all engine calls go through `call`."""
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        world_size: int,
-    ) -> None:
+    def __init__(self, engine: LLMEngine, world_size: int) -> None:
         self.engine = engine
         self.world_size = world_size
         self.has_connector = engine.connector is not None

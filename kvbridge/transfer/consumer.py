@@ -8,8 +8,9 @@ back either way). Handshakes and the cache of producer instances live in
 worker, built from the planner's copy lists, carrying the `ReadDone` notification to
 that worker. Copies that are not whole units of the lists prepared at handshake (a
 partial last block) go in a second READ with descriptor lists of their own; a worker
-read twice gets its notification from us once its last READ is done. Note that with UCX's cma transport a READ is
-copied inside `transfer()`, so a `poll` that posts a large READ takes its copy time.
+read twice gets its notification from us once its last READ is done. Note that with
+UCX's cma transport a READ is copied inside `transfer()`, so a `poll` that posts a large
+READ takes its copy time.
 
 Bounded failure: a refused or unanswered handshake, a NIXL error or a request running
 past `transfer_timeout_s` fails the request with its reason; a request that gives up
