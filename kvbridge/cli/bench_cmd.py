@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="time plan + copy lists for a large request",
         description="Plan + copy lists for an 80-layer model (8 KV heads, head_dim 128, bf16), "
-        "prefill tp 8 -> decode tp 16, block size 16, for HND and NHD.",
+        "prefill tp 8 -> decode tp 16, block size 16, for the BHLNC, LBHNC (HND) and LBNHC "
+        "(NHD) cache layouts.",
     )
     bp.add_argument("--tokens", type=int, default=32768, help="request length (default 32768)")
     bp.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
@@ -128,7 +129,7 @@ def run_plan_bench(args: argparse.Namespace) -> int:
         f"block size 16; median of {args.repeat}"
     )
     print(
-        f"{'layout':6} {'block ids':11} {'ms':>8} {'descriptors':>12} {'merged':>10} "
+        f"{'layout':7} {'block ids':11} {'ms':>8} {'descriptors':>12} {'merged':>10} "
         f"{'contiguous runs':>16}"
     )
     need = -(-tokens // 16)
@@ -137,16 +138,16 @@ def run_plan_bench(args: argparse.Namespace) -> int:
         "shuffled": (rng.permutation(2 * need)[:need], rng.permutation(2 * need)[:need]),
     }
     ok = True
-    for layout in ("HND", "NHD"):
-        prefill = InstanceLayout(8, block_size=16, cache_layout=CacheLayout(layout))
-        decode = InstanceLayout(16, block_size=16, cache_layout=CacheLayout(layout))
+    for layout in ("BHLNC", "LBHNC", "LBNHC"):
+        prefill = InstanceLayout(8, block_size=16, cache_layout=CacheLayout.parse(layout))
+        decode = InstanceLayout(16, block_size=16, cache_layout=CacheLayout.parse(layout))
         for name, (p_ids, d_ids) in id_sets.items():
             sec, unmerged, merged, runs = _time_plan(
                 model, prefill, decode, tokens, p_ids, d_ids, args.repeat
             )
             ok &= merged == runs
             print(
-                f"{layout:6} {name:11} {sec * 1e3:8.2f} {unmerged:12d} {merged:10d} "
+                f"{layout:7} {name:11} {sec * 1e3:8.2f} {unmerged:12d} {merged:10d} "
                 f"{runs:16d}{'' if merged == runs else '  MISMATCH'}"
             )
     # A harder pairing: several heads per worker and mixed layouts (no shared contiguity).

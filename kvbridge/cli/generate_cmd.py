@@ -8,6 +8,9 @@ import sys
 import time
 from typing import Any
 
+from kvbridge.cli.plan_cmd import layout_arg
+from kvbridge.plan.layout import DEFAULT_LAYOUT, LAYOUT_HELP
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that starts an engine."""
@@ -18,7 +21,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cache-layout", default="HND", choices=["HND", "NHD"])
+    p.add_argument(
+        "--cache-layout",
+        "--layout",
+        type=layout_arg,
+        default=DEFAULT_LAYOUT,
+        metavar="LAYOUT",
+        help=LAYOUT_HELP,
+    )
     p.add_argument(
         "--num-blocks",
         type=int,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -19,7 +20,13 @@ import numpy as np
 from kvbridge.errors import KVBridgeError, LayoutError
 from kvbridge.plan.copylist import copy_lists
 from kvbridge.plan.geometry import ModelKVSpec, load_model_spec
-from kvbridge.plan.layout import InstanceLayout, WorkerShard
+from kvbridge.plan.layout import (
+    DEFAULT_LAYOUT,
+    LAYOUT_HELP,
+    CacheLayout,
+    InstanceLayout,
+    WorkerShard,
+)
 from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.plan.verifier import VerificationError, VerifyReport, verify_plan
 
@@ -30,6 +37,15 @@ def _int_or_raw(value: str) -> int | str:
         return int(value)
     except ValueError:
         return value
+
+
+def layout_arg(value: str) -> str:
+    """argparse `type` for a cache layout flag: the layout's name, or exit 2 naming the
+    value and the accepted names."""
+    try:
+        return CacheLayout.parse(value).name
+    except LayoutError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,11 +74,7 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
             help="tokens per KV block (default 16)",
         )
         g.add_argument(
-            f"--{side}-layout",
-            default="HND",
-            metavar="HND|NHD",
-            help="cache layout: HND keeps a head's tokens together, NHD a "
-            "token's heads (default HND)",
+            f"--{side}-layout", default=DEFAULT_LAYOUT, metavar="LAYOUT", help=LAYOUT_HELP
         )
 
 
@@ -137,7 +149,7 @@ def _layout_json(layout: InstanceLayout) -> dict[str, Any]:
         "tp": layout.tp_size,
         "pp": layout.pp_size,
         "block_size": layout.block_size,
-        "layout": layout.cache_layout.value,
+        "layout": layout.cache_layout.name,
     }
 
 
@@ -257,8 +269,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         from kvbridge.cli.plan_report import print_plan
 
-        counts = report.per_decode_rank if report else descriptor_counts(plan, tokens)
-        print_plan(plan, counts, tokens, report)
+        # runs per block of a whole-block request: what the layout pair costs per block
+        whole = 4 * math.lcm(plan.prefill.block_size, plan.decode.block_size)
+        print_plan(plan, descriptor_counts(plan, whole), whole, report)
     if failure:
         print(f"kvbridge plan: VERIFICATION FAILED: {failure}", file=sys.stderr)
         return 1

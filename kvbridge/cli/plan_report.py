@@ -24,7 +24,7 @@ def _bytes(n: float) -> str:
 def print_plan(
     plan: TransferPlan,
     counts: dict[int, tuple[int, int]],
-    num_tokens: int,
+    counted_tokens: int,
     report: VerifyReport | None,
     console: Console | None = None,
 ) -> None:
@@ -35,7 +35,7 @@ def print_plan(
         f"[bold]prefill[/] {plan.prefill.describe()}  ->  [bold]decode[/] {plan.decode.describe()}"
     )
 
-    dec_blocks = -(-num_tokens // plan.decode.block_size)
+    dec_blocks = -(-counted_tokens // plan.decode.block_size)
     reads = Table(title="Reads (per request; ranges are half-open, heads global)")
     for col in (
         "decode rank",
@@ -44,7 +44,7 @@ def print_plan(
         "layers",
         "from prefill rank",
         "bytes/token",
-        "descr./block (unmerged)",
+        "runs/block (unmerged)",
     ):
         reads.add_column(col, justify="right")
     for d in plan.decode_workers:

@@ -12,7 +12,9 @@ import argparse
 import sys
 import uuid
 
+from kvbridge.cli.plan_cmd import layout_arg
 from kvbridge.errors import ConfigError
+from kvbridge.plan.layout import DEFAULT_LAYOUT, LAYOUT_HELP
 
 
 def add_instance_arguments(p: argparse.ArgumentParser) -> None:
@@ -89,11 +91,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{side}-tp", type=int, default=tp, help=f"{side} tp (default {tp})")
         p.add_argument(f"--{side}-pp", type=int, default=1, help=f"{side} pp (1 only for now)")
         p.add_argument(f"--{side}-block-size", type=int, default=16)
-        p.add_argument(f"--{side}-layout", default="HND", choices=["HND", "NHD"])
+        p.add_argument(
+            f"--{side}-layout",
+            type=layout_arg,
+            default=DEFAULT_LAYOUT,
+            metavar="LAYOUT",
+            help=f"{side} cache layout (default {DEFAULT_LAYOUT}; see --layout)",
+        )
     p.add_argument("--tp", type=int, default=None, help="tp of a single prefill/decode role")
     p.add_argument("--block-size", type=int, default=16, help="block size of a single role")
     p.add_argument(
-        "--layout", default="HND", choices=["HND", "NHD"], help="cache layout of a single role"
+        "--layout",
+        "--cache-layout",
+        type=layout_arg,
+        default=DEFAULT_LAYOUT,
+        metavar="LAYOUT",
+        help=f"{LAYOUT_HELP} (of a single role)",
     )
     p.add_argument(
         "--prefill",
@@ -125,7 +138,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         d.add_argument(f"--{side}-tp", type=int, default=tp)
         d.add_argument(f"--{side}-pp", type=int, default=1)
         d.add_argument(f"--{side}-block-size", type=int, default=16)
-        d.add_argument(f"--{side}-layout", default="HND", choices=["HND", "NHD"])
+        d.add_argument(
+            f"--{side}-layout", type=layout_arg, default=DEFAULT_LAYOUT, metavar="LAYOUT"
+        )
     d.add_argument("--port", type=int, default=8300)
     add_instance_arguments(d)
     d.set_defaults(handler=run_demo)

@@ -197,7 +197,7 @@ class EngineConfig:
 
     tp_size: int = 1
     block_size: int = 16
-    cache_layout: CacheLayout = CacheLayout.HND
+    cache_layout: CacheLayout = CacheLayout.BHLNC
     num_blocks: int | None = None
     max_num_seqs: int = 16
     max_model_len: int | None = None

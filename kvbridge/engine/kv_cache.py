@@ -1,19 +1,26 @@
-"""One worker's paged KV cache: a single contiguous tensor, as the transfer layer expects.
+"""One worker's paged KV cache: a single contiguous tensor in the instance's cache layout.
 
-Shape ``[num_local_layers, 2 (K, V), *region_shape(layout, num_blocks, local_heads, head_dim)]``
-so region r = local_layer * 2 + kv is ``cache.view(-1, *region_shape)[r]`` (see
-kvbridge.plan.layout). A token's slot is ``block_id * block_size + offset``:
+The tensor's axes follow `InstanceLayout.cache_layout` (`kvbridge.plan.layout.CacheLayout`:
+B block, L layer, K K/V, H head, N token within block, C channel), so the transfer layer
+can register it as the planner's regions. Attention never depends on the order: it
+works on one strided view of the same memory,
 
-    HND region: [num_blocks, heads, block_size, head_dim]   slot -> [block, :, offset, :]
-    NHD region: [num_blocks, block_size, heads, head_dim]   slot -> [block, offset, :, :]
+    heads = tensor.permute(...)    [L, K (2), H, B, N, C]
+    heads[layer]                   [2, H, B, N, C]   slot -> [:, :, block, offset, :]
+
+Gathering a sequence's blocks along B of that view yields [2, H, blocks, N, C], already
+each head's tokens in order (a free reshape to [2, H, tokens, C]). index_select gathers
+from the strided view in one pass; selecting along B of a [2, B, H, N, C] view and then
+transposing was several times slower, most for the cross-layer layouts
+(docs/benchmarks.md).
+
+A token's slot is ``block_id * block_size + offset``.
 
 The tensor is allocated and zero-filled (touched) up front: copying into never-touched
 pages runs at a tenth of the speed on this machine. Its memory comes from numpy, which
 asks the kernel for transparent huge pages on large arrays (torch's CPU allocator does
-not): NIXL reads a cache between processes page by page (UCX's CMA transport). Huge
-pages made those reads 1.5x faster in `kvbridge bench transfer` (scattered 8 KiB runs
-and one 256 MiB read alike), and a 1960-token prompt's KV pull in `kvbridge serve`
-(prefill tp 1 -> decode tp 3, 90 MB) went from 67 to 57-59 ms (medians).
+not): NIXL reads a cache between processes page by page (UCX's CMA transport), and
+huge pages make those reads faster (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvbridge.plan.layout import CacheLayout, InstanceLayout, region_shape
+from kvbridge.plan.layout import InstanceLayout
 
 
 class KVCache:
@@ -39,13 +46,23 @@ class KVCache:
         self.layout = layout
         self.block_size = layout.block_size
         self.num_blocks = num_blocks
-        self.is_hnd = layout.cache_layout is CacheLayout.HND
-        self.region_shape = region_shape(layout, num_blocks, num_local_heads, head_dim)
+        order = layout.cache_layout
+        shape = order.shape(
+            {
+                "B": num_blocks,
+                "L": num_layers,
+                "K": 2,
+                "H": num_local_heads,
+                "N": layout.block_size,
+                "C": head_dim,
+            }
+        )
         # numpy's unsigned integers of the same width, viewed as `dtype`; fill_ writes
         # every page (np.zeros may get lazily-mapped zero pages)
-        raw = np.empty((num_layers, 2, *self.region_shape), dtype=f"u{dtype.itemsize}")
+        raw = np.empty(shape, dtype=f"u{dtype.itemsize}")
         self.tensor = torch.from_numpy(raw).view(dtype)
         self.tensor.fill_(0)
+        self.heads = self.tensor.permute(order.permutation("LKHBNC"))  # strided view
         self.num_local_heads = num_local_heads
         self.head_dim = head_dim
 
@@ -65,23 +82,13 @@ class KVCache:
         """Store K and V (`kv`: [T, 2, heads, head_dim]) of T tokens at their (block, offset)
         slots, both in one indexed copy."""
         blocks, offsets = slots
-        both = self.tensor[layer]  # [2, *region_shape]
-        if self.is_hnd:
-            # [2, blocks, heads, bs, dim][:, b, :, o]: advanced dims first -> [T, 2, heads, dim]
-            both[:, blocks, :, offsets] = kv
-        else:
-            # [2, blocks, bs, heads, dim][:, b, o]: adjacent advanced dims -> [2, T, heads, dim]
-            both[:, blocks, offsets] = kv.transpose(0, 1)
+        # [2, heads, B, bs, dim][:, :, b, o]: adjacent advanced dims -> [2, heads, T, dim]
+        self.heads[layer][:, :, blocks, offsets] = kv.permute(1, 2, 0, 3)
 
     def gather(
         self, layer: int, block_ids: torch.Tensor, context_len: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of a sequence's first `context_len` tokens, each [heads, context_len, head_dim]."""
-        blocks = self.tensor[layer].index_select(1, block_ids)  # K and V in one gather
-        if self.is_hnd:  # [2, n, heads, bs, dim] -> [2, heads, n * bs, dim]
-            x = blocks.transpose(1, 2).reshape(2, self.num_local_heads, -1, self.head_dim)
-            x = x[:, :, :context_len]
-        else:  # [2, n, bs, heads, dim] -> [2, n * bs, heads, dim] -> [2, heads, ctx, dim]
-            x = blocks.reshape(2, -1, self.num_local_heads, self.head_dim)
-            x = x[:, :context_len].transpose(1, 2)
+        blocks = self.heads[layer].index_select(2, block_ids)  # [2, heads, n, bs, dim]
+        x = blocks.view(2, self.num_local_heads, -1, self.head_dim)[:, :, :context_len]
         return x[0], x[1]

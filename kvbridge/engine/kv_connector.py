@@ -22,7 +22,7 @@ import msgspec
 import torch
 
 from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout
+from kvbridge.plan.layout import InstanceLayout, num_regions
 from kvbridge.transfer.config import TransferConfig
 
 #: How often an idle producer worker polls its side channel and leases (seconds).
@@ -97,8 +97,9 @@ class WorkerKVConnector:
         from kvbridge.transfer import CacheRegions, KVConsumer, KVProducer, NixlTransport
 
         self.role = ConnectorRole(spec.role)
-        # [layers, kv, *region] -> [regions, *region]: region r = local_layer * 2 + kv
-        regions = CacheRegions.from_tensor(kv_cache.flatten(0, 1))
+        # the cache tensor in the layout's order, cut into the planner's regions
+        shard = layout.workers(model)[rank]
+        regions = CacheRegions.from_tensor(kv_cache, num_regions(model, layout, shard))
         self.transport = NixlTransport(f"{spec.instance_id}-{spec.role}-{rank}", regions)
         common: dict[str, Any] = dict(
             model=model,

@@ -48,7 +48,7 @@ _kv_decoder = msgspec.msgpack.Decoder(KVReply)
 
 def config_fields(config: EngineConfig) -> dict[str, object]:
     fields: dict[str, object] = {f: getattr(config, f) for f in config.__dataclass_fields__}
-    fields["cache_layout"] = config.cache_layout.value
+    fields["cache_layout"] = config.cache_layout.name
     return fields
 
 

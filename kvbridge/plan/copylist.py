@@ -1,20 +1,26 @@
-"""Copy lists: one request's reads as (src offset, dst offset, length) byte runs.
+"""Copy lists: one request's reads as (region, offset) -> (region, offset) byte runs.
 
-Offsets are relative to the start of a cache region (one layer's K, V or latent; see
-`layout.py`). Every region of a worker has the same shape, so the byte runs of a read
-are the same for each (layer, kv) region pair it touches: a `CopyList` stores the
-region pairs [R] and the runs [M] once, and stands for R x M descriptors.
+A worker's cache is an array in its layout's axis order (`CacheLayout`); the axes
+before B split it into regions, and offsets are bytes within a region. The address of
+one element on either side is an affine function of its indices:
 
-Byte offset of (token t, local head h) in a region, row = head_dim * itemsize,
-blk = block_ids[t // block_size], slot = t % block_size, H = local KV heads:
+    region = sum(index[a] * region_stride[a])     over the region axes
+    offset = sum(index[a] * byte_stride[a])       over the other axes (B outermost)
 
-    HND  ((blk * H + h) * block_size + slot) * row   a head's tokens are adjacent
-    NHD  ((blk * block_size + slot) * H + h) * row   a token's heads are adjacent
+with block index = block_ids[t // block_size] and N index = t % block_size for token t.
+Between two block boundaries of either side (a *segment*) the block ids are fixed on
+both sides, so a read's elements there form a box over the axes L, K, H, N, C with
+constant strides on each side. The box is cut into runs at the largest unit
+contiguous on both sides: starting from C (always innermost, one row), an axis joins
+the run while its byte stride equals the run's length on both sides. The remaining
+axes enumerate the runs (numpy broadcasting, no Python loop over blocks or tokens).
+Runs are then sorted by source and merged wherever the next run continues both the
+source and the destination within the same regions, which yields exactly the maximal
+contiguous runs for these block ids.
 
-With H == 1 both formulas agree. Runs are first cut at the natural unit the two
-layouts share (see `_pieces`), then sorted by source offset and merged wherever the
-next piece continues both the source and the destination run, which yields exactly
-the maximal contiguous runs.
+    example, BHLNC on both sides, equal layer split, a full-block segment:
+        C (row) -> N (block_size rows) -> K -> L -> H (the read's heads)
+        = one run per block and prefill worker
 """
 
 from __future__ import annotations
@@ -30,8 +36,7 @@ import numpy as np
 import numpy.ma
 
 from kvbridge.errors import LayoutError
-from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import CacheLayout, InstanceLayout, WorkerShard, region_index
+from kvbridge.plan.layout import InstanceLayout, WorkerShard, cache_strides
 from kvbridge.plan.planner import Read, TransferPlan
 
 IntArray = np.ndarray
@@ -41,51 +46,47 @@ IntArray = np.ndarray
 class CopyList:
     """The byte copies of one `Read` for one request.
 
-    Descriptor i of region pair j copies `lengths[i]` bytes from offset `src_offsets[i]`
-    of prefill region `src_regions[j]` to offset `dst_offsets[i]` of decode region
-    `dst_regions[j]`. `num_unmerged` counts descriptors before merging adjacent runs
-    (one per piece contiguous within a single block on both sides), over all pairs.
+    Descriptor i copies `lengths[i]` bytes from offset `src_offsets[i]` of prefill
+    region `src_regions[i]` to offset `dst_offsets[i]` of decode region `dst_regions[i]`
+    (all int64 arrays of one length). `num_unmerged` counts descriptors before merging
+    adjacent runs (one per unit contiguous on both sides within one segment).
     """
 
     read: Read
     src_regions: IntArray
-    dst_regions: IntArray
     src_offsets: IntArray
+    dst_regions: IntArray
     dst_offsets: IntArray
     lengths: IntArray
     num_unmerged: int
 
     @property
-    def num_region_pairs(self) -> int:
-        return len(self.src_regions)
-
-    @property
     def num_descriptors(self) -> int:
-        return self.num_region_pairs * len(self.lengths)
+        return len(self.lengths)
 
     @property
     def nbytes(self) -> int:
-        return self.num_region_pairs * int(self.lengths.sum())
+        return int(self.lengths.sum())
+
+    def select(self, mask: IntArray) -> CopyList:
+        """The copies where `mask` holds."""
+        return CopyList(
+            self.read,
+            self.src_regions[mask],
+            self.src_offsets[mask],
+            self.dst_regions[mask],
+            self.dst_offsets[mask],
+            self.lengths[mask],
+            self.num_unmerged,
+        )
 
     def addresses(
         self, src_bases: IntArray, dst_bases: IntArray
     ) -> tuple[IntArray, IntArray, IntArray]:
-        """Absolute (src, dst, length) arrays given each side's region base addresses
-        (indexed by region); descriptors ordered region pair by region pair."""
-        src = (
-            np.asarray(src_bases, np.int64)[self.src_regions][:, None] + self.src_offsets
-        ).ravel()
-        dst = (
-            np.asarray(dst_bases, np.int64)[self.dst_regions][:, None] + self.dst_offsets
-        ).ravel()
-        return src, dst, np.tile(self.lengths, self.num_region_pairs)
-
-
-def region_nbytes(
-    model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard, num_blocks: int
-) -> int:
-    """Bytes of one cache region of `shard` with `num_blocks` blocks."""
-    return num_blocks * layout.block_size * shard.num_local_heads * model.head_bytes
+        """Absolute (src, dst, length) arrays given each side's region base addresses."""
+        src = np.asarray(src_bases, np.int64)[self.src_regions] + self.src_offsets
+        dst = np.asarray(dst_bases, np.int64)[self.dst_regions] + self.dst_offsets
+        return src, dst, self.lengths
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -111,82 +112,142 @@ def check_block_ids(
     return ids
 
 
-def _offsets(
-    layout: CacheLayout,
-    num_local_heads: int,
-    block_size: int,
-    row: int,
-    block_ids: IntArray,
-    tokens: IntArray,
-    head: IntArray | int,
-) -> IntArray:
-    blk = block_ids[tokens // block_size]
-    slot = tokens % block_size
-    if layout is CacheLayout.HND:
-        return ((blk * num_local_heads + head) * block_size + slot) * row
-    return ((blk * block_size + slot) * num_local_heads + head) * row
+@dataclass(frozen=True)
+class _Side:
+    """One side of a read: strides of its cache and where the read starts in it."""
+
+    strides: dict[str, tuple[int, int]]  # axis -> (region stride, byte stride)
+    block_size: int
+    block_ids: IntArray
+    start: dict[str, int]  # first local index of the read along L and H
+
+    @classmethod
+    def of(
+        cls,
+        plan: TransferPlan,
+        layout: InstanceLayout,
+        shard: WorkerShard,
+        read: Read,
+        ids: IntArray,
+    ) -> _Side:
+        return cls(
+            cache_strides(plan.model, layout, shard),
+            layout.block_size,
+            ids,
+            {"L": read.layers[0] - shard.layers[0], "H": read.kv_heads[0] - shard.kv_heads[0]},
+        )
+
+    def at(self, axis: str, index: IntArray | int) -> tuple[IntArray | int, IntArray | int]:
+        """(region, offset) contribution of `index` along `axis`."""
+        region_stride, byte_stride = self.strides[axis]
+        return index * region_stride, index * byte_stride
+
+    def segment_base(self, cuts: IntArray) -> tuple[IntArray, IntArray]:
+        """(region, offset) of each segment's first token, at the read's first L and H."""
+        r_b, o_b = self.at("B", self.block_ids[cuts // self.block_size])
+        r_n, o_n = self.at("N", cuts % self.block_size)
+        r_l, o_l = self.at("L", self.start["L"])
+        r_h, o_h = self.at("H", self.start["H"])
+        return (
+            np.asarray(r_b + r_n + r_l + r_h, dtype=np.int64),
+            np.asarray(o_b + o_n + o_l + o_h, dtype=np.int64),
+        )
+
+
+def _segment_group(
+    src: _Side, dst: _Side, extents: dict[str, int], row: int, s_base: tuple, d_base: tuple
+) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
+    """Runs of segments that share one length: (src region, src offset, dst region,
+    dst offset, lengths), unmerged. `extents` holds L, K, H and N (the segment length)."""
+    run = row
+    outer = [a for a in ("L", "K", "H", "N") if extents[a] > 1]
+    grew = True
+    while grew:  # grow the run by every axis that continues it on both sides
+        grew = False
+        for a in outer:
+            if src.strides[a] == (0, run) and dst.strides[a] == (0, run):
+                run *= extents[a]
+                outer.remove(a)
+                grew = True
+                break
+    # [segments, *outer extents]: broadcast every outer axis' index over its own dim
+    s_reg, s_off = (x[(...,) + (None,) * len(outer)] for x in s_base)
+    d_reg, d_off = (x[(...,) + (None,) * len(outer)] for x in d_base)
+    for i, a in enumerate(outer):
+        idx = np.arange(extents[a]).reshape((1,) + (1,) * i + (-1,) + (1,) * (len(outer) - i - 1))
+        r, o = src.at(a, idx)
+        s_reg, s_off = s_reg + r, s_off + o
+        r, o = dst.at(a, idx)
+        d_reg, d_off = d_reg + r, d_off + o
+    shape = np.broadcast_shapes(s_reg.shape, s_off.shape, d_reg.shape, d_off.shape)
+    s_reg, s_off, d_reg, d_off = (
+        np.broadcast_to(x, shape).ravel() for x in (s_reg, s_off, d_reg, d_off)
+    )
+    return s_reg, s_off, d_reg, d_off, np.full(s_reg.shape, run, dtype=np.int64)
 
 
 def _pieces(
-    model: ModelKVSpec,
-    plan: TransferPlan,
-    read: Read,
-    p_ids: IntArray,
-    d_ids: IntArray,
-    num_tokens: int,
-) -> tuple[IntArray, IntArray, IntArray]:
-    """Unmerged runs of one region pair: (src offsets, dst offsets, lengths).
-
-    The unit is the largest one contiguous on both sides whatever the block ids:
-      both head-major (HND or one local head): one run per (head, token segment), a
-        segment being the tokens between two block boundaries of either side;
-      both token-major (NHD or one local head): one run per token over the read's heads;
-      otherwise: one run per (token, head).
-    """
+    plan: TransferPlan, read: Read, p_ids: IntArray, d_ids: IntArray, num_tokens: int
+) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
+    """Unmerged runs of one read: (src regions, src offsets, dst regions, dst offsets,
+    lengths), each run contiguous on both sides and inside one segment."""
     p = plan.prefill_workers[read.prefill_rank]
     d = plan.decode_workers[read.decode_rank]
+    src = _Side.of(plan, plan.prefill, p, read, p_ids)
+    dst = _Side.of(plan, plan.decode, d, read, d_ids)
     bp, bd = plan.prefill.block_size, plan.decode.block_size
-    hp, hd = p.num_local_heads, d.num_local_heads
-    lp, ld = plan.prefill.cache_layout, plan.decode.cache_layout
-    row = model.head_bytes
-    n = read.num_heads
-    p0, d0 = read.kv_heads[0] - p.kv_heads[0], read.kv_heads[0] - d.kv_heads[0]
-    hnd, nhd = CacheLayout.HND, CacheLayout.NHD
-
-    if (lp is hnd or hp == 1) and (ld is hnd or hd == 1):
-        cuts = np.union1d(np.arange(0, num_tokens, bp), np.arange(0, num_tokens, bd))
-        seg_len = np.diff(np.append(cuts, num_tokens))
-        heads = np.arange(n)[:, None]  # [n, 1] x segments [S] -> [n, S]
-        src = _offsets(hnd, hp, bp, row, p_ids, cuts[None, :], p0 + heads)
-        dst = _offsets(hnd, hd, bd, row, d_ids, cuts[None, :], d0 + heads)
-        lengths = np.broadcast_to(seg_len * row, src.shape)
-    elif (lp is nhd or hp == 1) and (ld is nhd or hd == 1):
-        tokens = np.arange(num_tokens)
-        src = _offsets(nhd, hp, bp, row, p_ids, tokens, p0)
-        dst = _offsets(nhd, hd, bd, row, d_ids, tokens, d0)
-        lengths = np.full(num_tokens, n * row)
-    else:
-        tokens = np.arange(num_tokens)[None, :]  # [1, T] x heads [n, 1] -> [n, T]
-        heads = np.arange(n)[:, None]
-        src = _offsets(lp, hp, bp, row, p_ids, tokens, p0 + heads)
-        dst = _offsets(ld, hd, bd, row, d_ids, tokens, d0 + heads)
-        lengths = np.broadcast_to(np.int64(row), src.shape)
-    return src.ravel(), dst.ravel(), np.ascontiguousarray(lengths).ravel()
+    cuts = np.union1d(np.arange(0, num_tokens, bp), np.arange(0, num_tokens, bd))
+    seg_len = np.diff(np.append(cuts, num_tokens))
+    s_base, d_base = src.segment_base(cuts), dst.segment_base(cuts)
+    row = plan.model.head_dim * plan.model.itemsize
+    extents = {"L": read.num_layers, "K": plan.model.num_kv_tensors, "H": read.num_heads}
+    parts = []
+    for m in np.unique(seg_len):  # a few distinct lengths: full blocks, the last one, ...
+        sel = seg_len == m
+        parts.append(
+            _segment_group(
+                src,
+                dst,
+                {**extents, "N": int(m)},
+                row,
+                (s_base[0][sel], s_base[1][sel]),
+                (d_base[0][sel], d_base[1][sel]),
+            )
+        )
+    s_reg, s_off, d_reg, d_off, lengths = (np.concatenate(col) for col in zip(*parts, strict=True))
+    return s_reg, s_off, d_reg, d_off, lengths
 
 
 def merge_runs(
-    src: IntArray, dst: IntArray, lengths: IntArray
-) -> tuple[IntArray, IntArray, IntArray]:
-    """Sort runs by source offset and merge each into its predecessor where it continues
-    both the source and the destination."""
+    src_regions: IntArray,
+    src: IntArray,
+    dst_regions: IntArray,
+    dst: IntArray,
+    lengths: IntArray,
+) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
+    """Sort runs by source (region, offset) and merge each into its predecessor where it
+    continues both the source and the destination in the same regions."""
     if len(src) == 0:
-        return src, dst, lengths
-    order = np.argsort(src, kind="stable")
-    src, dst, lengths = src[order], dst[order], lengths[order]
+        return src_regions, src, dst_regions, dst, lengths
+    order = np.lexsort((src, src_regions))
+    src_regions, src, dst_regions, dst, lengths = (
+        x[order] for x in (src_regions, src, dst_regions, dst, lengths)
+    )
     starts = np.ones(len(src), dtype=bool)
-    starts[1:] = (src[1:] != src[:-1] + lengths[:-1]) | (dst[1:] != dst[:-1] + lengths[:-1])
+    starts[1:] = (
+        (src_regions[1:] != src_regions[:-1])
+        | (dst_regions[1:] != dst_regions[:-1])
+        | (src[1:] != src[:-1] + lengths[:-1])
+        | (dst[1:] != dst[:-1] + lengths[:-1])
+    )
     idx = np.flatnonzero(starts)
-    return src[idx], dst[idx], np.add.reduceat(lengths, idx)
+    return (
+        src_regions[idx],
+        src[idx],
+        dst_regions[idx],
+        dst[idx],
+        np.add.reduceat(lengths, idx),
+    )
 
 
 def copy_lists(
@@ -213,33 +274,10 @@ def copy_lists(
             f"{len(plan.decode_workers)} workers"
         )
     num_tokens = int(num_tokens)
-    model = plan.model
     p_ids = check_block_ids(prefill_block_ids, num_tokens, plan.prefill.block_size, "prefill")
     d_ids = check_block_ids(decode_block_ids, num_tokens, plan.decode.block_size, "decode")
     out = []
     for read in plan.reads_for(decode_rank):
-        p = plan.prefill_workers[read.prefill_rank]
-        d = plan.decode_workers[read.decode_rank]
-        pairs = np.array(
-            [
-                (region_index(model, p, layer, kv), region_index(model, d, layer, kv))
-                for layer in range(*read.layers)
-                for kv in range(model.num_kv_tensors)
-            ],
-            dtype=np.int64,
-        ).reshape(-1, 2)
-        src, dst, lengths = _pieces(model, plan, read, p_ids, d_ids, num_tokens)
-        unmerged = len(src)
-        src, dst, lengths = merge_runs(src, dst, lengths)
-        out.append(
-            CopyList(
-                read,
-                pairs[:, 0].copy(),
-                pairs[:, 1].copy(),
-                src,
-                dst,
-                lengths,
-                unmerged * len(pairs),
-            )
-        )
+        pieces = _pieces(plan, read, p_ids, d_ids, num_tokens)
+        out.append(CopyList(read, *merge_runs(*pieces), num_unmerged=len(pieces[0])))
     return out

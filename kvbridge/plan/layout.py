@@ -12,36 +12,146 @@ Layer ownership: pp stages get contiguous layer ranges whose sizes differ by at 
 the default split is vLLM's (the spare layers go to the stages before the last, which
 also carries the LM head). Global worker rank = pp_rank * tp_size + tp_rank.
 
-Cache regions of one worker (the unit that is registered with the transfer engine):
-region index ``local_layer * num_kv_tensors + kv`` (kv 0 = K, 1 = V; MLA has only 0),
-each a dense array of ``num_blocks`` blocks:
-
-    HND: [num_blocks, local_kv_heads, block_size, head_dim]   a head's tokens together
-    NHD: [num_blocks, block_size, local_kv_heads, head_dim]   a token's heads together
+Cache: each worker stores its heads x layers as one array whose axis order is the
+instance's `CacheLayout` (see there); the axes before B split it into regions.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvbridge.errors import LayoutError
-from kvbridge.plan.geometry import ModelKVSpec, normalize_dtype
+from kvbridge.plan.geometry import DTYPE_SIZES, ModelKVSpec, normalize_dtype
+
+AXES = "BLKHNC"
+AXIS_WORDS = {
+    "B": "block",
+    "L": "layer",
+    "K": "K/V",
+    "H": "KV head",
+    "N": "token within block",
+    "C": "channel",
+}
+#: Named orders, in vLLM's letters (K, absent from those names, follows L).
+NAMED_LAYOUTS = ("BHLNC", "BLHNC", "BLNHC", "LBHNC", "LBNHC")
+_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
 
 
-class CacheLayout(enum.Enum):
-    HND = "HND"
-    NHD = "NHD"
+def _accepted() -> str:
+    return (
+        f"use HND, NHD, {', '.join(NAMED_LAYOUTS)}, or any order of the axes "
+        + ", ".join(f"{a} ({w})" for a, w in AXIS_WORDS.items())
+        + " with C last (without K, K follows L)"
+    )
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """The order of a worker cache's axes, outermost first: a permutation of `AXES`.
+
+    Axes: B block, L layer, K K/V (MLA: the latent alone, extent 1), H KV head,
+    N token within block, C channel (head_dim). C is innermost, so one head's entry
+    for one token (a *row*) is always contiguous. Addresses follow from strides:
+
+        offset(b, l, k, h, n, c) = sum over axes of index * stride,
+        stride of an axis = itemsize * product of the extents of the axes after it
+
+    The axes before B are *region axes*: every combination of them is one region, a
+    dense array over the remaining axes whose offsets do not depend on the number of
+    blocks (B is its outermost axis). An engine may allocate its regions apart (vLLM
+    per-layer tensors) or as one tensor; the transfer layer takes one address per region.
+
+        HND = LBHNC = LKBHNC   per layer and K/V: [block][head][token][channel]
+        NHD = LBNHC = LKBNHC   per layer and K/V: [block][token][head][channel]
+        BHLNC = BHLKNC         cross-layer, heads outermost: one region; a head range
+                               of a block is one contiguous run over all layers
+    """
+
+    order: str
+
+    HND: ClassVar[CacheLayout]
+    NHD: ClassVar[CacheLayout]
+    BHLNC: ClassVar[CacheLayout]
+
+    def __post_init__(self) -> None:
+        order = self.order
+        if sorted(order) != sorted(AXES) or order[-1] != "C":
+            raise LayoutError(f"cache layout order={order!r} is not valid; {_accepted()}")
 
     @classmethod
     def parse(cls, value: str | CacheLayout) -> CacheLayout:
+        """A layout from its name: an alias (HND, NHD), a vLLM-style five-letter order
+        (K inserted after L) or a six-letter order; case-insensitive."""
         if isinstance(value, CacheLayout):
             return value
-        try:
-            return cls(str(value).upper())
-        except ValueError:
-            raise LayoutError(f"cache layout={value!r} is not known; use HND or NHD") from None
+        text = str(value).strip().upper()
+        order = _ALIASES.get(text, text)
+        if len(order) == 5 and "K" not in order and "L" in order:
+            order = order.replace("L", "LK")
+        why = ""
+        if not order or set(order) - set(AXES):
+            why = f"letters other than {AXES}"
+        elif len(set(order)) != len(order):
+            why = "an axis repeated"
+        elif len(order) != len(AXES):
+            why = "axes missing: " + "".join(a for a in AXES if a not in order)
+        elif order[-1] != "C":
+            why = "C (channel) not innermost"
+        if why:
+            raise LayoutError(
+                f"cache layout={value!r} is not a valid axis order ({why}); {_accepted()}"
+            )
+        return cls(order)
+
+    @property
+    def name(self) -> str:
+        """The short name: five letters when K follows L (vLLM's), else all six."""
+        return self.order.replace("LK", "L") if "LK" in self.order else self.order
+
+    @property
+    def value(self) -> str:
+        return self.name
+
+    @property
+    def region_axes(self) -> str:
+        """The axes before B (one region per combination of them)."""
+        return self.order[: self.order.index("B")]
+
+    @property
+    def block_axes(self) -> str:
+        """The axes of one region, B first."""
+        return self.order[self.order.index("B") :]
+
+    def shape(self, extents: Mapping[str, int]) -> tuple[int, ...]:
+        """The cache's shape in elements, given every axis' extent, in this order."""
+        return tuple(extents[a] for a in self.order)
+
+    def permutation(self, to: str = "LKBHNC") -> tuple[int, ...]:
+        """Dims that permute an array in this order into the order `to` (numpy
+        `transpose` / torch `permute` argument)."""
+        return tuple(self.order.index(a) for a in to)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+#: The layout every command uses unless told otherwise: cross-layer, heads outermost,
+#: so a head range of a block is one run over all layers for any TP pair.
+DEFAULT_LAYOUT = "BHLNC"
+LAYOUT_HELP = (
+    "cache layout, the order of the axes B (block), L (layer), K (K/V), H (KV head), "
+    "N (token in block), C (channel), outermost first with C last: BHLNC (cross-layer, "
+    "heads outermost; default), BLHNC, BLNHC, LBHNC (= HND, per layer), LBNHC (= NHD); "
+    "without K, K follows L"
+)
+
+CacheLayout.HND = CacheLayout("LKBHNC")
+CacheLayout.NHD = CacheLayout("LKBNHC")
+CacheLayout.BHLNC = CacheLayout("BHLKNC")
 
 
 def kv_head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
@@ -116,7 +226,7 @@ class InstanceLayout:
     tp_size: int = 1
     pp_size: int = 1
     block_size: int = 16
-    cache_layout: CacheLayout = CacheLayout.HND
+    cache_layout: CacheLayout = CacheLayout.BHLNC
     dtype: str | None = None  # None: the model's dtype
     pp_layers: tuple[int, ...] | None = None
 
@@ -195,7 +305,7 @@ class InstanceLayout:
 
     def describe(self) -> str:
         pp = f" pp{self.pp_size}" if self.pp_size > 1 else ""
-        return f"tp{self.tp_size}{pp} block {self.block_size} {self.cache_layout.value}"
+        return f"tp{self.tp_size}{pp} block {self.block_size} {self.cache_layout.name}"
 
 
 @dataclass(frozen=True)
@@ -225,20 +335,58 @@ class WorkerShard:
         )
 
 
-def region_shape(
-    layout: InstanceLayout, num_blocks: int, num_local_heads: int, head_dim: int
-) -> tuple[int, int, int, int]:
-    """Shape of one cache region (one layer's K, V or latent) in elements."""
-    if layout.cache_layout is CacheLayout.HND:
-        return (num_blocks, num_local_heads, layout.block_size, head_dim)
-    return (num_blocks, layout.block_size, num_local_heads, head_dim)
+def cache_extents(
+    model: ModelKVSpec, shard: WorkerShard, block_size: int, num_blocks: int
+) -> dict[str, int]:
+    """The extent of every axis of `shard`'s cache with `num_blocks` blocks."""
+    return {
+        "B": num_blocks,
+        "L": shard.num_local_layers,
+        "K": model.num_kv_tensors,
+        "H": shard.num_local_heads,
+        "N": block_size,
+        "C": model.head_dim,
+    }
 
 
-def num_regions(model: ModelKVSpec, shard: WorkerShard) -> int:
-    return shard.num_local_layers * model.num_kv_tensors
+def cache_shape(
+    model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard, num_blocks: int
+) -> tuple[int, ...]:
+    """Shape of `shard`'s whole cache in elements, axes in the layout's order."""
+    return layout.cache_layout.shape(cache_extents(model, shard, layout.block_size, num_blocks))
 
 
-def region_index(model: ModelKVSpec, shard: WorkerShard, layer: int, kv: int) -> int:
-    """Region holding global `layer`'s tensor `kv` (0 = K or latent, 1 = V) on `shard`."""
-    assert shard.layers[0] <= layer < shard.layers[1] and 0 <= kv < model.num_kv_tensors
-    return (layer - shard.layers[0]) * model.num_kv_tensors + kv
+def num_regions(model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard) -> int:
+    """Regions of `shard`'s cache: the product of the region axes' extents."""
+    ext = cache_extents(model, shard, layout.block_size, 1)
+    return math.prod(ext[a] for a in layout.cache_layout.region_axes)
+
+
+def region_nbytes(
+    model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard, num_blocks: int
+) -> int:
+    """Bytes of one region of `shard`'s cache with `num_blocks` blocks."""
+    ext = cache_extents(model, shard, layout.block_size, num_blocks)
+    n = math.prod(ext[a] for a in layout.cache_layout.block_axes)
+    return n * DTYPE_SIZES[layout.kv_dtype(model)]
+
+
+def cache_strides(
+    model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard
+) -> dict[str, tuple[int, int]]:
+    """Per axis, (region stride, byte stride): moving one step along a region axis moves
+    `region stride` regions; along any other axis, `byte stride` bytes within a region.
+    Neither depends on the number of blocks."""
+    ext = cache_extents(model, shard, layout.block_size, 1)
+    order = layout.cache_layout.order
+    cut = order.index("B")
+    out: dict[str, tuple[int, int]] = {}
+    step = DTYPE_SIZES[layout.kv_dtype(model)]
+    for axis in reversed(order[cut:]):
+        out[axis] = (0, step)
+        step *= ext[axis]
+    step = 1
+    for axis in reversed(order[:cut]):
+        out[axis] = (step, 0)
+        step *= ext[axis]
+    return out

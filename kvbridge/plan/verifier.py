@@ -18,7 +18,7 @@ import numpy as np
 from kvbridge.errors import KVBridgeError
 from kvbridge.plan.copylist import CopyList, check_block_ids, copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import CacheLayout, InstanceLayout, WorkerShard, region_shape
+from kvbridge.plan.layout import InstanceLayout, WorkerShard, cache_shape, num_regions
 from kvbridge.plan.planner import TransferPlan
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -50,20 +50,16 @@ def _mix(*parts: np.ndarray | int) -> np.ndarray:
 def _grid(
     model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard, num_blocks: int
 ) -> dict[str, np.ndarray]:
-    """Broadcastable index arrays over [region, *region_shape]."""
-    shape = (
-        shard.num_local_layers * model.num_kv_tensors,
-        *region_shape(layout, num_blocks, shard.num_local_heads, model.head_dim),
-    )
-    region, block, a, b, elem = np.ix_(*(np.arange(n) for n in shape))
-    head, slot = (a, b) if layout.cache_layout is CacheLayout.HND else (b, a)
+    """Broadcastable index arrays over the cache's shape (axes in the layout's order)."""
+    shape = cache_shape(model, layout, shard, num_blocks)
+    idx = dict(zip(layout.cache_layout.order, np.ix_(*(np.arange(n) for n in shape)), strict=True))
     return {
-        "layer": shard.layers[0] + region // model.num_kv_tensors,
-        "kv": region % model.num_kv_tensors,
-        "head": shard.kv_heads[0] + head,
-        "block": block,
-        "slot": slot,
-        "elem": elem,
+        "layer": shard.layers[0] + idx["L"],
+        "kv": idx["K"],
+        "head": shard.kv_heads[0] + idx["H"],
+        "block": idx["B"],
+        "slot": idx["N"],
+        "elem": idx["C"],
     }
 
 
@@ -75,7 +71,7 @@ def _request_values(
     requests: Sequence[RequestSpan],
     out: np.ndarray,
 ) -> None:
-    """Write every request's token values into `out` (a [regions, *region_shape] array)."""
+    """Write every request's token values into `out` (a cache-shaped array)."""
     g = _grid(model, layout, shard, num_blocks)
     dtype = out.dtype
     for req in requests:
@@ -98,7 +94,7 @@ def fill_worker_cache(
     requests: Sequence[RequestSpan],
     salt: int,
 ) -> np.ndarray:
-    """A worker's cache [regions, *region_shape] (unsigned ints of the cache's itemsize):
+    """A worker's cache, shaped `cache_shape` (unsigned ints of the cache's itemsize):
     the requests' tokens hold their values, every other slot values keyed by `salt`."""
     g = _grid(model, layout, shard, num_blocks)
     dtype = _UINT[model.itemsize]
@@ -122,7 +118,7 @@ def expected_decode_cache(
     """What a decode worker whose cache was `initial` must hold once the requests' KV
     arrived: `initial` with the requests' token slots holding their values."""
     out = initial.copy()
-    _request_values(model, layout, shard, initial.shape[1], requests, out)
+    _request_values(model, layout, shard, num_blocks_of(layout, initial), requests, out)
     return out
 
 
@@ -133,28 +129,38 @@ def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return starts + np.arange(total)
 
 
-def apply_copy_lists(
-    src_cache: np.ndarray, dst_cache: np.ndarray, lists: Sequence[CopyList]
-) -> int:
+def num_blocks_of(layout: InstanceLayout, cache: np.ndarray) -> int:
+    """The number of blocks of a cache-shaped array."""
+    return int(cache.shape[layout.cache_layout.order.index("B")])
+
+
+def region_bytes(cache: np.ndarray, num_regions: int) -> np.ndarray:
+    """A cache-shaped array as bytes, one row per region: [regions, region bytes]."""
+    return cache.reshape(num_regions, -1).view(np.uint8)
+
+
+def apply_copy_lists(src: np.ndarray, dst: np.ndarray, lists: Sequence[CopyList]) -> int:
     """Execute copy lists from one source worker's regions into a destination's (in place).
-    Returns the bytes copied. Both caches are [regions, ...] arrays."""
-    src = src_cache.reshape(src_cache.shape[0], -1).view(np.uint8)
-    dst = dst_cache.reshape(dst_cache.shape[0], -1).view(np.uint8)
+    Both are [regions, region bytes] uint8 views (`region_bytes`). Returns bytes copied."""
     copied = 0
     for cl in lists:
         if len(cl.lengths) == 0:
             continue
-        for name, offs, side in (("src", cl.src_offsets, src), ("dst", cl.dst_offsets, dst)):
+        for name, regs, offs, side in (
+            ("src", cl.src_regions, cl.src_offsets, src),
+            ("dst", cl.dst_regions, cl.dst_offsets, dst),
+        ):
             end = int((offs + cl.lengths).max())
-            if end > side.shape[1]:
+            if end > side.shape[1] or int(regs.max()) >= side.shape[0] or int(regs.min()) < 0:
                 raise VerificationError(
-                    f"{name} run ends at byte {end} past the region's {side.shape[1]} bytes"
+                    f"{name} run ends at byte {end} of region {int(regs.max())}, past the "
+                    f"{side.shape[0]} regions of {side.shape[1]} bytes"
                 )
-        s_idx, d_idx = (
-            _byte_index(cl.src_offsets, cl.lengths),
-            _byte_index(cl.dst_offsets, cl.lengths),
-        )
-        dst[cl.dst_regions[:, None], d_idx[None, :]] = src[cl.src_regions[:, None], s_idx[None, :]]
+        s_reg = np.repeat(cl.src_regions, cl.lengths)
+        d_reg = np.repeat(cl.dst_regions, cl.lengths)
+        dst[d_reg, _byte_index(cl.dst_offsets, cl.lengths)] = src[
+            s_reg, _byte_index(cl.src_offsets, cl.lengths)
+        ]
         copied += cl.nbytes
     return copied
 
@@ -177,15 +183,15 @@ def _first_mismatch(
     got: np.ndarray,
     want: np.ndarray,
 ) -> str:
-    idx = tuple(int(i[0]) for i in np.nonzero(got != want))
-    region, block = idx[0], idx[1]
-    head, slot = (idx[2], idx[3]) if layout.cache_layout is CacheLayout.HND else (idx[3], idx[2])
-    layer = shard.layers[0] + region // model.num_kv_tensors
-    kv = ("K", "V")[region % model.num_kv_tensors] if not model.is_mla else "latent"
+    at = dict(
+        zip(layout.cache_layout.order, (int(i[0]) for i in np.nonzero(got != want)), strict=True)
+    )
+    kv = ("K", "V")[at["K"]] if not model.is_mla else "latent"
     bad = int((got != want).sum())
     return (
-        f"decode rank {shard.rank}: {bad} elements wrong, first at layer {layer} {kv} "
-        f"head {shard.kv_heads[0] + head} block {block} slot {slot} element {idx[4]}"
+        f"decode rank {shard.rank}: {bad} elements wrong, first at layer "
+        f"{shard.layers[0] + at['L']} {kv} head {shard.kv_heads[0] + at['H']} block {at['B']} "
+        f"slot {at['N']} element {at['C']}"
     )
 
 
@@ -214,8 +220,11 @@ def verify_plan(
         initial = fill_worker_cache(model, plan.decode, d, d_blocks, [], salt=5000 + d.rank)
         cache = initial.copy()
         lists = copy_lists(plan, d.rank, p_req.block_ids, d_req.block_ids, num_tokens)
+        dst = region_bytes(cache, num_regions(model, plan.decode, d))
         for cl in lists:
-            report.bytes_copied += apply_copy_lists(p_caches[cl.read.prefill_rank], cache, [cl])
+            p = plan.prefill_workers[cl.read.prefill_rank]
+            src = region_bytes(p_caches[p.rank], num_regions(model, plan.prefill, p))
+            report.bytes_copied += apply_copy_lists(src, dst, [cl])
         unmerged = sum(cl.num_unmerged for cl in lists)
         merged = sum(cl.num_descriptors for cl in lists)
         report.descriptors_unmerged += unmerged
@@ -234,10 +243,15 @@ def verify_plan(
 
 def count_contiguous_runs(cl: CopyList, row: int) -> int:
     """Brute-force count of maximal runs contiguous on both sides, at the granularity of
-    one head row: an independent check of `merge_runs` (used by tests and the bench)."""
-    s_rows = _byte_index(cl.src_offsets // row, cl.lengths // row)
-    d_rows = _byte_index(cl.dst_offsets // row, cl.lengths // row)
-    order = np.argsort(s_rows)
-    s_rows, d_rows = s_rows[order], d_rows[order]
-    breaks = 1 + int(np.count_nonzero((np.diff(s_rows) != 1) | (np.diff(d_rows) != 1)))
-    return breaks * cl.num_region_pairs if len(s_rows) else 0
+    one row: an independent check of `merge_runs` (used by tests and the bench)."""
+    if not len(cl.lengths):
+        return 0
+    per = cl.lengths // row
+    s_reg, d_reg = np.repeat(cl.src_regions, per), np.repeat(cl.dst_regions, per)
+    s_rows = _byte_index(cl.src_offsets // row, per)
+    d_rows = _byte_index(cl.dst_offsets // row, per)
+    order = np.lexsort((s_rows, s_reg))
+    s_reg, d_reg, s_rows, d_rows = s_reg[order], d_reg[order], s_rows[order], d_rows[order]
+    breaks = (np.diff(s_rows) != 1) | (np.diff(d_rows) != 1)
+    breaks |= (np.diff(s_reg) != 0) | (np.diff(d_reg) != 0)
+    return 1 + int(np.count_nonzero(breaks))

@@ -1,29 +1,34 @@
 """`kvbridge bench transfer`: the plan's transfer against two baselines, same run.
 
 Realistic geometry (32 layers, 8 KV heads, head_dim 128, bf16; one 2048-token
-request, block size 16; prefill tp 2 -> decode tp 4). Measures, as medians:
+request, block size 16; prefill tp 2 -> decode tp 4). For the chosen layout pair
+(default BHLNC on both sides) and, beside it, LBHNC (HND, per layer) on both sides,
+measures as medians:
   plan: every decode worker pulls its part through the runtime (handshakes done
         in a warm-up request, so this is the steady state);
   (a)   the same bytes per decode worker as ONE single-descriptor NIXL READ between
-        the same processes, all decode workers at once;
+        the same processes, all decode workers at once (alternating with the plan's);
   (b)   one in-process memcpy (numpy) of the same total bytes, into touched memory.
 Also prints the descriptors posted per request before and after merging, and the
 kernel's floor under the transport (kvbridge.transfer.cma_floor): the plan's runs and
 the same bytes contiguous, read with bare `process_vm_readv` calls, which is what UCX
-does between processes on one host.
+does between processes on one host. `--json` prints exactly one object instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
 from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.plan.layout import CacheLayout, InstanceLayout
+from kvbridge.plan.layout import DEFAULT_LAYOUT, LAYOUT_HELP, CacheLayout, InstanceLayout
 from kvbridge.plan.planner import make_plan
 from kvbridge.transfer import cma_floor
 from kvbridge.transfer.check import make_workload
@@ -37,9 +42,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
     parser.add_argument("--prefill-tp", type=int, default=2, help="default 2")
     parser.add_argument("--decode-tp", type=int, default=4, help="default 4")
-    parser.add_argument("--layout", default="HND", help="cache layout of both sides (HND|NHD)")
+    parser.add_argument(
+        "--layout",
+        default=None,
+        metavar="LAYOUT",
+        help=f"cache layout of both sides (default {DEFAULT_LAYOUT}); {LAYOUT_HELP}",
+    )
+    for side in ("prefill", "decode"):
+        parser.add_argument(
+            f"--{side}-layout",
+            default=None,
+            metavar="LAYOUT",
+            help=f"{side} cache layout (default: --layout)",
+        )
     parser.add_argument(
         "--block-size", type=int, default=16, help="block size of both sides (default 16)"
+    )
+    parser.add_argument(
+        "--no-compare",
+        dest="compare",
+        action="store_false",
+        help="skip the LBHNC -> LBHNC row measured beside the chosen pair",
     )
     parser.add_argument(
         "--no-floor",
@@ -47,6 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip the kernel floor (bare process_vm_readv of the same runs)",
     )
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.add_argument(
         "--backend-param",
         action="append",
@@ -61,30 +85,127 @@ def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
 
 
+@dataclass(frozen=True)
+class Row:
+    """One layout pair's figures (the JSON fields of `kvbridge bench transfer --json`)."""
+
+    prefill_layout: str
+    decode_layout: str
+    block_size: int
+    plan_ms: float
+    single_read_ms: float
+    memcpy_ms: float
+    ratio: float  # (a) / plan: 1.0 is as fast as one single-descriptor READ
+    descriptors: int
+    descriptors_unmerged: int
+    prepared_indices: int
+    run_bytes: int  # mean bytes per descriptor
+
+
 def run_transfer_bench(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise ConfigError(f"--tokens={args.tokens} must be a positive number of tokens")
     model = ModelKVSpec(32, 32, 8, 128, "bfloat16", AttentionKind.GQA, "32-layer GQA")
-    layout = CacheLayout.parse(args.layout)
-    prefill = InstanceLayout(
-        tp_size=args.prefill_tp, block_size=args.block_size, cache_layout=layout
+    both = args.layout or DEFAULT_LAYOUT
+    main = (
+        CacheLayout.parse(args.prefill_layout or both).name,
+        CacheLayout.parse(args.decode_layout or both).name,
     )
-    decode = InstanceLayout(tp_size=args.decode_tp, block_size=args.block_size, cache_layout=layout)
-    plan = make_plan(model, prefill, decode)
-    tokens, repeat = args.tokens, max(1, args.repeat)
+    pairs = [main]
+    if args.compare and main != ("LBHNC", "LBHNC"):
+        pairs.append(("LBHNC", "LBHNC"))
+    repeat = max(1, args.repeat)
     params = dict(kv.split("=", 1) for kv in args.backend_param)
+    say = (lambda *a: None) if args.json else print
+    # the same bytes whatever the layouts: (b) once, into touched memory
+    plan = make_plan(
+        model, _layout(args, args.prefill_tp, main[0]), _layout(args, args.decode_tp, main[1])
+    )
+    total = plan.bytes_per_token * args.tokens
+    say(
+        f"{model.describe()}; {args.tokens}-token request, prefill tp{args.prefill_tp} -> "
+        f"decode tp{args.decode_tp}, block {args.block_size}; {total / 2**20:.0f} MiB per "
+        f"request; median of {repeat}"
+    )
+    src_buf = np.ones(total, dtype=np.uint8)
+    dst_buf = np.zeros(total, dtype=np.uint8)
+    mem_s = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst_buf, src_buf)
+        mem_s.append(time.perf_counter() - t0)
+    del src_buf, dst_buf
+    t_mem = statistics.median(mem_s)
+    rows = [_measure_pair(args, model, pair, repeat, params, t_mem) for pair in pairs]
+
+    floor = (
+        cma_floor.measure(rows[0].run_bytes, rows[0].descriptors, repeat) if args.floor else None
+    )
+    if args.json:
+        out: dict[str, Any] = asdict(rows[0])
+        out["rows"] = [asdict(r) for r in rows]
+        out["floor_ratio"] = floor.ratio if floor else None
+        print(json.dumps(out))
+        return 0
+    print(f"{'':44} {'ms':>8} {'GB/s':>7} {'vs (a)':>7} {'vs (b)':>7} {'descriptors':>12}")
+    for r in rows:
+        t_raw, t_plan = r.single_read_ms, r.plan_ms
+        print(
+            f"{'plan, ' + r.prefill_layout + ' -> ' + r.decode_layout:44} {t_plan:8.1f} "
+            f"{_gbps(total, t_plan / 1e3):7.2f} {t_raw / t_plan:7.2f} {t_mem * 1e3 / t_plan:7.2f} "
+            f"{r.descriptors:12d}"
+        )
+        print(
+            f"{'  (a) one single-descriptor READ':44} {t_raw:8.1f} "
+            f"{_gbps(total, t_raw / 1e3):7.2f} {1:7.2f} {t_mem * 1e3 / t_raw:7.2f}"
+        )
+    print(f"{'(b) in-process memcpy':44} {t_mem * 1e3:8.1f} {_gbps(total, t_mem):7.2f}")
+    for r in rows:
+        print(
+            f"{r.prefill_layout} -> {r.decode_layout}: {r.descriptors_unmerged} descriptors "
+            f"before merging, {r.descriptors} after ({r.prepared_indices} prepared-list "
+            f"indices; NIXL joins consecutive ones), {r.run_bytes} B per descriptor; "
+            f"plan / (a) = {r.ratio:.2f}"
+        )
+    r = rows[0]
+    print(
+        f"target plan / (a) >= 0.8 for {r.prefill_layout} -> {r.decode_layout}: "
+        f"{'met' if r.ratio >= 0.8 else 'NOT met'} ({r.ratio:.2f})"
+    )
+    if args.floor:
+        _print_floor(floor, r.run_bytes, r.descriptors)
+    return 0
+
+
+def _layout(args: argparse.Namespace, tp: int, name: str) -> InstanceLayout:
+    return InstanceLayout(
+        tp_size=tp, block_size=args.block_size, cache_layout=CacheLayout.parse(name)
+    )
+
+
+def _measure_pair(
+    args: argparse.Namespace,
+    model: ModelKVSpec,
+    pair: tuple[str, str],
+    repeat: int,
+    params: dict[str, str],
+    t_mem: float,
+) -> Row:
+    """Start one prefill and one decode instance of worker processes in these layouts
+    and time the plan's transfer and (a), alternating, in the same processes."""
+    prefill, decode = (
+        _layout(args, args.prefill_tp, pair[0]),
+        _layout(args, args.decode_tp, pair[1]),
+    )
+    plan = make_plan(model, prefill, decode)
+    tokens = args.tokens
     # one request's shuffled blocks, exposed and pulled again under a new id each time
     work = make_workload(prefill, decode, 1, tokens, seed=1)
     per_decode = [
         sum(r.bytes_per_token for r in plan.reads_for(d.rank)) * tokens for d in plan.decode_workers
     ]
-    total = sum(per_decode)
     readers = {d.rank: plan.reads_for(d.rank)[0].prefill_rank for d in plan.decode_workers}
     per_prefill = max(per_decode) * max(len(plan.readers_of(p.rank)) for p in plan.prefill_workers)
-    print(
-        f"{model.describe()}; {tokens}-token request, prefill {prefill.describe()} -> "
-        f"decode {decode.describe()}; {total / 2**20:.0f} MiB per request; median of {repeat}"
-    )
     with Cluster() as c:
         pre = c.start(
             "prefill",
@@ -110,7 +231,7 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
             backend_params=params,
             transfer_timeout_s=120,
         )
-        plan_s, descs = [], (0, 0, 0)
+        plan_s, raw_s, descs = [], [], (0, 0, 0)
         for i in range(repeat + 1):
             seconds, descs = _one_request(
                 c,
@@ -121,10 +242,9 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
                 work.prefill[0],
                 work.decode[0],
             )
-            if i:
-                plan_s.append(seconds)
-        raw_s = []
-        for _ in range(repeat):
+            if not i:
+                continue  # warm-up: handshakes
+            plan_s.append(seconds)
             t0 = time.perf_counter()
             for w in dec.workers:
                 src = pre.workers[readers[w.rank]]
@@ -142,35 +262,24 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
                 if done.state != "DONE":
                     raise TransferError(f"baseline READ on decode rank {w.rank}: {done.state}")
             raw_s.append(time.perf_counter() - t0)
-    src_buf = np.ones(total, dtype=np.uint8)
-    dst_buf = np.zeros(total, dtype=np.uint8)
-    mem_s = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        np.copyto(dst_buf, src_buf)
-        mem_s.append(time.perf_counter() - t0)
-    t_plan, t_raw, t_mem = (statistics.median(x) for x in (plan_s, raw_s, mem_s))
-    print(f"{'':34} {'ms':>8} {'GB/s':>7} {'vs (a)':>7} {'vs (b)':>7}")
-    for name, t in (
-        ("plan's transfer (runtime)", t_plan),
-        ("(a) one single-descriptor READ", t_raw),
-        ("(b) in-process memcpy", t_mem),
-    ):
-        print(f"{name:34} {t * 1e3:8.1f} {_gbps(total, t):7.2f} {t_raw / t:7.2f} {t_mem / t:7.2f}")
+    t_plan, t_raw = statistics.median(plan_s), statistics.median(raw_s)
     unmerged, merged, indices = descs
-    print(
-        f"descriptors posted per request: {unmerged} before merging, {merged} after "
-        f"({indices} prepared-list indices; NIXL joins consecutive ones)"
+    return Row(
+        prefill_layout=prefill.cache_layout.name,
+        decode_layout=decode.cache_layout.name,
+        block_size=args.block_size,
+        plan_ms=t_plan * 1e3,
+        single_read_ms=t_raw * 1e3,
+        memcpy_ms=t_mem * 1e3,
+        ratio=t_raw / t_plan,
+        descriptors=merged,
+        descriptors_unmerged=unmerged,
+        prepared_indices=indices,
+        run_bytes=sum(per_decode) // max(merged, 1),
     )
-    ratio = t_raw / t_plan
-    print(f"plan / (a) = {ratio:.2f} (target >= 0.8: {'met' if ratio >= 0.8 else 'NOT met'})")
-    if args.floor:
-        _print_floor(total // max(merged, 1), merged, repeat)
-    return 0
 
 
-def _print_floor(run_bytes: int, num_runs: int, repeat: int) -> None:
-    floor = cma_floor.measure(run_bytes, num_runs, repeat)
+def _print_floor(floor: cma_floor.CmaFloor | None, run_bytes: int, num_runs: int) -> None:
     if floor is None:
         print("kernel floor: process_vm_readv is unavailable here (not Linux, or refused)")
         return

@@ -20,7 +20,6 @@ once instead of at the lease. Single-threaded: `pull`, `poll`, `close` from one 
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import math
@@ -350,12 +349,12 @@ class KVConsumer:
             whole &= cl.dst_offsets % unit == 0
             if whole.any():
                 remote_idx, local_idx = unit_indices(
-                    _select(cl, whole), unit, peer.regions, self.regions
+                    cl.select(whole), unit, peer.regions, self.regions
                 )
                 local, remote = self._local_dlist(unit), self.directory.remote_dlist(peer, unit)
                 out.append((local, local_idx, remote, remote_idx))
         if not whole.all():
-            rdescs, ldescs = exact_descs(_select(cl, ~whole), peer.regions, self.regions)
+            rdescs, ldescs = exact_descs(cl.select(~whole), peer.regions, self.regions)
             local = self.transport.prep_local(ldescs)
             pull.temp_dlists.append(local)  # released with the request, even if the next fails
             remote = self.transport.prep_remote(peer.agent, rdescs, peer.regions.mem_type)
@@ -432,13 +431,3 @@ class KVConsumer:
                 nidx,
             )
         )
-
-
-def _select(cl: CopyList, mask: np.ndarray) -> CopyList:
-    """The copies of `cl` where `mask` holds (every region pair keeps them)."""
-    return dataclasses.replace(
-        cl,
-        src_offsets=cl.src_offsets[mask],
-        dst_offsets=cl.dst_offsets[mask],
-        lengths=cl.lengths[mask],
-    )

@@ -72,24 +72,22 @@ def unit_indices(
     total = int(per.sum())
     first = np.repeat(np.cumsum(per) - per, per)  # [U] index of each unit's copy start
     within = np.arange(total, dtype=np.int64) - first  # [U] 0..per[m]-1 within copy m
-    src_rel = np.repeat(cl.src_offsets // g, per) + within
-    dst_rel = np.repeat(cl.dst_offsets // g, per) + within
-    src_idx = (_unit_start(src, g)[cl.src_regions][:, None] + src_rel[None, :]).ravel()
-    dst_idx = (_unit_start(dst, g)[cl.dst_regions][:, None] + dst_rel[None, :]).ravel()
+    src_idx = np.repeat(_unit_start(src, g)[cl.src_regions] + cl.src_offsets // g, per) + within
+    dst_idx = np.repeat(_unit_start(dst, g)[cl.dst_regions] + cl.dst_offsets // g, per) + within
     return src_idx.astype(np.int32), dst_idx.astype(np.int32)
 
 
 def exact_descs(
     cl: CopyList, src: CacheRegions, dst: CacheRegions
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(remote Nx3, local Nx3) descriptors of exactly this copy list, R*M rows each."""
+    """(remote Nx3, local Nx3) descriptors of exactly this copy list, one row per copy."""
 
     def side(regions: CacheRegions, region_ids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        bases = np.asarray(regions.addresses, dtype=np.uint64)[region_ids]
-        out = np.empty((len(region_ids) * len(offsets), 3), dtype=np.uint64)
-        # [R, M] -> R*M rows, region-major like unit_indices
-        out[:, 0] = (bases[:, None] + offsets.astype(np.uint64)[None, :]).ravel()
-        out[:, 1] = np.tile(cl.lengths.astype(np.uint64), len(region_ids))
+        out = np.empty((len(offsets), 3), dtype=np.uint64)
+        out[:, 0] = np.asarray(regions.addresses, dtype=np.uint64)[region_ids] + offsets.astype(
+            np.uint64
+        )
+        out[:, 1] = cl.lengths.astype(np.uint64)
         out[:, 2] = regions.device_id
         return out
 

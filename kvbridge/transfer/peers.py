@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan.copylist import region_nbytes
 from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
@@ -186,9 +185,8 @@ class ProducerDirectory:
                 f"rank={welcome.rank} outside an instance of {len(workers)} workers"
             )
         shard = workers[welcome.rank]
-        want_n = num_regions(model, shard)
-        kv_model = model.with_dtype(layout.kv_dtype(model))
-        want_len = region_nbytes(kv_model, layout, shard, welcome.num_blocks)
+        want_n = num_regions(model, layout, shard)
+        want_len = region_nbytes(model, layout, shard, welcome.num_blocks)
         if len(welcome.regions) != want_n or any(n != want_len for _, n in welcome.regions):
             raise ProtocolError(
                 f"worker {welcome.rank} offers {len(welcome.regions)} regions; "

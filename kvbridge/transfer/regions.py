@@ -1,9 +1,11 @@
 """The cache regions one worker registers with its transport.
 
-Region r (r = local_layer * num_kv_tensors + kv, see `kvbridge.plan.layout`) is
-`lengths[r]` bytes at `addresses[r]`. Engines usually allocate all of a worker's
-regions as one tensor ``[num_local_layers, num_kv_tensors, *region_shape]``; the
-wire format and the transport never assume that, they take one address per region.
+A worker's cache is an array in its layout's axis order; the axes before B split it
+into regions (`kvbridge.plan.layout.CacheLayout`): none for BHLNC (the whole cache is
+one region), one per layer and K/V for LBHNC. Region r is `lengths[r]` bytes at
+`addresses[r]`. An engine may allocate the whole cache as one tensor (`from_tensor`,
+`from_array`) or its regions apart (vLLM-style per-layer tensors); the wire format and
+the transport never assume either, they take one address per region.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.plan.copylist import region_nbytes
 from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout, WorkerShard, num_regions
+from kvbridge.plan.layout import InstanceLayout, WorkerShard, num_regions, region_nbytes
 from kvbridge.transfer.errors import TransferError
 
 
@@ -56,22 +57,22 @@ class CacheRegions:
         return out
 
     @classmethod
-    def from_array(cls, cache: np.ndarray) -> CacheRegions:
-        """Regions of a C-contiguous host array shaped ``[num_regions, ...region_shape]``."""
+    def from_array(cls, cache: np.ndarray, num_regions: int = 1) -> CacheRegions:
+        """`num_regions` equal regions of a C-contiguous host array (the whole cache)."""
         if not cache.flags.c_contiguous:
             raise TransferError("cache array must be C-contiguous to be registered")
-        n = cache.shape[0]
+        n = num_regions
         step = cache.nbytes // n
         base = cache.ctypes.data
         return cls(tuple(base + r * step for r in range(n)), (step,) * n, MemType.DRAM, 0)
 
     @classmethod
-    def from_tensor(cls, cache: Any) -> CacheRegions:
-        """Regions of a contiguous torch tensor ``[num_regions, ...]`` (CPU -> DRAM,
-        CUDA -> VRAM on its device). Engines with ``[layers, kv, ...]`` pass ``t.flatten(0, 1)``."""
+    def from_tensor(cls, cache: Any, num_regions: int = 1) -> CacheRegions:
+        """`num_regions` equal regions of a contiguous torch tensor holding a worker's
+        whole cache (CPU -> DRAM, CUDA -> VRAM on its device)."""
         if not cache.is_contiguous():
             raise TransferError("cache tensor must be contiguous to be registered")
-        n = int(cache.shape[0])
+        n = num_regions
         step = cache.numel() * cache.element_size() // n
         base = int(cache.data_ptr())
         if cache.is_cuda:
@@ -92,12 +93,13 @@ def worker_shard_checked(
     """Worker `rank`'s shard of its instance, after checking its registered regions have
     the number and size the layout needs (TransferError naming both otherwise)."""
     shard = layout.workers(model, side)[rank]
-    want_n = num_regions(model, shard)
-    want_len = region_nbytes(model.with_dtype(layout.kv_dtype(model)), layout, shard, num_blocks)
+    want_n = num_regions(model, layout, shard)
+    want_len = region_nbytes(model, layout, shard, num_blocks)
     if regions.num_regions != want_n or set(regions.lengths) != {want_len}:
         raise TransferError(
             f"{side} worker {rank} registered {regions.num_regions} regions of "
-            f"{sorted(set(regions.lengths))} bytes; its layout needs {want_n} regions of "
-            f"{want_len} bytes ({num_blocks} blocks)"
+            f"{sorted(set(regions.lengths))} bytes; its layout "
+            f"{layout.cache_layout.name} needs {want_n} regions of {want_len} bytes "
+            f"({num_blocks} blocks)"
         )
     return shard

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan.layout import region_shape
+from kvbridge.plan.layout import cache_shape, num_regions
 from kvbridge.plan.verifier import expected_decode_cache, fill_worker_cache
 from kvbridge.transfer.commands import (
     Command,
@@ -52,11 +52,12 @@ if TYPE_CHECKING:
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _mismatch(got: np.ndarray, want: np.ndarray, rank: int) -> str:
+def _mismatch(got: np.ndarray, want: np.ndarray, rank: int, order: str) -> str:
     bad = np.nonzero(got != want)
     first = tuple(int(i[0]) for i in bad)
     return (
-        f"decode rank {rank}: {len(bad[0])} elements differ, first at [region, ...] index {first}"
+        f"decode rank {rank}: {len(bad[0])} elements differ, first at index {first} of "
+        f"the cache's axes {order}"
     )
 
 
@@ -104,15 +105,12 @@ class _Worker:
                 self.kv_model, self.layout, self.shard, spec.num_blocks, fills, spec.salt
             )
         else:
-            shape = (
-                self.shard.num_local_layers * self.kv_model.num_kv_tensors,
-                *region_shape(
-                    self.layout, spec.num_blocks, self.shard.num_local_heads, self.kv_model.head_dim
-                ),
-            )
+            shape = cache_shape(self.kv_model, self.layout, self.shard, spec.num_blocks)
             self.cache = np.full(shape, spec.salt, dtype=_UINT[self.kv_model.itemsize])
         self.initial = self.cache.copy() if spec.role == "decode" and spec.pattern else None
-        regions = CacheRegions.from_array(self.cache)
+        regions = CacheRegions.from_array(
+            self.cache, num_regions(self.kv_model, self.layout, self.shard)
+        )
         self.transport = NixlTransport(
             f"{spec.instance_id}-{spec.role}-{spec.rank}-{os.getpid()}",
             regions,
@@ -248,7 +246,11 @@ class _Worker:
                     [s.to_request() for s in cmd.requests],
                 )
                 ok = bool(np.array_equal(self.cache, want))
-                detail = "" if ok else _mismatch(self.cache, want, spec.rank)
+                detail = (
+                    ""
+                    if ok
+                    else _mismatch(self.cache, want, spec.rank, self.layout.cache_layout.order)
+                )
                 send(self.conn, Verified(spec.rank, ok, detail))
             elif isinstance(cmd, Status) and producer is not None:
                 send(

@@ -41,7 +41,7 @@ def test_seed_scenario_json_contract():
         "attention": "gqa",
         "dtype": "bfloat16",
     }
-    assert obj["prefill"] == {"tp": 8, "pp": 1, "block_size": 16, "layout": "HND"}
+    assert obj["prefill"] == {"tp": 8, "pp": 1, "block_size": 16, "layout": "BHLNC"}
     assert obj["decode"]["tp"] == 16
     assert len(obj["workers"]["prefill"]) == 8 and len(obj["workers"]["decode"]) == 16
     assert obj["workers"]["decode"][5] == {
@@ -113,7 +113,12 @@ def test_mla_workers_hold_the_whole_latent():
         (["--decode-tp", "6"], "decode tp_size=6 does not divide num_attention_heads=32"),
         (["--prefill-tp", "abc"], "prefill tp_size='abc' must be a positive integer"),
         (["--decode-block-size", "0"], "decode block_size=0 must be a positive integer"),
-        (["--decode-layout", "XHD"], "cache layout='XHD' is not known; use HND or NHD"),
+        (
+            ["--decode-layout", "XHD"],
+            "decode cache layout='XHD' is not a valid axis order (letters other than BLKHNC); "
+            "use HND, NHD, BHLNC, BLHNC, BLNHC, LBHNC, LBNHC",
+        ),
+        (["--prefill-layout", "BHLCN"], "C (channel) not innermost"),
         (["--decode-pp", "17"], "decode pp_size=17 exceeds num_layers=16"),
     ],
 )
@@ -144,4 +149,4 @@ def test_bench_plan_prints_figures():
     out = kvbridge("bench", "plan", "--tokens", "4096", "--repeat", "1")
     assert out.returncode == 0, out.stderr
     assert "merged == contiguous runs: yes" in out.stdout
-    assert "HND" in out.stdout and "NHD" in out.stdout
+    assert all(name in out.stdout for name in ("BHLNC", "LBHNC", "LBNHC"))

@@ -94,3 +94,18 @@ def test_bench_engine_prints_the_no_communication_floor() -> None:
     # the floor rows carry a step time and its ratio to tp 1 (ms/tok, tok/s, step vs tp1)
     ms, per_s, vs_tp1 = (float(v) for v in rows["floortp3"][2:5])
     assert ms > 0 and abs(per_s - 1e3 / ms) < 0.2 and vs_tp1 > 0
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["demo"]])
+def test_bad_cache_layout_exits_2_naming_the_value_and_the_names(
+    command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvbridge.cli.main import main
+
+    flag = "--cache-layout" if command[0] == "generate" else "--decode-layout"
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, flag, "BHNLK"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "cache layout='BHNLK' is not a valid axis order (axes missing: C)" in err
+    assert "use HND, NHD, BHLNC, BLHNC, BLNHC, LBHNC, LBNHC" in err

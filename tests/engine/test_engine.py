@@ -27,7 +27,7 @@ def test_batched_equals_one_at_a_time(engine_tp1: LLMEngine) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("layout", ["BHLNC", "LBNHC", "NBHLKC"])
 def test_small_blocks_chunked_prefill_and_preemption_keep_tokens(
     engine_factory: Callable[..., LLMEngine], oracle: Oracle, layout: str
 ) -> None:
@@ -104,9 +104,12 @@ def test_prefill_then_continue_from_blocks_in_another_engine(
     assert len(pre.block_ids) == engine_tp1.block_manager.blocks_for(len(prompt_ids))
     decode = engine_factory(tp_size=1, num_blocks=40)
     dst = decode.allocate_blocks(len(prompt_ids))
-    src_cache = engine_tp1.executor.kv_cache  # [layers, 2, blocks, heads, bs, dim] (HND)
+    src_cache = engine_tp1.executor.kv_cache  # axes in the layout's order (BHLNC)
     dst_cache = decode.executor.kv_cache
-    dst_cache[:, :, torch.tensor(dst)] = src_cache[:, :, torch.tensor(pre.block_ids)]
+    b = engine_tp1.config.cache_layout.order.index("B")
+    assert decode.config.cache_layout == engine_tp1.config.cache_layout
+    blocks = src_cache.index_select(b, torch.tensor(pre.block_ids))
+    dst_cache.index_copy_(b, torch.tensor(dst), blocks)
     engine_tp1.release_blocks(pre.block_ids)
     assert engine_tp1.block_manager.num_free_blocks == engine_tp1.block_manager.num_blocks
     rid = decode.add_prefilled_request(prompt_ids, pre.token_ids[0], dst, GREEDY8)

@@ -1,4 +1,5 @@
-"""The engine gives exactly transformers' greedy tokens for the same GGUF, at tp 1, 3 and 9."""
+"""The engine gives exactly transformers' greedy tokens for the same GGUF, at tp 1, 3 and 9,
+on the cross-layer (BHLNC, the default), BLHNC and per-layer (LBHNC) cache layouts."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.tokenizer import Tokenizer
@@ -71,7 +73,22 @@ def test_tp3_greedy_equals_transformers(
 def test_tp9_greedy_equals_transformers(
     engine_factory: Callable[..., LLMEngine], oracle: Oracle
 ) -> None:
-    # gloo all-reduce costs ~25 ms at tp 9 here: two prompts keep this under a minute.
     engine = engine_factory(tp_size=9, num_blocks=16)
     _check(engine, oracle, PROMPTS[:2], 16)
     engine.shutdown()
+
+
+@pytest.mark.parametrize("tp_size", [1, 3, 9])
+@pytest.mark.parametrize("layout", ["BLHNC", "LBHNC"])
+def test_other_cache_layouts_greedy_equal_transformers(
+    oracle: Oracle, tp_size: int, layout: str
+) -> None:
+    """The default BHLNC is checked above; the cache's axis order must not change a token."""
+    engine = LLMEngine(
+        "smollm2-135m", EngineConfig(tp_size=tp_size, cache_layout=layout, num_blocks=16)
+    )
+    try:
+        assert engine.config.cache_layout.name == layout
+        _check(engine, oracle, PROMPTS[1:2], 12)
+    finally:
+        engine.shutdown()

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from kvbridge.errors import LayoutError
-from kvbridge.plan.copylist import copy_lists, merge_runs, region_nbytes
+from kvbridge.plan.copylist import copy_lists, merge_runs
 from kvbridge.plan.geometry import from_hf_config, load_model_spec
-from kvbridge.plan.layout import InstanceLayout
+from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.plan.planner import make_plan
 from kvbridge.plan.verifier import (
     RequestSpan,
@@ -19,20 +19,50 @@ from kvbridge.plan.verifier import (
     count_contiguous_runs,
     expected_decode_cache,
     fill_worker_cache,
+    region_bytes,
 )
 
 LLAMA = load_model_spec("llama-3.2-1b")
 
 
-def test_contiguous_blocks_merge_to_one_run_per_region():
-    # one local head per worker: HND and NHD regions are a plain token array
-    for layout in ("HND", "NHD"):
+SMOL = load_model_spec("smollm2-135m")
+
+
+@pytest.mark.parametrize(
+    "model, p_tp, d_tp",
+    [(LLAMA, 2, 4), (LLAMA, 8, 16), (LLAMA, 16, 2), (SMOL, 3, 9), (SMOL, 9, 3), (SMOL, 1, 3)],
+)
+def test_cross_layer_layout_reads_one_run_per_block_and_source(model, p_tp, d_tp):
+    """BHLNC on both sides, same layer split: a read's heads of one block are one run over
+    all layers and K/V, whatever the TP pair (replicated heads included)."""
+    plan = make_plan(model, InstanceLayout(p_tp), InstanceLayout(d_tp))
+    assert plan.prefill.cache_layout.name == "BHLNC"  # the default
+    rng = np.random.default_rng(0)
+    p_ids, d_ids = rng.permutation(40)[:9], rng.permutation(40)[:9]
+    for d in plan.decode_workers:
+        lists = copy_lists(plan, d.rank, p_ids, d_ids, 9 * 16)
+        for cl in lists:
+            assert cl.num_descriptors == 9
+            assert set(cl.lengths) == {16 * cl.read.bytes_per_token}
+
+
+def test_cross_layer_layout_with_a_pp_split_reads_one_run_per_head_and_block():
+    plan = make_plan(LLAMA, InstanceLayout(2, pp_size=2), InstanceLayout(4))
+    (first, second) = copy_lists(plan, 1, [3, 5], [0, 4], 32)
+    for cl in (first, second):
+        assert cl.read.num_heads == 2 and cl.num_descriptors == 2 * 2  # heads x blocks
+        assert cl.nbytes == 32 * cl.read.bytes_per_token
+
+
+def test_per_layer_layout_merges_contiguous_blocks_to_one_run_per_region():
+    # one local head per worker: LBHNC and LBNHC regions are a plain token array
+    for layout in ("LBHNC", "LBNHC"):
         plan = make_plan(
             LLAMA, InstanceLayout(8, cache_layout=layout), InstanceLayout(16, cache_layout=layout)
         )
         (cl,) = copy_lists(plan, 3, np.arange(10), np.arange(10), 160)
-        assert cl.num_region_pairs == 16 * 2
-        assert len(cl.lengths) == 1 and cl.lengths[0] == 160 * 64 * 2
+        assert cl.num_descriptors == 16 * 2  # layers x K/V regions
+        assert set(cl.lengths) == {160 * 64 * 2}
         assert cl.num_unmerged == 10 * 32
 
 
@@ -43,23 +73,27 @@ def test_nhd_token_rows_merge_only_when_whole():
         LLAMA, InstanceLayout(2, cache_layout="NHD"), InstanceLayout(4, cache_layout="NHD")
     )
     (cl,) = copy_lists(plan, 1, np.arange(4), np.arange(4), 64)
-    assert len(cl.lengths) == 64 and set(cl.lengths) == {2 * 64 * 2}
-    # equal tp: whole rows on both sides, contiguous blocks -> one run
+    assert cl.num_descriptors == 64 * 32 and set(cl.lengths) == {2 * 64 * 2}
+    # equal tp: whole rows on both sides, contiguous blocks -> one run per region
     plan = make_plan(
         LLAMA, InstanceLayout(4, cache_layout="NHD"), InstanceLayout(4, cache_layout="NHD")
     )
     (cl,) = copy_lists(plan, 1, np.arange(4), np.arange(4), 64)
-    assert len(cl.lengths) == 1
+    assert cl.num_descriptors == 32
 
 
 def test_block_size_change_cuts_at_both_boundaries():
-    plan = make_plan(LLAMA, InstanceLayout(8, block_size=16), InstanceLayout(8, block_size=24))
+    plan = make_plan(
+        LLAMA,
+        InstanceLayout(8, block_size=16, cache_layout="HND"),
+        InstanceLayout(8, block_size=24, cache_layout="HND"),
+    )
     p_ids, d_ids = np.array([5, 2, 9]), np.array([3, 0])
     (cl,) = copy_lists(plan, 0, p_ids, d_ids, 40)
-    # token cuts at 0, 16, 24, 32 -> four pieces, none contiguous with the next
-    assert cl.num_unmerged == 4 * cl.num_region_pairs
+    # token cuts at 0, 16, 24, 32 -> four pieces per region, none contiguous with the next
+    assert cl.num_unmerged == cl.num_descriptors == 4 * 32
     # tokens 16-24 and 24-32 are adjacent in prefill block 2 but not in the decode blocks
-    assert sorted(cl.lengths // 128) == [8, 8, 8, 16] and cl.num_descriptors == 4 * 32
+    assert sorted(cl.lengths[cl.src_regions == 0] // 128) == [8, 8, 8, 16]
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -75,16 +109,17 @@ def test_merged_count_is_number_of_contiguous_runs(seed):
         }
     )
     tps = [1, 2, 4, 8]
-    p = InstanceLayout(
-        int(rng.choice(tps)),
-        block_size=int(rng.choice([1, 2, 4, 8, 16])),
-        cache_layout=str(rng.choice(["HND", "NHD"])),
-    )
-    d = InstanceLayout(
-        int(rng.choice(tps)),
-        block_size=int(rng.choice([1, 2, 4, 8, 16])),
-        cache_layout=str(rng.choice(["HND", "NHD"])),
-    )
+
+    def layout() -> InstanceLayout:
+        order = "".join(rng.permutation(list("BLKHN"))) + "C"
+        return InstanceLayout(
+            int(rng.choice(tps)),
+            pp_size=int(rng.choice([1, 1, 2, 3])),
+            block_size=int(rng.choice([1, 2, 4, 8, 16])),
+            cache_layout=order,
+        )
+
+    p, d = layout(), layout()
     plan = make_plan(model, p, d)
     tokens = int(rng.integers(1, 60))
     contiguous = rng.random() < 0.5
@@ -97,23 +132,34 @@ def test_merged_count_is_number_of_contiguous_runs(seed):
             assert cl.nbytes == tokens * cl.read.bytes_per_token
 
 
-def test_merge_runs_sorts_then_joins():
-    src, dst, n = merge_runs(
-        np.array([8, 0, 4, 20]), np.array([108, 100, 104, 50]), np.array([4, 4, 4, 4])
+def test_merge_runs_sorts_then_joins_within_regions():
+    regs = merge_runs(
+        np.array([0, 0, 0, 0, 1]),
+        np.array([8, 0, 4, 20, 24]),
+        np.array([0, 0, 0, 0, 0]),
+        np.array([108, 100, 104, 50, 54]),
+        np.array([4, 4, 4, 4, 4]),
     )
-    assert list(src) == [0, 20] and list(dst) == [100, 50] and list(n) == [12, 4]
+    s_reg, src, d_reg, dst, n = regs
+    assert list(d_reg) == [0, 0, 0]
+    # the last run continues the fourth on the destination, but not in the same source region
+    assert list(s_reg) == [0, 0, 1] and list(src) == [0, 20, 24]
+    assert list(dst) == [100, 50, 54] and list(n) == [12, 4, 4]
 
 
 def test_addresses_offset_each_region_base():
-    plan = make_plan(LLAMA, InstanceLayout(8), InstanceLayout(8))
+    plan = make_plan(LLAMA, InstanceLayout(8, cache_layout="HND"), InstanceLayout(8))
     (cl,) = copy_lists(plan, 0, [1], [0], 3)
-    p_size = region_nbytes(LLAMA, plan.prefill, plan.prefill_workers[0], 4)
+    p = plan.prefill_workers[0]
+    assert num_regions(LLAMA, plan.prefill, p) == 32 and num_regions(LLAMA, plan.decode, p) == 1
+    p_size = region_nbytes(LLAMA, plan.prefill, p, 4)
     src_bases = 1_000_000 + p_size * np.arange(32)
-    dst_bases = 9_000_000 + p_size * np.arange(32)
-    src, dst, lengths = cl.addresses(src_bases, dst_bases)
-    assert len(src) == cl.num_descriptors == 32
-    assert src[1] - src[0] == p_size and dst[0] == 9_000_000 and set(lengths) == {3 * 128}
-    assert src[0] == 1_000_000 + 16 * 128  # block 1 of region 0
+    src, dst, lengths = cl.addresses(src_bases, np.array([9_000_000]))
+    assert len(src) == cl.num_descriptors == 32  # a run per prefill region
+    order = np.argsort(src)
+    assert src[order][1] - src[order][0] == p_size and set(lengths) == {3 * 128}
+    assert src[order][0] == 1_000_000 + 16 * 128  # block 1 of region 0
+    assert dst.min() == 9_000_000  # decode block 0: every layer of it is one region
 
 
 @pytest.mark.parametrize(
@@ -141,19 +187,32 @@ def _run(plan, lists_for, tokens=20):
     m = plan.model
     p_req, d_req = RequestSpan(np.array([3, 1]), tokens), RequestSpan(np.array([0, 2]), tokens)
     p_caches = [
-        fill_worker_cache(m, plan.prefill, w, 4, [p_req], salt=w.rank) for w in plan.prefill_workers
+        region_bytes(
+            fill_worker_cache(m, plan.prefill, w, 4, [p_req], salt=w.rank),
+            num_regions(m, plan.prefill, w),
+        )
+        for w in plan.prefill_workers
     ]
     d = plan.decode_workers[0]
     initial = fill_worker_cache(m, plan.decode, d, 4, [], salt=99)
     cache = initial.copy()
     for cl in lists_for(plan, p_req, d_req):
-        apply_copy_lists(p_caches[cl.read.prefill_rank], cache, [cl])
+        apply_copy_lists(
+            p_caches[cl.read.prefill_rank],
+            region_bytes(cache, num_regions(m, plan.decode, d)),
+            [cl],
+        )
     want = expected_decode_cache(m, plan.decode, d, initial, [d_req])
     return np.array_equal(cache, want)
 
 
-def test_verifier_catches_wrong_offset_and_wrong_worker():
-    plan = make_plan(LLAMA, InstanceLayout(4), InstanceLayout(8, cache_layout="NHD"))
+@pytest.mark.parametrize("layouts", [("HND", "NHD"), ("BHLNC", "LBHNC"), ("BLNHC", "BHLNC")])
+def test_verifier_catches_wrong_offset_region_and_worker(layouts):
+    plan = make_plan(
+        LLAMA,
+        InstanceLayout(4, cache_layout=layouts[0]),
+        InstanceLayout(8, cache_layout=layouts[1]),
+    )
 
     def good(plan, p_req, d_req):
         return copy_lists(plan, 0, p_req.block_ids, d_req.block_ids, 20)
@@ -162,6 +221,11 @@ def test_verifier_catches_wrong_offset_and_wrong_worker():
         (cl,) = good(plan, p_req, d_req)
         return [dataclasses.replace(cl, src_offsets=cl.src_offsets + 128)]
 
+    def wrong_region(plan, p_req, d_req):
+        (cl,) = good(plan, p_req, d_req)
+        n = num_regions(plan.model, plan.decode, plan.decode_workers[0])
+        return [dataclasses.replace(cl, dst_regions=(cl.dst_regions + 1) % n)]
+
     def wrong_worker(plan, p_req, d_req):
         (cl,) = good(plan, p_req, d_req)
         return [dataclasses.replace(cl, read=dataclasses.replace(cl.read, prefill_rank=1))]
@@ -169,14 +233,17 @@ def test_verifier_catches_wrong_offset_and_wrong_worker():
     assert _run(plan, good)
     assert not _run(plan, shifted)
     assert not _run(plan, wrong_worker)
+    if num_regions(plan.model, plan.decode, plan.decode_workers[0]) > 1:
+        assert not _run(plan, wrong_region)
 
 
 def test_apply_refuses_runs_past_the_region():
     plan = make_plan(LLAMA, InstanceLayout(4), InstanceLayout(4))
     (cl,) = copy_lists(plan, 0, [7], [0], 4)  # block 7 does not exist in a 4-block cache
     m = plan.model
-    src = fill_worker_cache(m, plan.prefill, plan.prefill_workers[0], 4, [], salt=1)
-    with pytest.raises(VerificationError, match="past the region"):
+    w = plan.prefill_workers[0]
+    src = region_bytes(fill_worker_cache(m, plan.prefill, w, 4, [], salt=1), 1)
+    with pytest.raises(VerificationError, match="past the"):
         apply_copy_lists(src, src.copy(), [cl])
 
 
@@ -190,7 +257,7 @@ def test_a_first_copy_list_imports_nothing():
         "import sys, numpy as np\n"
         "from kvbridge.plan.copylist import copy_lists\n"
         "from kvbridge.plan.geometry import AttentionKind, ModelKVSpec\n"
-        "from kvbridge.plan.layout import InstanceLayout\n"
+        "from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes\n"
         "from kvbridge.plan.planner import make_plan\n"
         "m = ModelKVSpec(30, 9, 3, 64, 'float32', AttentionKind.GQA, 'm')\n"
         "plan = make_plan(m, InstanceLayout(tp_size=3), InstanceLayout(tp_size=9))\n"

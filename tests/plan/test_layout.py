@@ -6,7 +6,13 @@ import pytest
 
 from kvbridge.errors import LayoutError
 from kvbridge.plan.geometry import load_model_spec
-from kvbridge.plan.layout import InstanceLayout, default_pp_split, kv_head_range, valid_tp_sizes
+from kvbridge.plan.layout import (
+    CacheLayout,
+    InstanceLayout,
+    default_pp_split,
+    kv_head_range,
+    valid_tp_sizes,
+)
 
 
 def test_head_ranges_split_and_replicate():
@@ -88,7 +94,6 @@ def test_kv_rule_refusal_lists_valid_sizes():
         (dict(tp_size=-1), "tp_size=-1"),
         (dict(block_size=2.5), "block_size=2.5"),
         (dict(pp_size="2"), "pp_size='2'"),
-        (dict(cache_layout="XYZ"), "cache layout='XYZ' is not known; use HND or NHD"),
         (dict(pp_size=2, pp_layers=(16,)), "pp_layers=[16] has 1 entries but pp_size=2"),
     ],
 )
@@ -96,3 +101,34 @@ def test_bad_layout_values(kwargs, words):
     with pytest.raises(LayoutError) as err:
         InstanceLayout(**kwargs)
     assert words in str(err.value)
+
+
+def test_bad_layout_name_is_refused_with_the_accepted_names():
+    for bad, why in (
+        ("XYZ", "letters other than"),
+        ("BHLNCC", "an axis repeated"),
+        ("BHLN", "axes missing: KC"),
+        ("BHLKCN", "C (channel) not innermost"),
+    ):
+        with pytest.raises(LayoutError) as err:
+            InstanceLayout(cache_layout=bad)
+        msg = str(err.value)
+        assert f"cache layout={bad!r} is not a valid axis order ({why}" in msg
+        assert "use HND, NHD, BHLNC, BLHNC, BLNHC, LBHNC, LBNHC" in msg
+
+
+@pytest.mark.parametrize(
+    "name, order, short",
+    [
+        ("HND", "LKBHNC", "LBHNC"),
+        ("nhd", "LKBNHC", "LBNHC"),
+        ("LBHNC", "LKBHNC", "LBHNC"),
+        ("BHLNC", "BHLKNC", "BHLNC"),
+        ("blnhc", "BLKNHC", "BLNHC"),
+        ("LBKNHC", "LBKNHC", "LBKNHC"),  # FlashInfer's per-layer [block][K/V][token][head]
+    ],
+)
+def test_layout_names_parse_to_axis_orders(name, order, short):
+    layout = CacheLayout.parse(name)
+    assert layout.order == order and layout.name == short
+    assert CacheLayout.parse(short) == layout

@@ -61,6 +61,9 @@ SCENARIOS = [
     ("llama", (4, 1, 32, "HND"), (4, 1, 16, "HND")),  # block 32 -> 16
     ("llama", (2, 1, 16, "NHD"), (4, 1, 16, "HND")),  # NHD -> HND
     ("llama", (4, 1, 16, "HND"), (2, 1, 48, "NHD")),  # HND -> NHD, 16 -> 48 (not a multiple)
+    ("smollm2", (3, 1, 16, "BHLNC"), (9, 1, 16, "LBNHC")),  # cross-layer -> per layer
+    ("llama", (4, 2, 16, "BHLNC"), (8, 1, 32, "BLHNC")),  # pp 2 -> 1, 16 -> 32
+    ("mla", (2, 1, 16, "BLNHC"), (1, 3, 8, "BHLNC")),
 ]
 
 

@@ -1,5 +1,6 @@
-"""Property test: every valid layout pair verifies byte-exact; every invalid one is
-refused with the project's error, naming the offending value."""
+"""Property test: every valid layout pair (TP, PP, block size, any cache-layout axis
+order, MLA) verifies byte-exact; every invalid one is refused with the project's error,
+naming the offending value."""
 
 from __future__ import annotations
 
@@ -46,7 +47,12 @@ def layouts(draw: st.DrawFn, model: ModelKVSpec) -> InstanceLayout:
         tp_size=tp,
         pp_size=pp,
         block_size=draw(st.integers(1, 20)),
-        cache_layout=draw(st.sampled_from(["HND", "NHD"])),
+        cache_layout=draw(
+            st.one_of(
+                st.sampled_from(["HND", "NHD", "BHLNC", "BLHNC", "BLNHC"]),
+                st.permutations("BLKHN").map(lambda axes: "".join(axes) + "C"),
+            )
+        ),
     )
 
 

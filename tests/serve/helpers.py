@@ -10,7 +10,7 @@ from kvbridge.serve.proxy import make_app
 
 
 def instance_args(
-    role: str, tp: int, block_size: int = 16, layout: str = "HND", *extra: str
+    role: str, tp: int, block_size: int = 16, layout: str = "BHLNC", *extra: str
 ) -> list[str]:
     """A test instance: a small cache, and timeouts generous enough for a 2-core machine
     running two dozen processes (the fault tests pass shorter ones in `extra`)."""

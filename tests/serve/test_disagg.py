@@ -29,9 +29,9 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("decode", [("decode", 1), "decode32"], ids=["b16-HND", "b32-NHD"])
+@pytest.mark.parametrize("decode", [("decode", 1), "decode32"], ids=["b16-BHLNC", "b32-LBNHC"])
 def test_greedy_equals_colocated(instances, decode):
-    """Prefill block 16 HND -> decode block 16 HND, and -> decode block 32 NHD."""
+    """Prefill block 16 BHLNC -> decode block 16 BHLNC, and -> decode block 32 LBNHC."""
     proxy = proxy_for([instances[("prefill", 1)]], [instances[decode]])
     try:
         for prompt in PROMPTS:

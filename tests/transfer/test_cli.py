@@ -122,23 +122,44 @@ def test_ctrl_c_leaves_no_worker_processes() -> None:
     assert not [p for p in workers if alive(p)]
 
 
-def test_bench_transfer_prints_the_plan_the_baselines_and_the_kernel_floor() -> None:
+def _bench_transfer(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    args = ["--tokens", "64", "--repeat", "1", "--block-size", "32"]
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "kvbridge.cli.main", "bench", "transfer", *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=120,
     )
+
+
+def test_bench_transfer_json_has_the_pair_the_baselines_the_descriptors_and_the_floor() -> None:
+    out = _bench_transfer("--tokens", "64", "--repeat", "1", "--block-size", "32", "--json")
     assert out.returncode == 0, out.stderr
-    text = out.stdout
-    assert "prefill tp2 block 32 HND -> decode tp4 block 32 HND" in text
-    for row in ("plan's transfer (runtime)", "(a) one single-descriptor READ", "(b) in-process"):
-        assert row in text
-    # 64 tokens = 2 blocks of 32; 32 layers x K/V; 4 decode workers, each one 16 KiB run
-    # (2 of a prefill worker's 4 heads) per block and region
-    assert "descriptors posted per request: 1024 before merging, 512 after" in text
-    assert "512 runs of 16384 B, 1024 per call" in text
-    assert "runs / contiguous = " in text
+    obj = json.loads(out.stdout)
+    main, compare = obj["rows"]
+    assert {k: obj[k] for k in main} == main
+    assert (main["prefill_layout"], main["decode_layout"]) == ("BHLNC", "BHLNC")
+    assert (compare["prefill_layout"], compare["decode_layout"]) == ("LBHNC", "LBHNC")
+    for row in (main, compare):
+        assert row["block_size"] == 32
+        for field in ("plan_ms", "single_read_ms", "memcpy_ms", "ratio"):
+            assert row[field] > 0
+        assert row["ratio"] == pytest.approx(row["single_read_ms"] / row["plan_ms"])
+    # 64 tokens = 2 blocks of 32 on 4 decode workers: cross-layer, one run per block and
+    # worker (2 of a prefill worker's 4 heads over 32 layers and K/V); per layer, one per
+    # block, layer and K/V
+    assert main["descriptors"] == main["descriptors_unmerged"] == 8
+    assert main["run_bytes"] == 2 * 32 * 2 * 32 * 128 * 2
+    assert compare["descriptors"] == 512 and compare["run_bytes"] == 2 * 32 * 128 * 2
+    assert obj["floor_ratio"] > 0
+
+
+def test_bench_transfer_prints_a_mixed_pair_and_refuses_a_bad_layout() -> None:
+    args = ["--tokens", "40", "--repeat", "1", "--no-compare", "--no-floor"]
+    out = _bench_transfer(*args, "--prefill-layout", "LBHNC", "--decode-layout", "BHLNC")
+    assert out.returncode == 0, out.stderr
+    assert "plan, LBHNC -> BHLNC" in out.stdout and "(b) in-process memcpy" in out.stdout
+    assert "target plan / (a) >= 0.8 for LBHNC -> BHLNC" in out.stdout
+    out = _bench_transfer(*args, "--layout", "BHL")
+    assert out.returncode == 2 and "cache layout='BHL' is not a valid axis order" in out.stderr

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvbridge.plan.copylist import copy_lists, region_nbytes
+from kvbridge.plan.copylist import copy_lists
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.plan.planner import make_plan
 from kvbridge.plan.verifier import apply_copy_lists
 from kvbridge.transfer.descriptors import exact_descs, unit_descs, unit_indices, unit_size
@@ -39,6 +39,15 @@ CASES = [
     (H3, InstanceLayout(tp_size=9), InstanceLayout(tp_size=1), 33),
     (GQA, InstanceLayout(tp_size=1, pp_size=2), InstanceLayout(tp_size=2, pp_size=1), 16),
     (MLA, InstanceLayout(tp_size=2), InstanceLayout(tp_size=1), 19),
+    (H3, InstanceLayout(tp_size=3), InstanceLayout(tp_size=9, cache_layout="LBNHC"), 21),
+    (GQA, InstanceLayout(tp_size=2, cache_layout="HND"), InstanceLayout(tp_size=4), 40),
+    (
+        GQA,
+        InstanceLayout(tp_size=2, pp_size=2, block_size=32),
+        InstanceLayout(tp_size=1, cache_layout="BLHNC"),
+        50,
+    ),
+    (MLA, InstanceLayout(tp_size=2, cache_layout="BLNHC"), InstanceLayout(tp_size=4), 23),
 ]
 
 
@@ -46,9 +55,9 @@ def caches(
     model: ModelKVSpec, layout: InstanceLayout, rank: int, num_blocks: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, CacheRegions]:
     shard = layout.workers(model)[rank]
-    n, size = num_regions(model, shard), region_nbytes(model, layout, shard, num_blocks)
+    n, size = num_regions(model, layout, shard), region_nbytes(model, layout, shard, num_blocks)
     arr = rng.integers(0, 255, size=(n, size), dtype=np.uint8)
-    return arr, CacheRegions.from_array(arr)
+    return arr, CacheRegions.from_array(arr, n)
 
 
 @pytest.mark.parametrize(("model", "prefill", "decode", "tokens"), CASES)

@@ -11,20 +11,24 @@ from kvbridge.transfer.regions import CacheRegions, MemType
 
 def test_regions_of_an_engine_style_host_tensor() -> None:
     torch = pytest.importorskip("torch")
-    # [num_local_layers, num_kv_tensors, num_blocks, heads, block_size, head_dim]
+    # LBHNC: [num_local_layers, num_kv_tensors, num_blocks, heads, block_size, head_dim],
+    # one region per layer and K/V
     cache = torch.zeros(3, 2, 5, 2, 4, 8, dtype=torch.bfloat16)
-    regions = CacheRegions.from_tensor(cache.flatten(0, 1))
+    regions = CacheRegions.from_tensor(cache, 6)
     size = 5 * 2 * 4 * 8 * 2
     assert regions.mem_type is MemType.DRAM and regions.num_regions == 6
     assert regions.lengths == (size,) * 6
     assert regions.addresses == tuple(cache.data_ptr() + r * size for r in range(6))
     with pytest.raises(TransferError, match="contiguous"):
-        CacheRegions.from_tensor(cache.flatten(0, 1).transpose(1, 2))
+        CacheRegions.from_tensor(cache.transpose(1, 2), 6)
+    # BHLNC: the whole cache is one region
+    whole = CacheRegions.from_tensor(cache)
+    assert whole.addresses == (cache.data_ptr(),) and whole.lengths == (6 * size,)
 
 
 def test_regions_of_a_host_array_and_their_nixl_rows() -> None:
     arr = np.zeros((4, 1024), dtype=np.uint16)
-    regions = CacheRegions.from_array(arr)
+    regions = CacheRegions.from_array(arr, 4)
     rows = regions.as_array()
     assert rows.shape == (4, 3)
     assert rows[:, 0].tolist() == [arr.ctypes.data + r * 2048 for r in range(4)]

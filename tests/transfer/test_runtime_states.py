@@ -9,9 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvbridge.plan.copylist import region_nbytes
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
@@ -37,7 +36,7 @@ class Clock:
 
 def regions(layout: InstanceLayout, rank: int, model: ModelKVSpec = MODEL) -> CacheRegions:
     shard = layout.workers(model)[rank]
-    n, size = num_regions(model, shard), region_nbytes(model, layout, shard, NUM_BLOCKS)
+    n, size = num_regions(model, layout, shard), region_nbytes(model, layout, shard, NUM_BLOCKS)
     base = 1 << 20 if layout is PREFILL else 1 << 30
     return CacheRegions(tuple(base + i * size for i in range(n)), (size,) * n)
 

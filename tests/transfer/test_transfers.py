@@ -1,8 +1,10 @@
 """Byte-exact transfers between real worker processes, each with its own NIXL agent.
 
 Each case starts a prefill and a decode instance (one process per worker), pulls
-concurrent requests with shuffled, non-contiguous block ids through the runtime, and
+concurrent requests with shuffled, non-contiguous block ids through the runtime (37
+tokens: a partial last block, so the second READ of each pull is exercised too), and
 checks every decode worker byte for byte and every block released on both sides.
+Cases mix cache layouts (cross-layer and per layer), TP and PP sizes, block sizes, MLA.
 """
 
 from __future__ import annotations
@@ -21,28 +23,24 @@ def gqa(num_kv_heads: int, num_heads: int, num_layers: int = 3, head_dim: int = 
     return ModelKVSpec(num_layers, num_heads, num_kv_heads, head_dim, "float16", kind, "test")
 
 
+def lay(tp: int, layout: str = "BHLNC", block_size: int = 16, pp: int = 1) -> InstanceLayout:
+    return InstanceLayout(tp_size=tp, pp_size=pp, block_size=block_size, cache_layout=layout)
+
+
 CASES = {
-    "equal tp 2->2": (gqa(4, 8), InstanceLayout(tp_size=2), InstanceLayout(tp_size=2)),
-    "1->3, 3 kv heads": (gqa(3, 9), InstanceLayout(tp_size=1), InstanceLayout(tp_size=3)),
-    "3->9, 3 kv heads": (gqa(3, 9), InstanceLayout(tp_size=3), InstanceLayout(tp_size=9)),
-    "9->3, 3 kv heads": (gqa(3, 9), InstanceLayout(tp_size=9), InstanceLayout(tp_size=3)),
-    "9->1, 3 kv heads": (gqa(3, 9), InstanceLayout(tp_size=9), InstanceLayout(tp_size=1)),
-    "2->5, 10 kv heads": (gqa(10, 10), InstanceLayout(tp_size=2), InstanceLayout(tp_size=5)),
-    "pp 2 -> pp 1": (
-        gqa(2, 4, num_layers=5),
-        InstanceLayout(tp_size=1, pp_size=2),
-        InstanceLayout(tp_size=1, pp_size=1),
-    ),
-    "MLA 2->1": (
+    "equal tp 2->2": (gqa(4, 8), lay(2), lay(2)),
+    "1->3, LBHNC->BLHNC": (gqa(3, 9), lay(1, "LBHNC"), lay(3, "BLHNC")),
+    "3->9, BHLNC->LBNHC": (gqa(3, 9), lay(3), lay(9, "LBNHC")),
+    "9->3, 3 kv heads": (gqa(3, 9), lay(9), lay(3)),
+    "9->1, block 32->16, LBNHC->BHLNC": (gqa(3, 9), lay(9, "LBNHC", 32), lay(1)),
+    "2->5, HND->BLNHC": (gqa(10, 10), lay(2, "HND"), lay(5, "BLNHC")),
+    "BHLNC pp 2 -> pp 1": (gqa(2, 4, num_layers=5), lay(1, pp=2), lay(1)),
+    "MLA 2->1, BLNHC->BHLNC": (
         ModelKVSpec(3, 4, 1, 24, "bfloat16", AttentionKind.MLA, "mla"),
-        InstanceLayout(tp_size=2),
-        InstanceLayout(tp_size=1),
+        lay(2, "BLNHC"),
+        lay(1),
     ),
-    "block 16->32, NHD->HND": (
-        gqa(4, 4),
-        InstanceLayout(tp_size=2, block_size=16, cache_layout="NHD"),
-        InstanceLayout(tp_size=1, block_size=32, cache_layout="HND"),
-    ),
+    "block 16->32, NHD->HND": (gqa(4, 4), lay(2, "NHD"), lay(1, "HND", 32)),
 }
 
 
