@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge.plan.geometry import bundled_config
+from kvbridge.plan.model_config import bundled_config
 
 CONFIGS = ["llama-3.2-1b", "tinyllama-1.1b", "qwen3-0.6b", "smollm2-135m", "deepseek-v2-lite"]
 

@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, module, runner, help_ in (
         (
             "transfer",
-            "kvbridge.transfer.bench",
+            "kvbridge.harness.transfer_bench",
             "run_transfer_bench",
             "the plan's NIXL transfer vs one single-descriptor READ and a memcpy",
         ),

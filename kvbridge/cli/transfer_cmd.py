@@ -73,7 +73,7 @@ def model_from_args(args: argparse.Namespace) -> ModelKVSpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvbridge.transfer.check import run_check
+    from kvbridge.harness.check import run_check
 
     try:
         if args.requests < 1 or args.tokens < 1:

@@ -1,21 +1,20 @@
 """What the engine needs to know about a model and about itself.
 
 `ModelConfig` is the architecture of a Llama-family decoder (llama, mistral, qwen2 and
-smollm2 share it: RMSNorm, RoPE, GQA attention, SwiGLU MLP), read from a GGUF file's
-metadata or an HF `config.json`. `EngineConfig` is how one instance runs it.
+smollm2 share it: RMSNorm, RoPE, GQA attention, SwiGLU MLP), built from what
+`kvbridge.plan.model_config` reads from a GGUF file's metadata or an HF `config.json`. `EngineConfig` is how one instance runs it.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvbridge.engine.errors import ModelLoadError
-from kvbridge.plan import gguf_meta
-from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
+from kvbridge.plan.geometry import ModelKVSpec, attention_kind
 from kvbridge.plan.layout import CacheLayout, InstanceLayout, check_tp_size
+from kvbridge.plan.model_config import ConfigFile, read_config
 
 #: Architectures whose decoder layer is the one `models/llama.py` implements.
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "smollm")
@@ -77,113 +76,69 @@ class ModelConfig:
 
     def kv_spec(self, dtype: str = "float32") -> ModelKVSpec:
         """The planner's view of this model's KV cache."""
-        kind = (
-            AttentionKind.MHA
-            if self.num_kv_heads == self.num_attention_heads
-            else AttentionKind.MQA
-            if self.num_kv_heads == 1
-            else AttentionKind.GQA
-        )
         return ModelKVSpec(
             self.num_layers,
             self.num_attention_heads,
             self.num_kv_heads,
             self.head_dim,
             dtype,
-            kind,
+            attention_kind(self.num_attention_heads, self.num_kv_heads),
             self.name,
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], name: str) -> ModelConfig:
-        arch = meta.get("general.architecture")
-        if not isinstance(arch, str):
-            raise ModelLoadError(f"general.architecture is missing from {name}")
+    def from_config(cls, cfg: ConfigFile) -> ModelConfig:
+        """The architecture from a configuration in config.json's keys (any format; see
+        `kvbridge.plan.model_config`). For GGUF, whether the LM head is tied and whether
+        attention has biases are guesses the weight loader corrects."""
+        f, name = cfg.fields, cfg.source
 
-        def get(suffix: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{suffix}", default)
-            if value is None:
-                raise ModelLoadError(f"{arch}.{suffix} is missing from {name}")
-            return value
+        def need(key: str) -> Any:
+            if f.get(key) is None:
+                raise ModelLoadError(f"{cfg.key(key)} is missing from {name}")
+            return f[key]
 
-        num_heads = int(get("attention.head_count"))
-        hidden = int(get("embedding_length"))
-        vocab = meta.get(f"{arch}.vocab_size")
-        if vocab is None:
-            tokens = meta.get("tokenizer.ggml.tokens")
-            vocab = len(tokens) if tokens else None
-        if vocab is None:
-            raise ModelLoadError(f"{arch}.vocab_size is missing from {name}")
-        eos = meta.get("tokenizer.ggml.eos_token_id")
+        model_type = str(f.get("model_type", "llama"))
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        eos = f.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope = f.get("rope_parameters") or f.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ModelLoadError(
+                f"rope type {rope.get('rope_type', rope.get('type'))!r} in {name} is not "
+                "supported; the engine implements plain RoPE (rope_type 'default')"
+            )
+        theta = f.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        max_position = int(f.get("max_position_embeddings") or 2048)
+        # Within one sliding window, sliding-window attention is full attention.
+        window = f.get("sliding_window")
+        if window and f.get("use_sliding_window", True):
+            max_position = min(max_position, int(window))
         return cls(
-            architecture=arch,
+            architecture=model_type,
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")),
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
             num_attention_heads=num_heads,
-            num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-            head_dim=int(get("attention.key_length", hidden // num_heads)),
-            vocab_size=int(vocab),
-            max_position=int(get("context_length", 2048)),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            # Filled in by the loader, which knows whether output.weight exists.
-            tie_word_embeddings=True,
-            attention_bias=arch == "qwen2",
-            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
+            num_kv_heads=int(f.get("num_key_value_heads") or num_heads),
+            head_dim=int(f.get("head_dim") or hidden // num_heads),
+            vocab_size=int(need("vocab_size")),
+            max_position=max_position,
+            rms_norm_eps=float(f.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            tie_word_embeddings=bool(f.get("tie_word_embeddings", cfg.format == "gguf")),
+            attention_bias=bool(f.get("attention_bias", model_type == "qwen2")),
+            bos_token_id=f.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
             name=name,
         )
 
     @classmethod
-    def from_hf_config(cls, path: Path) -> ModelConfig:
-        name = str(path)
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"cannot read {path}: {exc}") from None
-        model_type = str(cfg.get("model_type", "llama"))
-        try:
-            num_heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            if rope.get("rope_type", rope.get("type", "default")) != "default":
-                raise ModelLoadError(
-                    f"rope type {rope.get('rope_type', rope.get('type'))!r} in {name} is not "
-                    "supported; the engine implements plain RoPE (rope_type 'default')"
-                )
-            theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
-            max_position = int(cfg.get("max_position_embeddings", 2048))
-            # Within one sliding window, sliding-window attention is full attention.
-            window = cfg.get("sliding_window")
-            if window and cfg.get("use_sliding_window", True):
-                max_position = min(max_position, int(window))
-            return cls(
-                architecture=model_type,
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_attention_heads=num_heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-                vocab_size=int(cfg["vocab_size"]),
-                max_position=max_position,
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(theta),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=tuple(int(e) for e in eos_ids),
-                name=name,
-            )
-        except KeyError as exc:
-            raise ModelLoadError(f"{exc.args[0]} is missing from {name}") from None
-
-    @classmethod
-    def from_gguf(cls, path: Path) -> ModelConfig:
-        return cls.from_gguf_metadata(gguf_meta.read_metadata(path), str(path))
+    def read(cls, path: Path) -> ModelConfig:
+        """The architecture of the model at `path` (a .gguf file, a config.json or a
+        directory holding one), from metadata only."""
+        return cls.from_config(read_config(path))
 
 
 @dataclass(frozen=True)

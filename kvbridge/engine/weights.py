@@ -117,9 +117,7 @@ class WeightSource:
 
 def read_model_config(path: Path) -> ModelConfig:
     """The architecture from metadata only (no tensors read); tie/bias flags are a guess."""
-    if path.is_dir():
-        return ModelConfig.from_hf_config(path / "config.json")
-    return ModelConfig.from_gguf(path)
+    return ModelConfig.read(path)
 
 
 def open_weights(path: Path, progress: Progress | None = None) -> WeightSource:
@@ -149,7 +147,7 @@ class GGUFWeights(WeightSource):
 
     @classmethod
     def open(cls, path: Path, progress: Progress | None = None) -> GGUFWeights:
-        config = ModelConfig.from_gguf(path)
+        config = ModelConfig.read(path)
         cache_file = ensure_dequantized(path, config, progress)
         index = json.loads(cache_file.with_suffix(".json").read_text())
         tied = "lm_head.weight" not in index["tensors"]
@@ -260,7 +258,7 @@ class SafetensorsWeights(WeightSource):
     def __init__(self, path: Path) -> None:
         from safetensors import safe_open
 
-        self.config = ModelConfig.from_hf_config(path / "config.json")
+        self.config = ModelConfig.read(path / "config.json")
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{path} has config.json but no *.safetensors files")

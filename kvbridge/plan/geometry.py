@@ -1,7 +1,8 @@
 """A model's KV-cache geometry: what one token leaves behind in every layer.
 
-`ModelKVSpec` is read from a Hugging Face `config.json` (`from_hf_config`) or from a
-GGUF file's metadata (`from_gguf`). It knows nothing of parallelism: how the heads
+`ModelKVSpec` is built from a model's configuration in config.json's keys, as
+`model_config` reads it from a `config.json` or a GGUF header (`from_hf_config`,
+`from_gguf`, `load_model_spec`). It knows nothing of parallelism: how the heads
 and layers are split over workers is `layout.py`'s business.
 
 For MLA models (DeepSeek V2/V3) the cache holds one latent vector per token and
@@ -12,14 +13,13 @@ logical KV head that every tensor-parallel worker holds whole.
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.plan import gguf_meta
+from kvbridge.plan.model_config import ConfigFile, read_config, read_gguf_config, read_hf_config
 
 
 class AttentionKind(enum.Enum):
@@ -154,40 +154,46 @@ def _require_positive_int(field: str, value: object, source: str) -> int:
     return value
 
 
-def _get_int(cfg: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int:
+def _get_int(cfg: ConfigFile, keys: tuple[str, ...]) -> int:
     """The first of `keys` present in `cfg`, checked to be a positive integer."""
     for key in keys:
-        if key in cfg and cfg[key] is not None:
-            return _require_positive_int(key, cfg[key], source)
+        if cfg.fields.get(key) is not None:
+            return _require_positive_int(cfg.key(key), cfg.fields[key], cfg.source)
+    names = [cfg.key(k) for k in keys]
     raise ConfigError(
-        f"{keys[0]} is missing from {source}"
-        + (f" (also looked for {', '.join(keys[1:])})" if len(keys) > 1 else "")
+        f"{names[0]} is missing from {cfg.source}"
+        + (f" (also looked for {', '.join(names[1:])})" if len(names) > 1 else "")
     )
 
 
 def from_hf_config(
-    config: Mapping[str, Any] | str | Path, *, dtype: str | None = None, name: str | None = None
+    config: Mapping[str, Any] | str | Path | ConfigFile,
+    *,
+    dtype: str | None = None,
+    name: str | None = None,
 ) -> ModelKVSpec:
-    """Build the spec from a Hugging Face `config.json` (a path or the parsed dict).
+    """Build the spec from a model configuration in config.json's keys: a `ConfigFile`
+    (`model_config.read_config`, any format), a `config.json` path or the parsed dict.
 
     Handles llama, mistral, qwen2/qwen3(-moe), gemma2/gemma3 (`text_config` nesting),
     phi3, gpt_oss, deepseek_v2/v3 (MLA) and falcon/gpt_bigcode-style `multi_query`.
     `dtype` overrides the config's `torch_dtype` (e.g. for an fp8 KV cache).
     """
-    if isinstance(config, (str, Path)):
-        source = str(config)
-        cfg = _read_json(Path(config))
+    if isinstance(config, ConfigFile):
+        cfg_file = config
+    elif isinstance(config, (str, Path)):
+        cfg_file = read_hf_config(config)
     else:
-        source = name or "config"
-        cfg = dict(config)
-    source = name or source
-    # Multimodal wrappers (gemma3, llava-style) keep the decoder's fields in text_config.
-    top = cfg
-    if isinstance(cfg.get("text_config"), Mapping):
-        cfg = {**{k: v for k, v in top.items() if k != "text_config"}, **cfg["text_config"]}
+        flat = dict(config)
+        if isinstance(flat.get("text_config"), Mapping):
+            flat = {**{k: v for k, v in flat.items() if k != "text_config"}, **flat["text_config"]}
+        cfg_file = ConfigFile(flat, name or "config", "config.json")
+    if name is not None:
+        cfg_file = ConfigFile(cfg_file.fields, name, cfg_file.format, cfg_file.file_keys)
+    cfg, source = cfg_file.fields, cfg_file.source
 
-    num_layers = _get_int(cfg, ("num_hidden_layers", "n_layer", "num_layers"), source)
-    num_heads = _get_int(cfg, ("num_attention_heads", "n_head", "num_heads"), source)
+    num_layers = _get_int(cfg_file, ("num_hidden_layers", "n_layer", "num_layers"))
+    num_heads = _get_int(cfg_file, ("num_attention_heads", "n_head", "num_heads"))
 
     if dtype is None:
         raw = cfg.get("torch_dtype", cfg.get("dtype"))
@@ -201,9 +207,9 @@ def from_hf_config(
         dtype = normalize_dtype(dtype, source=source)
 
     model_type = str(cfg.get("model_type", ""))
-    if "kv_lora_rank" in cfg or model_type.startswith("deepseek_v"):
-        rank = _get_int(cfg, ("kv_lora_rank",), source)
-        rope = _get_int(cfg, ("qk_rope_head_dim",), source)
+    if cfg.get("kv_lora_rank") is not None or model_type.startswith("deepseek_v"):
+        rank = _get_int(cfg_file, ("kv_lora_rank",))
+        rope = _get_int(cfg_file, ("qk_rope_head_dim",))
         return ModelKVSpec(
             num_layers=num_layers,
             num_attention_heads=num_heads,
@@ -214,22 +220,23 @@ def from_hf_config(
             name=source,
         )
 
+    kv_keys = ("num_key_value_heads", "num_kv_heads", "n_head_kv")
     if cfg.get("multi_query") is True and cfg.get("new_decoder_architecture") is not True:
         num_kv_heads = 1
-    elif any(cfg.get(k) is not None for k in ("num_key_value_heads", "num_kv_heads", "n_head_kv")):
-        num_kv_heads = _get_int(cfg, ("num_key_value_heads", "num_kv_heads", "n_head_kv"), source)
+    elif any(cfg.get(k) is not None for k in kv_keys):
+        num_kv_heads = _get_int(cfg_file, kv_keys)
     else:
         # Transformers' own default when the field is absent: plain multi-head attention.
         num_kv_heads = num_heads
 
     if cfg.get("head_dim") is not None:
-        head_dim = _get_int(cfg, ("head_dim",), source)
+        head_dim = _get_int(cfg_file, ("head_dim",))
     else:
-        hidden = _get_int(cfg, ("hidden_size", "n_embd", "d_model"), source)
+        hidden = _get_int(cfg_file, ("hidden_size", "n_embd", "d_model"))
         if hidden % num_heads:
             raise ConfigError(
-                f"hidden_size={hidden} in {source} is not a multiple of "
-                f"num_attention_heads={num_heads}; set head_dim explicitly"
+                f"{cfg_file.key('hidden_size')}={hidden} in {source} is not a multiple of "
+                f"{cfg_file.key('num_attention_heads')}={num_heads}; set head_dim explicitly"
             )
         head_dim = hidden // num_heads
     return ModelKVSpec(
@@ -238,31 +245,16 @@ def from_hf_config(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=dtype,
-        attention=_kind(num_heads, num_kv_heads),
+        attention=attention_kind(num_heads, num_kv_heads),
         name=source,
     )
 
 
-def _kind(num_heads: int, num_kv_heads: int) -> AttentionKind:
+def attention_kind(num_heads: int, num_kv_heads: int) -> AttentionKind:
+    """MHA, MQA or GQA by the head counts (MLA is told by its own fields)."""
     if num_kv_heads == num_heads:
         return AttentionKind.MHA
     return AttentionKind.MQA if num_kv_heads == 1 else AttentionKind.GQA
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read model config {path}: {exc.strerror or exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(
-            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
-        ) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} holds a JSON {type(data).__name__}, expected an object")
-    return data
 
 
 def from_gguf(path: str | Path, *, dtype: str = "float32") -> ModelKVSpec:
@@ -271,86 +263,13 @@ def from_gguf(path: str | Path, *, dtype: str = "float32") -> ModelKVSpec:
     GGUF records the weights' quantization, not the KV cache's type, so the cache
     dtype is a parameter; float32 is what kvbridge's CPU engine computes in.
     """
-    source = str(path)
-    meta = gguf_meta.read_metadata(path)
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str):
-        raise ConfigError(f"general.architecture is missing from {source}")
-
-    def key(suffix: str) -> str:
-        return f"{arch}.{suffix}"
-
-    def get(suffix: str) -> int:
-        return _get_int(meta, (key(suffix),), source)
-
-    num_layers = get("block_count")
-    num_heads = get("attention.head_count")
-    if meta.get(key("attention.kv_lora_rank")) is not None:
-        rank = get("attention.kv_lora_rank")
-        rope = get("rope.dimension_count")
-        return ModelKVSpec(
-            num_layers, num_heads, 1, rank + rope, normalize_dtype(dtype), AttentionKind.MLA, source
-        )
-    kv = meta.get(key("attention.head_count_kv"), num_heads)
-    if isinstance(kv, list):  # per-layer counts (some hybrid models): must agree here
-        if len(set(kv)) != 1:
-            raise ConfigError(f"{key('attention.head_count_kv')}={kv} in {source} varies per layer")
-        kv = kv[0]
-    num_kv_heads = _require_positive_int(key("attention.head_count_kv"), kv, source)
-    if meta.get(key("attention.key_length")) is not None:
-        head_dim = get("attention.key_length")
-    else:
-        hidden = get("embedding_length")
-        if hidden % num_heads:
-            raise ConfigError(
-                f"{key('embedding_length')}={hidden} in {source} is not a multiple of "
-                f"{key('attention.head_count')}={num_heads}"
-            )
-        head_dim = hidden // num_heads
-    return ModelKVSpec(
-        num_layers,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        normalize_dtype(dtype),
-        _kind(num_heads, num_kv_heads),
-        source,
-    )
+    return from_hf_config(read_gguf_config(path), dtype=dtype)
 
 
 def load_model_spec(path: str | Path, *, dtype: str | None = None) -> ModelKVSpec:
     """Load a spec from a `.gguf` file, a `config.json`, a directory holding one of them,
-    or the name of a bundled config (e.g. ``llama-3.2-1b``)."""
-    p = Path(path)
-    if not p.exists():
-        bundled = bundled_config(str(path))
-        if bundled is None:
-            names = ", ".join(bundled_config_names())
-            raise ConfigError(
-                f"model config {path} does not exist; give a config.json, a .gguf file, "
-                f"or a bundled name ({names})"
-            )
-        p = bundled
-    if p.is_dir():
-        if (p / "config.json").exists():
-            p = p / "config.json"
-        else:
-            ggufs = sorted(p.glob("*.gguf"))
-            if not ggufs:
-                raise ConfigError(f"{p} holds neither config.json nor a .gguf file")
-            p = ggufs[0]
-    if p.suffix == ".gguf":
-        return from_gguf(p, dtype=dtype or "float32")
-    return from_hf_config(p, dtype=dtype)
-
-
-_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-def bundled_config_names() -> list[str]:
-    return sorted(p.stem for p in _CONFIG_DIR.glob("*.json"))
-
-
-def bundled_config(name: str) -> Path | None:
-    p = _CONFIG_DIR / f"{name}.json"
-    return p if p.exists() else None
+    or the name of a bundled config (e.g. ``llama-3.2-1b``); see `model_config`."""
+    cfg = read_config(path)
+    if cfg.format == "gguf":
+        return from_hf_config(cfg, dtype=dtype or "float32")
+    return from_hf_config(cfg, dtype=dtype)

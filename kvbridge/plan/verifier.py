@@ -21,7 +21,14 @@ from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, WorkerShard, cache_shape, num_regions
 from kvbridge.plan.planner import TransferPlan
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_UINT: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def uint_dtype(itemsize: int) -> type[np.unsignedinteger]:
+    """The unsigned integer type of `itemsize` bytes (caches are handled as raw bits)."""
+    return _UINT[itemsize]
+
+
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -97,7 +104,7 @@ def fill_worker_cache(
     """A worker's cache, shaped `cache_shape` (unsigned ints of the cache's itemsize):
     the requests' tokens hold their values, every other slot values keyed by `salt`."""
     g = _grid(model, layout, shard, num_blocks)
-    dtype = _UINT[model.itemsize]
+    dtype = uint_dtype(model.itemsize)
     phys = g["block"] * layout.block_size + g["slot"]
     out = _mix(g["layer"], g["kv"], g["head"], phys, g["elem"], int(salt) + (1 << 40))
     out = np.ascontiguousarray(

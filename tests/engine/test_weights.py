@@ -44,7 +44,7 @@ def test_concurrent_openers_dequantize_once(
         target.with_suffix(".json").write_text('{"tensors": {}}')
 
     monkeypatch.setattr(weights, "_dequantize_to", fake_dequantize)
-    config = ModelConfig.from_gguf(gguf)
+    config = ModelConfig.read(gguf)
     results: list[Path] = []
     threads = [
         threading.Thread(target=lambda: results.append(weights.ensure_dequantized(gguf, config)))

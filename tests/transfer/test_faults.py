@@ -10,11 +10,9 @@ import msgspec
 import pytest
 import zmq
 
-from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout
-from kvbridge.transfer.check import make_workload
-from kvbridge.transfer.cluster import Cluster
-from kvbridge.transfer.commands import (
+from kvbridge.harness.check import make_workload
+from kvbridge.harness.cluster import Cluster
+from kvbridge.harness.commands import (
     Expose,
     Finished,
     Pull,
@@ -24,6 +22,8 @@ from kvbridge.transfer.commands import (
     Verified,
     Verify,
 )
+from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, decode, encode
 
 pytestmark = pytest.mark.slow

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
+from kvbridge.harness.check import run_check
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
-from kvbridge.transfer.check import run_check
 
 pytestmark = pytest.mark.slow
 

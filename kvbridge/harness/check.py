@@ -15,12 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.plan.copylist import blocks_needed
-from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout
-from kvbridge.plan.planner import make_plan
-from kvbridge.transfer.cluster import Cluster, Instance
-from kvbridge.transfer.commands import (
+from kvbridge.harness.cluster import Cluster, Instance
+from kvbridge.harness.commands import (
     Expose,
     Finished,
     Pull,
@@ -31,6 +27,10 @@ from kvbridge.transfer.commands import (
     Verified,
     Verify,
 )
+from kvbridge.plan.copylist import blocks_needed
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout
+from kvbridge.plan.planner import make_plan
 from kvbridge.transfer.errors import TransferError
 
 

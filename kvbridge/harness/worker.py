@@ -20,9 +20,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan.layout import cache_shape, num_regions
-from kvbridge.plan.verifier import expected_decode_cache, fill_worker_cache
-from kvbridge.transfer.commands import (
+from kvbridge.harness.commands import (
     Command,
     Expose,
     Failed,
@@ -42,14 +40,13 @@ from kvbridge.transfer.commands import (
     cmd_decoder,
     send,
 )
+from kvbridge.plan.layout import cache_shape, num_regions
+from kvbridge.plan.verifier import expected_decode_cache, fill_worker_cache, uint_dtype
 from kvbridge.transfer.config import TransferConfig
 
 if TYPE_CHECKING:
     from kvbridge.transfer.consumer import KVConsumer
     from kvbridge.transfer.producer import KVProducer, Release
-
-
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def _mismatch(got: np.ndarray, want: np.ndarray, rank: int, order: str) -> str:
@@ -106,7 +103,7 @@ class _Worker:
             )
         else:
             shape = cache_shape(self.kv_model, self.layout, self.shard, spec.num_blocks)
-            self.cache = np.full(shape, spec.salt, dtype=_UINT[self.kv_model.itemsize])
+            self.cache = np.full(shape, spec.salt, dtype=uint_dtype(self.kv_model.itemsize))
         self.initial = self.cache.copy() if spec.role == "decode" and spec.pattern else None
         regions = CacheRegions.from_array(
             self.cache, num_regions(self.kv_model, self.layout, self.shard)

@@ -21,9 +21,7 @@ from typing import Any
 
 import msgspec
 
-from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout
-from kvbridge.transfer.commands import (
+from kvbridge.harness.commands import (
     Command,
     Event,
     Failed,
@@ -35,9 +33,11 @@ from kvbridge.transfer.commands import (
     recv_event,
     send,
 )
+from kvbridge.harness.worker import worker_main
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.messages import LayoutWire, ModelWire
-from kvbridge.transfer.worker import worker_main
 
 
 @dataclass

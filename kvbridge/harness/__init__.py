@@ -1,0 +1,8 @@
+"""The harness that tests and benchmarks the transfer runtime, apart from the runtime.
+
+Real worker processes, each with a pattern-filled cache, one NIXL agent and a
+`KVProducer` or `KVConsumer`, driven by a parent over pipes with msgspec commands
+(`cluster`, `worker`, `commands`): `kvbridge transfer-check` (`check`), `kvbridge bench
+transfer` (`transfer_bench`) and the kernel's floor under UCX's same-host transport
+(`cma_floor`). An engine embeds `kvbridge.transfer` and never needs this package.
+"""
