@@ -19,3 +19,14 @@ class LayoutError(KVBridgeError):
 
 class IncompatibleError(KVBridgeError):
     """A prefill/decode pair cannot exchange KV caches (different models, dtypes, ...)."""
+
+
+class WorkerError(KVBridgeError):
+    """A worker process (a tp worker of an engine, a transfer worker of the harness)
+    failed, died or did not answer in time. `rank` names it when known;
+    `traceback_text` carries its traceback when its code raised."""
+
+    def __init__(self, message: str, rank: int | None = None, traceback_text: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.traceback_text = traceback_text

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError, WorkerError
+
+__all__ = ["EngineError", "ModelLoadError", "OutOfBlocksError", "RequestError", "WorkerError"]
 
 
 class EngineError(KVBridgeError):
@@ -19,7 +21,3 @@ class OutOfBlocksError(EngineError):
 
 class RequestError(EngineError):
     """A request is invalid (empty prompt, too long for the context, bad sampling params)."""
-
-
-class WorkerError(EngineError):
-    """A tensor-parallel worker failed, died or did not answer in time."""

@@ -17,11 +17,17 @@ import torch
 
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import EngineError
-from kvbridge.engine.kv_connector import ConnectorSpec, WorkerKVConnector
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.parallel.base import SingleProcessCommunicator
 from kvbridge.engine.step import RunnerInfo, StepBatch
 from kvbridge.engine.weights import Progress
+from kvbridge.plan.layout import num_regions
+from kvbridge.transfer.connector import (
+    ConnectorReply,
+    ConnectorRequest,
+    ConnectorSpec,
+    WorkerConnector,
+)
 
 
 class Executor(abc.ABC):
@@ -29,16 +35,16 @@ class Executor(abc.ABC):
 
     info: RunnerInfo
     #: True when the workers progress their KV connector between calls by themselves;
-    #: otherwise the driver must call connector "poll" now and then (an idle producer
-    #: answers handshakes and runs leases only when polled).
+    #: otherwise the driver must send `Poll` now and then (an idle producer answers
+    #: handshakes and runs leases only when polled).
     connector_polls_itself: bool = False
 
     @abc.abstractmethod
     def execute(self, batch: StepBatch) -> np.ndarray:
         """Logits [sum(batch.want_logits), vocab] float32; raises WorkerError on failure."""
 
-    def connector_call(self, method: str, payload: bytes) -> list[bytes]:
-        """Run `WorkerKVConnector.handle(method, payload)` on every worker (rank order)."""
+    def connector_call(self, request: ConnectorRequest) -> list[ConnectorReply]:
+        """Run `WorkerConnector.handle(request)` on every worker; replies in rank order."""
         raise EngineError("this engine was started without a KV connector")
 
     def close(self) -> None:  # noqa: B027 - optional hook
@@ -47,18 +53,22 @@ class Executor(abc.ABC):
 
 def make_worker_connector(
     runner: ModelRunner, config: EngineConfig, rank: int, spec: ConnectorSpec | None
-) -> WorkerKVConnector | None:
-    """The transfer runtime over this worker's KV cache, if the instance has one."""
+) -> WorkerConnector | None:
+    """The transfer runtime over this worker's KV cache, if the instance has one: the
+    cache tensor, in the layout's axis order, cut into the planner's regions."""
     if spec is None:
         return None
-    from kvbridge.engine.kv_connector import WorkerKVConnector
+    model = runner.model_config.kv_spec(config.kv_dtype)
+    layout = config.layout()
+    regions = num_regions(model, layout, layout.workers(model)[rank])
+    from kvbridge.transfer.regions import CacheRegions
 
-    return WorkerKVConnector(
+    return WorkerConnector(
         spec,
-        runner.model_config.kv_spec(config.kv_dtype),
-        config.layout(),
+        model,
+        layout,
         rank,
-        runner.kv_cache.tensor,
+        CacheRegions.from_tensor(runner.kv_cache.tensor, regions),
         runner.kv_cache.num_blocks,
     )
 
@@ -81,10 +91,10 @@ class InProcessExecutor(Executor):
     def execute(self, batch: StepBatch) -> np.ndarray:
         return self.runner.execute(batch)
 
-    def connector_call(self, method: str, payload: bytes) -> list[bytes]:
+    def connector_call(self, request: ConnectorRequest) -> list[ConnectorReply]:
         if self.connector is None:
-            return super().connector_call(method, payload)
-        return [self.connector.handle(method, payload)]
+            return super().connector_call(request)
+        return [self.connector.handle(request)]
 
     def close(self) -> None:
         if self.connector is not None:

@@ -24,12 +24,17 @@ from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import EngineError, OutOfBlocksError, RequestError
 from kvbridge.engine.executor import Executor, InProcessExecutor
-from kvbridge.engine.kv_connector import ConnectorRole, ConnectorSpec
 from kvbridge.engine.sampling import SamplingParams, make_generator, sample
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvbridge.engine.weights import Progress, open_weights, read_model_config, resolve_model
+from kvbridge.transfer.connector import (
+    ConnectorReply,
+    ConnectorRequest,
+    ConnectorRole,
+    ConnectorSpec,
+)
 
 ExecutorFactory = Callable[..., Executor]
 
@@ -148,9 +153,10 @@ class LLMEngine:
         """Give back blocks kept by a prefill-only request or from `allocate_blocks`."""
         self.block_manager.free(block_ids)
 
-    def connector_call(self, method: str, payload: bytes) -> list[bytes]:
-        """Call every worker's KV connector (see kvbridge.engine.kv_connector)."""
-        return self.executor.connector_call(method, payload)
+    def connector_call(self, request: ConnectorRequest) -> list[ConnectorReply]:
+        """Send `request` to every worker's KV connector; one reply per worker, in rank
+        order (see kvbridge.transfer.connector)."""
+        return self.executor.connector_call(request)
 
     @property
     def connector_polls_itself(self) -> bool:
@@ -164,7 +170,7 @@ class LLMEngine:
         its workers poll themselves. An idle consumer has nothing to progress."""
         return (
             self.connector is not None
-            and self.connector.role == ConnectorRole.PRODUCER.value
+            and self.connector.role is ConnectorRole.PRODUCER
             and not self.connector_polls_itself
         )
 

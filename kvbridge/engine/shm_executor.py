@@ -4,7 +4,7 @@ collectives through shared memory (kvbridge.engine.parallel).
     driver ── "step" (StepBatch msgpack) ──▶ every worker: ModelRunner.execute
        ▲                                      (shm all-reduce / all-gather between them)
        └──────────── rank 0: StepResult (logits) ◀──┘
-    driver ── "kv:<method>" ──▶ every worker's WorkerKVConnector.handle ──▶ KVReply
+    driver ── "kv" (ConnectorRequest) ──▶ every worker's WorkerConnector.handle ──▶ KVReply
 
 Between calls each worker polls its KV connector (transfers progress only while the
 memory's owner polls). A connector error comes back as a `KVReply` with `ok=False` and
@@ -22,12 +22,18 @@ import numpy as np
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import EngineError, WorkerError
 from kvbridge.engine.executor import Executor, make_worker_connector
-from kvbridge.engine.kv_connector import ConnectorSpec
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.parallel import ParallelError, WorkerContext, WorkerGroup
 from kvbridge.engine.step import StepBatch, StepResult, info_decoder, result_decoder, step_decoder
 from kvbridge.engine.step import encode as encode_msg
 from kvbridge.engine.weights import Progress
+from kvbridge.transfer.connector import (
+    ConnectorReply,
+    ConnectorRequest,
+    ConnectorSpec,
+    encode,
+    request_decoder,
+)
 
 
 class WorkerInit(msgspec.Struct, frozen=True):
@@ -37,8 +43,10 @@ class WorkerInit(msgspec.Struct, frozen=True):
 
 
 class KVReply(msgspec.Struct, frozen=True):
+    """A worker's connector reply, or the error its connector raised."""
+
     ok: bool
-    payload: bytes = b""
+    reply: ConnectorReply | None = None
     error: str = ""
 
 
@@ -70,11 +78,12 @@ def worker_entry(ctx: WorkerContext) -> None:
             return encode_msg(StepResult.from_array(logits)) if ctx.rank == 0 else b""
         if method == "info":
             return encode_msg(runner.info())
-        if method.startswith("kv:"):
+        if method == "kv":
             if connector is None:
                 return encode_msg(KVReply(False, error="this engine has no KV connector"))
             try:
-                return encode_msg(KVReply(True, connector.handle(method[3:], payload)))
+                reply = connector.handle(request_decoder.decode(payload))
+                return encode_msg(KVReply(True, reply))
             except Exception as exc:  # reported to the driver; the group stays usable
                 return encode_msg(KVReply(False, error=f"{type(exc).__name__}: {exc}"))
         raise ValueError(f"unknown worker method {method!r}")
@@ -119,8 +128,8 @@ class ShmExecutor(Executor):
                 on_progress=on_progress,
             )
             infos = [info_decoder.decode(r) for r in self.group.call("info")]
-        except ParallelError as exc:
-            raise WorkerError(f"tp workers failed to start: {exc}") from None
+        except (ParallelError, WorkerError) as exc:
+            raise _worker_error(f"tp workers failed to start: {exc}", exc) from None
         self.info = infos[0]
         if any(i.num_blocks != self.info.num_blocks for i in infos):
             self.close()
@@ -129,24 +138,30 @@ class ShmExecutor(Executor):
     def execute(self, batch: StepBatch) -> np.ndarray:
         try:
             (reply,) = self.group.call("step", encode_msg(batch), ranks=[0])
-        except ParallelError as exc:
-            raise WorkerError(f"tp step failed: {exc}") from None
+        except (ParallelError, WorkerError) as exc:
+            raise _worker_error(f"tp step failed: {exc}", exc) from None
         return result_decoder.decode(reply).array()
 
-    def connector_call(self, method: str, payload: bytes) -> list[bytes]:
+    def connector_call(self, request: ConnectorRequest) -> list[ConnectorReply]:
+        name = type(request).__name__
         try:
-            replies = [_kv_decoder.decode(r) for r in self.group.call(f"kv:{method}", payload)]
-        except ParallelError as exc:
-            raise WorkerError(f"KV connector call {method!r} failed: {exc}") from None
+            replies = [_kv_decoder.decode(r) for r in self.group.call("kv", encode(request))]
+        except (ParallelError, WorkerError) as exc:
+            raise _worker_error(f"KV connector request {name} failed: {exc}", exc) from None
         bad = [(rank, r.error) for rank, r in enumerate(replies) if not r.ok]
         if bad:
             raise EngineError(
-                f"KV connector {method!r} failed on tp worker {bad[0][0]}: {bad[0][1]}"
+                f"KV connector request {name} failed on tp worker {bad[0][0]}: {bad[0][1]}"
             )
-        return [r.payload for r in replies]
+        return [r.reply or ConnectorReply() for r in replies]
 
     def close(self) -> None:
         group = getattr(self, "group", None)
         if group is not None:
             with contextlib.suppress(Exception):
                 group.close()
+
+
+def _worker_error(message: str, cause: Exception) -> WorkerError:
+    """The engine's report of a tp worker failure, keeping the failed rank and traceback."""
+    return WorkerError(message, getattr(cause, "rank", None), getattr(cause, "traceback_text", ""))

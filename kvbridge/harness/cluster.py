@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from kvbridge.errors import WorkerError
 from kvbridge.harness.commands import (
     Command,
     Event,
@@ -36,7 +37,6 @@ from kvbridge.harness.commands import (
 from kvbridge.harness.worker import worker_main
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
-from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.messages import LayoutWire, ModelWire
 
 
@@ -180,7 +180,7 @@ class Cluster:
         return [ev for _, ev in out]
 
     def expect(self, worker: WorkerHandle, kind: type, timeout_s: float) -> Any:
-        """The next event of `kind` from `worker`; raises TransferError on timeout, on the
+        """The next event of `kind` from `worker`; raises WorkerError on timeout, on the
         worker's death or on its `Failed` report."""
         found: list[Any] = []
 
@@ -195,13 +195,14 @@ class Cluster:
             why = (
                 "exited" if not worker.process.is_alive() else f"did not answer in {timeout_s:g} s"
             )
-            raise TransferError(
+            raise WorkerError(
                 f"{worker.role} worker {worker.rank} of {worker.instance_id} {why}"
-                f" (waiting for {kind.__name__})"
+                f" (waiting for {kind.__name__})",
+                worker.rank,
             )
         ev = found[0]
         if isinstance(ev, Failed) and kind is not Failed:
-            raise TransferError(f"{worker.role} worker {worker.rank}: {ev.error}")
+            raise WorkerError(f"{worker.role} worker {worker.rank}: {ev.error}", worker.rank)
         return ev
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from kvbridge.engine.llm_engine import LLMEngine, RequestOutput
 from kvbridge.engine.sampling import SamplingParams as EngineSampling
 from kvbridge.serve.backend import GenerateEvent
+from kvbridge.transfer.connector import Poll, TransferTracker
 
 log = logging.getLogger("kvbridge.serve")
 T = TypeVar("T")
@@ -48,18 +49,6 @@ class _Stream:
         self.aloop.call_soon_threadsafe(self.queue.put_nowait, ev)
 
 
-@dataclass
-class _Transfer:
-    """A request's KV moving on every worker: pinned (prefill) or being pulled (decode)."""
-
-    block_ids: list[int]
-    remaining: int
-    failures: list[str] = field(default_factory=list)
-    nbytes: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    on_done: Callable[[_Transfer], None] | None = None
-
-
 class EngineLoop:
     """Owns `engine` once started; all engine calls go through `call`."""
 
@@ -75,11 +64,9 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.streams: dict[str, _Stream] = {}
-        self.transfers: dict[str, _Transfer] = {}
+        self.tracker = TransferTracker()  # requests whose KV is pinned or being pulled
         self.on_prefilled: dict[str, Callable[[RequestOutput], None]] = {}
         self.fatal: str | None = None
-        self.kv_bytes_total = 0.0
-        self.pinned_blocks = 0
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -115,7 +102,7 @@ class EngineLoop:
                         self._deliver(out)
                     worked = True
                 now = time.monotonic()
-                busy = bool(self.transfers)
+                busy = bool(self.tracker.transfers)
                 due = now - last_poll >= (BUSY_POLL_S if busy else IDLE_POLL_S)
                 if self.has_connector and (busy or self.poll_when_idle) and due:
                     self._poll_connector()
@@ -128,7 +115,7 @@ class EngineLoop:
                     self.streams.pop(rid, None)
                 return
             if not worked:
-                self._wake.wait(BUSY_POLL_S if self.transfers else IDLE_POLL_S)
+                self._wake.wait(BUSY_POLL_S if self.tracker.transfers else IDLE_POLL_S)
                 self._wake.clear()
 
     def _run_tasks(self) -> bool:
@@ -180,26 +167,7 @@ class EngineLoop:
         )
 
     def _poll_connector(self) -> None:
-        from kvbridge.engine.kv_connector import poll_decoder
-
-        pinned = 0
-        for raw in self.engine.connector_call("poll", b""):
-            reply = poll_decoder.decode(raw)
-            pinned += reply.pinned_blocks
-            for ev in reply.events:
-                tr = self.transfers.get(ev.request_id)
-                if tr is None:
-                    continue
-                tr.remaining -= 1
-                tr.nbytes += ev.nbytes
-                if not ev.ok:
-                    tr.failures.append(ev.reason)
-                if tr.remaining == 0:
-                    del self.transfers[ev.request_id]
-                    self.kv_bytes_total += tr.nbytes
-                    if tr.on_done is not None:
-                        tr.on_done(tr)
-        self.pinned_blocks = pinned
+        self.tracker.feed(self.engine.connector_call(Poll()))
 
 
 def engine_sampling(

@@ -24,14 +24,14 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from kvbridge.engine.kv_connector import ExposeArgs, PullArgs
 from kvbridge.engine.llm_engine import LLMEngine, RequestOutput
 from kvbridge.errors import KVBridgeError
 from kvbridge.serve import wire
 from kvbridge.serve.backend import PROTOCOL_VERSION, GenerateEvent, GenerateRequest
-from kvbridge.serve.engine_loop import EngineLoop, _Stream, _Transfer, engine_sampling
+from kvbridge.serve.engine_loop import EngineLoop, _Stream, engine_sampling
 from kvbridge.serve.metrics import Metrics
 from kvbridge.serve.openai_protocol import error_body
+from kvbridge.transfer.connector import Expose, Pull, TrackedTransfer
 
 
 class Role(enum.Enum):
@@ -149,10 +149,9 @@ class Instance:
                 finish = "length"
             kv = None
             if finish is None and self.loop.has_connector:
-                engine.connector_call(
-                    "expose", msgspec.msgpack.encode(ExposeArgs(rid, comp.block_ids, len(ids)))
-                )
-                self.loop.transfers[rid] = _Transfer(
+                engine.connector_call(Expose(rid, comp.block_ids, len(ids)))
+                self.loop.tracker.track(
+                    rid,
                     comp.block_ids,
                     self.loop.world_size,
                     on_done=lambda tr: engine.release_blocks(tr.block_ids),
@@ -213,18 +212,13 @@ class Instance:
         kv = pf.kv
         blocks = engine.allocate_blocks(len(ids))
         try:
-            engine.connector_call(
-                "pull",
-                msgspec.msgpack.encode(
-                    PullArgs(rid, kv.endpoint, kv.block_ids, blocks, kv.num_tokens)
-                ),
-            )
+            engine.connector_call(Pull(rid, kv.endpoint, kv.block_ids, blocks, kv.num_tokens))
         except Exception as exc:
             engine.release_blocks(blocks)
             recompute(str(exc))
             return
 
-        def done(tr: _Transfer) -> None:
+        def done(tr: TrackedTransfer) -> None:
             stream.stages["transfer_ms"] = (time.perf_counter() - tr.started) * 1e3
             stream.stages["kv_bytes"] = float(tr.nbytes)
             self.metrics.inc("kv_instance_bytes_total", tr.nbytes)
@@ -240,10 +234,10 @@ class Instance:
                 )
                 self.loop.streams[rid] = stream
 
-        self.loop.transfers[rid] = _Transfer(blocks, self.loop.world_size, on_done=done)
+        self.loop.tracker.track(rid, blocks, self.loop.world_size, on_done=done)
 
     def _abort(self, engine: LLMEngine, rid: str) -> None:
-        if rid in self.loop.transfers:
+        if rid in self.loop.tracker.transfers:
             self._aborted.add(rid)
         if self.loop.streams.pop(rid, None) is not None:
             engine.abort(rid)
@@ -282,7 +276,7 @@ class Instance:
             labels = {"instance": self.instance_id, "role": self.role.value}
             self.metrics.set("blocks_in_use", used, **labels)
             self.metrics.set("blocks_total", total, **labels)
-            self.metrics.set("kv_pinned_blocks", self.loop.pinned_blocks, **labels)
+            self.metrics.set("kv_pinned_blocks", self.loop.tracker.pinned_blocks, **labels)
             return PlainTextResponse(self.metrics.render())
 
         @app.post("/internal/prefill")

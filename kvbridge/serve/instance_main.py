@@ -8,16 +8,15 @@ import sys
 import uuid
 from pathlib import Path
 
-import msgspec
 import uvicorn
 
 from kvbridge.engine.config import EngineConfig
-from kvbridge.engine.kv_connector import ConnectorRole, ConnectorSpec
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.errors import ConfigError
 from kvbridge.serve.engine_loop import EngineLoop
 from kvbridge.serve.instance import Instance, KVLoadFailure, Role
 from kvbridge.transfer.config import TransferConfig, load_token
+from kvbridge.transfer.connector import ConnectorRole, ConnectorSpec, GetEndpoint, SetEndpoints
 
 
 def _progress(stage: str, done: int, total: int) -> None:
@@ -42,7 +41,7 @@ def run_instance(args: argparse.Namespace) -> int:
         handshake_timeout_s=args.handshake_timeout_s,
     )
     role_name = ConnectorRole.PRODUCER if role is Role.PREFILL else ConnectorRole.CONSUMER
-    spec = ConnectorSpec(role=role_name.value, instance_id=instance_id, transfer=transfer)
+    spec = ConnectorSpec(role=role_name, instance_id=instance_id, transfer=transfer)
     config = EngineConfig(
         tp_size=args.tp,
         block_size=args.block_size,
@@ -64,9 +63,9 @@ def run_instance(args: argparse.Namespace) -> int:
         tmp.replace(args.port_file)
     print(f"[{instance_id}] loading {args.model} at tp {args.tp} ...", file=sys.stderr, flush=True)
     engine = LLMEngine(args.model, config, progress=_progress, connector=spec)
-    endpoints = [msgspec.msgpack.decode(raw) for raw in engine.connector_call("endpoint", b"")]
+    endpoints = [reply.endpoint for reply in engine.connector_call(GetEndpoint())]
     if role is Role.PREFILL:
-        engine.connector_call("set_endpoints", msgspec.msgpack.encode(endpoints))
+        engine.connector_call(SetEndpoints(endpoints))
     loop = EngineLoop(engine, world_size=args.tp).start()
     inst = Instance(loop, role, instance_id, args.model, KVLoadFailure(args.kv_load_failure))
     inst.endpoint = endpoints[0] if role is Role.PREFILL else ""

@@ -5,7 +5,7 @@ Every error names the rank it is about, so the engine can say which worker faile
 
 from __future__ import annotations
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import KVBridgeError, WorkerError
 
 
 class ParallelError(KVBridgeError):
@@ -48,31 +48,26 @@ class CommUsageError(ParallelError):
     """A collective was called with an unsupported tensor (too large, wrong dtype or device)."""
 
 
-class WorkerError(ParallelError):
-    """A worker's handler raised; carries the worker's rank and its traceback text."""
-
-    def __init__(self, message: str, rank: int, traceback_text: str) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.traceback_text = traceback_text
+# A worker's handler raising is the project's one `WorkerError` (rank + traceback text);
+# the specific worker failures below are kinds of it.
+__all__ = ["WorkerError"]
 
 
-class WorkerDiedError(ParallelError):
+class WorkerDiedError(WorkerError, ParallelError):
     """A worker process exited while the driver waited for it."""
 
     def __init__(self, message: str, rank: int, exitcode: int | None) -> None:
-        super().__init__(message)
-        self.rank = rank
+        super().__init__(message, rank)
         self.exitcode = exitcode
 
 
-class WorkerStartError(ParallelError):
+class WorkerStartError(WorkerError, ParallelError):
     """Worker processes did not become ready (import error, init failure, timeout)."""
 
 
-class WorkerTimeoutError(ParallelError):
+class WorkerTimeoutError(WorkerError, ParallelError):
     """A call's replies did not all arrive within its timeout."""
 
 
-class WorkerGroupClosedError(ParallelError):
+class WorkerGroupClosedError(WorkerError, ParallelError):
     """The group was closed, or broken by an earlier failure; start a new one."""

@@ -301,7 +301,7 @@ class WorkerGroup:
                 f"worker group is unusable: {self._broken}; close it and start a new one"
             )
 
-    def _fail(self, reason: str, error: ParallelError | None) -> None:
+    def _fail(self, reason: str, error: ParallelError | WorkerError | None) -> None:
         self._broken = reason
         raise error or WorkerGroupClosedError(reason)
 

@@ -1,0 +1,320 @@
+"""The worker-side connector an engine embeds, and the driver's view of it.
+
+An engine runs one `WorkerConnector` in every worker process that owns a KV cache: the
+transport (one NIXL agent, the cache's regions registered once) and a `KVProducer`
+(prefill instance) or `KVConsumer` (decode instance) over it. The engine's driver
+talks to all of its workers with typed requests and gets one typed reply per worker:
+
+    GetEndpoint               -> reply.endpoint: this worker's side channel (producers)
+    SetEndpoints(endpoints)   every producer worker learns all its instance's endpoints
+                              (gather GetEndpoint from every worker first, rank order)
+    Expose(request, blocks)   producer workers pin a prefilled request's blocks
+    Pull(request, ...)        consumer workers start reading it into local blocks
+    Poll                      -> reply.events: requests finished since (released on a
+                              producer, DONE/FAILED on a consumer), reply.pinned_blocks
+
+Polling cadence: without NIXL's progress thread a read from a worker's memory
+progresses only while that worker polls, so the worker's own loop calls `idle_poll()`
+between driver calls and waits as long as it returns: `BUSY_POLL_S` while a transfer is
+pending, `IDLE_POLL_S` for an idle producer (it answers handshakes, runs leases),
+`CONSUMER_IDLE_S` for an idle consumer. An engine whose workers cannot poll on their
+own (one process, driver and worker alike) sends `Poll` from its loop instead.
+
+On the driver, `TransferTracker` turns the workers' events into one outcome per request
+once every worker reported: the release callback of the engine (free the blocks).
+
+Requests and replies are msgspec structs (`encode`, `request_decoder`, `reply_decoder`)
+so they can cross a process boundary as bytes; nothing is pickled. NIXL, ZMQ and the
+runtime's modules are imported when a `WorkerConnector` is built, not before.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout
+from kvbridge.transfer.config import TransferConfig
+
+if TYPE_CHECKING:
+    from kvbridge.transfer.agent import Transport
+    from kvbridge.transfer.consumer import KVConsumer
+    from kvbridge.transfer.producer import KVProducer
+    from kvbridge.transfer.regions import CacheRegions
+
+#: How often an idle producer worker polls its side channel and leases (seconds).
+IDLE_POLL_S = 0.05
+#: How often a worker polls while one of its transfers is pending (seconds).
+BUSY_POLL_S = 0.001
+#: How often an idle consumer worker polls (nothing is pending; a pull wakes it).
+CONSUMER_IDLE_S = 0.5
+
+
+class ConnectorRole(enum.Enum):
+    PRODUCER = "producer"  # prefill instance: exposes blocks
+    CONSUMER = "consumer"  # decode instance: pulls blocks
+
+
+class ConnectorSpec(msgspec.Struct, frozen=True):
+    """How every worker of one instance sets up its side of the transfer runtime."""
+
+    role: ConnectorRole
+    instance_id: str
+    transfer: TransferConfig = TransferConfig()
+
+
+class GetEndpoint(msgspec.Struct, frozen=True, tag="endpoint"):
+    """Ask each worker for its side-channel endpoint ("" on a consumer)."""
+
+
+class SetEndpoints(msgspec.Struct, frozen=True, tag="set_endpoints"):
+    """Tell each producer worker every worker's endpoint of its instance, in rank order."""
+
+    endpoints: list[str]
+
+
+class Expose(msgspec.Struct, frozen=True, tag="expose"):
+    """Producer workers: pin `block_ids` holding `num_tokens` tokens of `request_id`."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+class Pull(msgspec.Struct, frozen=True, tag="pull"):
+    """Consumer workers: read `request_id` from the producer instance at `endpoint`."""
+
+    request_id: str
+    endpoint: str
+    producer_block_ids: list[int]
+    local_block_ids: list[int]
+    num_tokens: int
+
+
+class Poll(msgspec.Struct, frozen=True, tag="poll"):
+    """Progress transfers now and report the requests finished since the last Poll."""
+
+
+ConnectorRequest = GetEndpoint | SetEndpoints | Expose | Pull | Poll
+
+
+class ConnectorEvent(msgspec.Struct, frozen=True):
+    """A request's transfer finished on one worker: released (producer) or DONE /
+    FAILED (consumer), with the reason and the bytes it read."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+
+
+class ConnectorReply(msgspec.Struct, frozen=True):
+    """One worker's answer to any request."""
+
+    endpoint: str = ""
+    events: list[ConnectorEvent] = msgspec.field(default_factory=list)
+    pinned_blocks: int = 0  # producer: blocks pinned; consumer: blocks being pulled into
+
+
+request_decoder = msgspec.msgpack.Decoder(ConnectorRequest)
+reply_decoder = msgspec.msgpack.Decoder(ConnectorReply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: ConnectorRequest | ConnectorReply) -> bytes:
+    return _encoder.encode(msg)
+
+
+class WorkerConnector:
+    """One worker's producer or consumer over its registered cache. Built, called and
+    closed by the process that owns the cache memory, from one thread."""
+
+    def __init__(
+        self,
+        spec: ConnectorSpec,
+        model: ModelKVSpec,
+        layout: InstanceLayout,
+        rank: int,
+        regions: CacheRegions,
+        num_blocks: int,
+        transport: Transport | None = None,
+    ) -> None:
+        from kvbridge.transfer.agent import NixlTransport
+        from kvbridge.transfer.consumer import KVConsumer
+        from kvbridge.transfer.producer import KVProducer
+
+        self.role = spec.role
+        self.transport = transport or NixlTransport(
+            f"{spec.instance_id}-{spec.role.value}-{rank}", regions
+        )
+        side = KVProducer if self.role is ConnectorRole.PRODUCER else KVConsumer
+        try:
+            runtime = side(
+                model=model,
+                layout=layout,
+                rank=rank,
+                regions=regions,
+                num_blocks=num_blocks,
+                transport=self.transport,
+                config=spec.transfer,
+                instance_id=spec.instance_id,
+            )
+        except BaseException:
+            if transport is None:  # ours: deregister the memory and drop the agent
+                self.transport.close()
+            raise
+        self.producer = runtime if isinstance(runtime, KVProducer) else None
+        self.consumer = runtime if isinstance(runtime, KVConsumer) else None
+        self._events: list[ConnectorEvent] = []
+        self._last_poll = 0.0
+
+    def handle(self, request: ConnectorRequest) -> ConnectorReply:
+        """Serve one driver request; raises a KVBridgeError on a bad one."""
+        if isinstance(request, GetEndpoint):
+            return ConnectorReply(endpoint=self.producer.endpoint if self.producer else "")
+        if isinstance(request, SetEndpoints):
+            self._need(self.producer, request).set_worker_endpoints(request.endpoints)
+        elif isinstance(request, Expose):
+            self._need(self.producer, request).expose(
+                request.request_id, request.block_ids, request.num_tokens
+            )
+        elif isinstance(request, Pull):
+            self._need(self.consumer, request).pull(
+                request.request_id,
+                request.endpoint,
+                request.producer_block_ids,
+                request.local_block_ids,
+                request.num_tokens,
+            )
+        elif isinstance(request, Poll):
+            self._last_poll = 0.0  # the driver asks: poll now
+            self.idle_poll()
+            events, self._events = self._events, []
+            return ConnectorReply(events=events, pinned_blocks=self.num_pinned_blocks)
+        return ConnectorReply()
+
+    def _need(self, side: KVProducer | KVConsumer | None, request: ConnectorRequest) -> Any:
+        if side is None:
+            from kvbridge.transfer.errors import TransferError
+
+            raise TransferError(
+                f"{type(request).__name__} is not a request for a {self.role.value} worker"
+            )
+        return side
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        if self.producer is not None:
+            return self.producer.num_pinned_blocks
+        return self.consumer.num_held_blocks if self.consumer is not None else 0
+
+    def idle_poll(self) -> float:
+        """Progress transfers and collect finished requests, at most as often as the
+        state needs; returns how long the caller may wait before the next call."""
+        now = time.monotonic()
+        interval = self.poll_interval()
+        if now - self._last_poll < interval:
+            return interval - (now - self._last_poll)
+        self._last_poll = now
+        if self.producer is not None:
+            for rel in self.producer.poll(0):
+                ok = rel.cause.value == "completed"
+                self._events.append(ConnectorEvent(rel.request_id, ok, rel.reason))
+        if self.consumer is not None:
+            for res in self.consumer.poll():
+                ok = res.state.value == "done"
+                self._events.append(ConnectorEvent(res.request_id, ok, res.reason, res.nbytes))
+        return self.poll_interval()
+
+    def poll_interval(self) -> float:
+        """BUSY_POLL_S while a transfer is pending (a read from this worker's memory
+        progresses only while it polls); IDLE_POLL_S for an idle producer (it answers
+        handshakes and runs leases); CONSUMER_IDLE_S for an idle consumer, which has
+        nothing to progress until the next pull (a driver call, which wakes the worker)."""
+        if self.producer is not None:
+            return BUSY_POLL_S if self.producer.num_pinned_blocks > 0 else IDLE_POLL_S
+        if self.consumer is not None and self.consumer.num_held_blocks > 0:
+            return BUSY_POLL_S
+        return CONSUMER_IDLE_S
+
+    def close(self) -> None:
+        """Fail or release what is in flight, close the side channel, drop the agent."""
+        try:
+            if self.producer is not None:
+                self.producer.close()
+            if self.consumer is not None:
+                self.consumer.close()
+        finally:
+            self.transport.close()
+
+
+@dataclass
+class TrackedTransfer:
+    """A request's KV moving on every worker of one instance."""
+
+    request_id: str
+    block_ids: list[int]
+    remaining: int  # workers yet to report
+    failures: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    on_done: Callable[[TrackedTransfer], None] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+class TransferTracker:
+    """The driver's side: one outcome per request from its workers' `Poll` replies.
+
+    `track` a request when it is exposed or pulled (with the number of workers that
+    will report it); `feed` the replies of each `Poll`. Once every worker reported, the
+    request's `on_done` runs once (free or keep its blocks; `failures` says why not ok).
+    Single-threaded: the engine loop calls both.
+    """
+
+    def __init__(self) -> None:
+        self.transfers: dict[str, TrackedTransfer] = {}
+        self.pinned_blocks = 0
+        self.nbytes_total = 0
+
+    def track(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        num_workers: int,
+        on_done: Callable[[TrackedTransfer], None] | None = None,
+    ) -> TrackedTransfer:
+        tr = TrackedTransfer(request_id, list(block_ids), num_workers, on_done=on_done)
+        self.transfers[request_id] = tr
+        return tr
+
+    def feed(self, replies: Iterable[ConnectorReply]) -> list[TrackedTransfer]:
+        """Apply one Poll's replies; returns the transfers that finished."""
+        done = []
+        pinned = 0
+        for reply in replies:
+            pinned += reply.pinned_blocks
+            for ev in reply.events:
+                tr = self.transfers.get(ev.request_id)
+                if tr is None:
+                    continue
+                tr.remaining -= 1
+                tr.nbytes += ev.nbytes
+                if not ev.ok:
+                    tr.failures.append(ev.reason)
+                if tr.remaining == 0:
+                    del self.transfers[ev.request_id]
+                    self.nbytes_total += tr.nbytes
+                    done.append(tr)
+                    if tr.on_done is not None:
+                        tr.on_done(tr)
+        self.pinned_blocks = pinned
+        return done

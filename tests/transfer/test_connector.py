@@ -1,0 +1,87 @@
+"""The worker-side connector an engine embeds, and the driver's tracker, over a fake
+transport (real producer and consumer, real side channel, one process). Our engine and
+serve use the same connector; tests/serve runs it with real NIXL agents."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.connector import (
+    IDLE_POLL_S,
+    ConnectorEvent,
+    ConnectorReply,
+    ConnectorRole,
+    ConnectorSpec,
+    Expose,
+    GetEndpoint,
+    Poll,
+    Pull,
+    SetEndpoints,
+    TransferTracker,
+    WorkerConnector,
+    encode,
+    request_decoder,
+)
+from kvbridge.transfer.errors import TransferError
+
+from .fakes import FakeTransport
+from .test_runtime_states import MODEL, NUM_BLOCKS, PREFILL, regions
+
+
+def make(role: ConnectorRole, transport: FakeTransport) -> WorkerConnector:
+    spec = ConnectorSpec(role, "P", TransferConfig(lease_s=0.2))
+    return WorkerConnector(
+        spec, MODEL, PREFILL, 0, regions(PREFILL, 0), NUM_BLOCKS, transport=transport
+    )
+
+
+def test_producer_connector_exposes_polls_and_reports_the_release() -> None:
+    transport = FakeTransport("prefill0")
+    conn = make(ConnectorRole.PRODUCER, transport)
+    try:
+        (endpoint,) = [conn.handle(GetEndpoint()).endpoint]
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        conn.handle(SetEndpoints([endpoint]))
+        conn.handle(Expose("r1", [3, 1], 20))
+        reply = conn.handle(Poll())
+        assert reply.pinned_blocks == 2 and reply.events == []
+        assert conn.poll_interval() < IDLE_POLL_S  # busy: a read may be in flight
+        time.sleep(0.25)  # nobody pulls: the lease expires and the release is reported
+        (event,) = conn.handle(Poll()).events
+        assert event.request_id == "r1" and not event.ok and "lease expired" in event.reason
+        assert conn.handle(Poll()) == ConnectorReply()  # reported once, nothing pinned
+        with pytest.raises(TransferError, match="Pull is not a request for a producer worker"):
+            conn.handle(Pull("r3", endpoint, [1], [1], 4))
+    finally:
+        conn.close()
+
+
+def test_requests_cross_a_process_boundary_as_typed_bytes() -> None:
+    req = Pull("r1", "tcp://127.0.0.1:5000", [1, 2], [7, 8], 20)
+    assert request_decoder.decode(encode(req)) == req
+    with pytest.raises(Exception, match="missing required field `type`"):
+        request_decoder.decode(encode(ConnectorReply()))
+
+
+def test_tracker_reports_a_request_once_every_worker_did() -> None:
+    done = []
+    tracker = TransferTracker()
+    tracker.track("a", [1, 2], num_workers=2, on_done=done.append)
+    tracker.track("b", [3], num_workers=2, on_done=done.append)
+    tracker.feed(
+        [
+            ConnectorReply(events=[ConnectorEvent("a", True, nbytes=10)], pinned_blocks=3),
+            ConnectorReply(events=[ConnectorEvent("b", False, "lease expired")], pinned_blocks=3),
+        ]
+    )
+    assert done == [] and tracker.pinned_blocks == 6
+    finished = tracker.feed(
+        [ConnectorReply(), ConnectorReply(events=[ConnectorEvent("a", True, nbytes=5)])]
+    )
+    assert [t.request_id for t in finished] == ["a"] and done[0].nbytes == 15 and done[0].ok
+    tracker.feed([ConnectorReply(events=[ConnectorEvent("b", True)]), ConnectorReply()])
+    assert done[1].request_id == "b" and done[1].failures == ["lease expired"]
+    assert not tracker.transfers and tracker.nbytes_total == 15
