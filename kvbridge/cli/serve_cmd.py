@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import uuid
+from typing import Any
 
 from kvbridge.cli.plan_cmd import layout_arg
 from kvbridge.errors import ConfigError
@@ -156,44 +156,60 @@ def _check_pp(args: argparse.Namespace) -> None:
             )
 
 
-def instance_args(args: argparse.Namespace, side: str) -> list[str]:
-    """The command line of one child instance of a full deployment."""
-    out = [
-        "--role",
-        side,
-        "--model",
-        args.model,
-        "--tp",
-        str(getattr(args, f"{side}_tp")),
-        "--block-size",
-        str(getattr(args, f"{side}_block_size")),
-        "--layout",
-        getattr(args, f"{side}_layout"),
-        "--kv-load-failure",
-        args.kv_load_failure,
-        "--lease-s",
-        str(args.lease_s),
-        "--transfer-timeout-s",
-        str(args.transfer_timeout_s),
-        "--handshake-timeout-s",
-        str(args.handshake_timeout_s),
-        "--kv-cache-mb",
-        str(args.kv_cache_mb),
-        "--kv-port",
-        str(args.kv_port),
-    ]
-    if args.kv_host:
-        out += ["--kv-host", args.kv_host]
-    if args.kv_token_file:
-        out += ["--kv-token-file", args.kv_token_file]
-    return out
+def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
+    """The typed config of one instance: `side` of a full deployment ("prefill" or
+    "decode", from the --prefill-*/--decode-* flags), or the single --role instance."""
+    from kvbridge.serve.config import InstanceConfig, KVLoadFailure, Role
+
+    if side is None:
+        if args.tp is None:
+            raise ConfigError(
+                f"--role {args.role} needs --tp (the instance's tensor-parallel size)"
+            )
+        role, tp, block, layout = args.role, args.tp, args.block_size, args.layout
+    else:
+        role = side
+        tp, block = getattr(args, f"{side}_tp"), getattr(args, f"{side}_block_size")
+        layout = getattr(args, f"{side}_layout")
+    return InstanceConfig(
+        role=Role(role),
+        tp_size=tp,
+        model=args.model,
+        block_size=block,
+        cache_layout=layout,
+        kv_cache_mb=args.kv_cache_mb,
+        host=args.host,
+        port=args.port if side is None else 0,
+        port_file=getattr(args, "port_file", None) if side is None else None,
+        kv_host=args.kv_host,
+        kv_port=args.kv_port,
+        kv_token_file=args.kv_token_file,
+        kv_load_failure=KVLoadFailure(args.kv_load_failure),
+        lease_s=args.lease_s,
+        transfer_timeout_s=args.transfer_timeout_s,
+        handshake_timeout_s=args.handshake_timeout_s,
+    )
+
+
+def deployment_config(args: argparse.Namespace) -> Any:
+    from kvbridge.serve.config import DeploymentConfig
+
+    _check_pp(args)
+    return DeploymentConfig(
+        instance_config(args, "prefill"),
+        instance_config(args, "decode"),
+        args.host,
+        args.port,
+        args.start_timeout_s,
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
     if args.role in ("prefill", "decode"):
         from kvbridge.serve.instance_main import run_instance
 
-        return run_instance(args)
+        return run_instance(instance_config(args))
+    from kvbridge.serve.config import KVLoadFailure, ProxyConfig
     from kvbridge.serve.proxy_main import run_proxy
 
     if args.role == "proxy":
@@ -202,30 +218,35 @@ def run_serve(args: argparse.Namespace) -> int:
                 "--role proxy needs at least one --decode URL "
                 "(and --prefill URLs for disaggregation)"
             )
-        return run_proxy(args, args.prefill, args.decode)
-    _check_pp(args)
+        return run_proxy(
+            ProxyConfig(
+                args.model,
+                tuple(args.prefill),
+                tuple(args.decode),
+                args.host,
+                args.port,
+                KVLoadFailure(args.kv_load_failure),
+            )
+        )
+    cfg = deployment_config(args)
     from kvbridge.serve.launcher import Deployment
 
     dep = Deployment()
     try:
-        prefill = dep.start_instance("prefill", instance_args(args, "prefill"), args.host)
-        decode = dep.start_instance("decode", instance_args(args, "decode"), args.host)
+        prefill = dep.start_instance("prefill", cfg.prefill.to_args(), cfg.host)
+        decode = dep.start_instance("decode", cfg.decode.to_args(), cfg.host)
         print(
-            f"loading {args.model}: prefill tp {args.prefill_tp}, decode tp {args.decode_tp} ...",
+            f"loading {cfg.prefill.model}: prefill tp {cfg.prefill.tp_size}, "
+            f"decode tp {cfg.decode.tp_size} ...",
             file=sys.stderr,
         )
-        dep.wait_healthy(args.start_timeout_s, say=lambda s: print(s, file=sys.stderr))
-        return run_proxy(args, [prefill.url], [decode.url])
+        dep.wait_healthy(cfg.start_timeout_s, say=lambda s: print(s, file=sys.stderr))
+        return run_proxy(cfg.proxy(prefill.url, decode.url))
     finally:
         dep.stop()
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    _check_pp(args)
     from kvbridge.serve.demo import demo
 
-    return demo(args, instance_args(args, "prefill"), instance_args(args, "decode"))
-
-
-def new_instance_id(role: str) -> str:
-    return f"{role}-{uuid.uuid4().hex[:8]}"
+    return demo(deployment_config(args), args.prompt, args.max_tokens)

@@ -7,7 +7,6 @@ generate the same request colocated (prompt computed there) and checks the texts
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -16,6 +15,7 @@ import msgspec
 
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
+from kvbridge.serve.config import DeploymentConfig
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment, LaunchError, free_port
@@ -48,35 +48,36 @@ def colocated_text(decode_url: str, prompt: str, max_tokens: int) -> str:
     return "".join(parts)
 
 
-def demo(args: argparse.Namespace, prefill_args: list[str], decode_args: list[str]) -> int:
+def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
     say = print
     dep = Deployment()
     proxy: ServerThread | None = None
     try:
         say(
-            f"starting prefill tp {args.prefill_tp} -> decode tp {args.decode_tp} "
-            f"({args.model}) ..."
+            f"starting prefill tp {cfg.prefill.tp_size} -> decode tp {cfg.decode.tp_size} "
+            f"({cfg.prefill.model}) ..."
         )
-        prefill = dep.start_instance("prefill", prefill_args, args.host)
-        decode = dep.start_instance("decode", decode_args, args.host)
-        dep.wait_healthy(args.start_timeout_s, say=say)
+        prefill = dep.start_instance("prefill", cfg.prefill.to_args(), cfg.host)
+        decode = dep.start_instance("decode", cfg.decode.to_args(), cfg.host)
+        dep.wait_healthy(cfg.start_timeout_s, say=say)
+        proxy_cfg = cfg.proxy(prefill.url, decode.url)
         backend = DisaggBackend(
-            [prefill.url],
-            [decode.url],
-            args.model,
-            recompute_on_failure=args.kv_load_failure == "recompute",
+            list(proxy_cfg.prefill_urls),
+            list(proxy_cfg.decode_urls),
+            proxy_cfg.model,
+            recompute_on_failure=proxy_cfg.recompute_on_failure,
         )
-        port = args.port
+        port = cfg.port
         try:
-            proxy = ServerThread(make_app(backend), args.host, port).start()
+            proxy = ServerThread(make_app(backend), cfg.host, port).start()
         except Exception:
-            port = free_port(args.host)
-            say(f"port {args.port} is busy; the proxy uses {port}")
-            proxy = ServerThread(make_app(backend), args.host, port).start()
+            port = free_port(cfg.host)
+            say(f"port {cfg.port} is busy; the proxy uses {port}")
+            proxy = ServerThread(make_app(backend), cfg.host, port).start()
         body = {
-            "model": args.model,
-            "prompt": args.prompt,
-            "max_tokens": args.max_tokens,
+            "model": cfg.prefill.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
             "temperature": 0,
         }
         say(f"$ curl {proxy.url}/v1/completions -d '{msgspec.json.encode(body).decode()}'")
@@ -88,7 +89,7 @@ def demo(args: argparse.Namespace, prefill_args: list[str], decode_args: list[st
             return 1
         out = r.json()
         text = out["choices"][0]["text"]
-        say(f"completion: {args.prompt!r} -> {text!r}")
+        say(f"completion: {prompt!r} -> {text!r}")
         stages = out.get("kvbridge_stages", {})
         tokens = out["usage"]["completion_tokens"]
         decode_ms = stages.get("decode_ms", 0.0)
@@ -105,7 +106,7 @@ def demo(args: argparse.Namespace, prefill_args: list[str], decode_args: list[st
         )
         if stages.get("kv_load_failed"):
             say("note: the KV pull failed and the decode instance recomputed the prompt")
-        reference = colocated_text(decode.url, args.prompt, args.max_tokens)
+        reference = colocated_text(decode.url, prompt, max_tokens)
         if reference != text:
             say(f"MISMATCH: colocated generation gives {reference!r}")
             return 1

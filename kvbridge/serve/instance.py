@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import enum
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,21 +27,11 @@ from kvbridge.engine.llm_engine import LLMEngine, RequestOutput
 from kvbridge.errors import KVBridgeError
 from kvbridge.serve import wire
 from kvbridge.serve.backend import PROTOCOL_VERSION, GenerateEvent, GenerateRequest
+from kvbridge.serve.config import KVLoadFailure, Role
 from kvbridge.serve.engine_loop import EngineLoop, _Stream, engine_sampling
 from kvbridge.serve.metrics import Metrics
 from kvbridge.serve.openai_protocol import error_body
 from kvbridge.transfer.connector import Expose, Pull, TrackedTransfer
-
-
-class Role(enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-class KVLoadFailure(enum.Enum):
-    RECOMPUTE = "recompute"  # compute the prompt locally and answer correctly
-    FAIL = "fail"  # answer an error
-
 
 #: Longest a handler waits for the engine before answering 503 (a prefill of a long
 #: prompt on 2 cores takes seconds; a stuck engine must not hold clients forever).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import socket
 import sys
 import uuid
@@ -10,12 +9,11 @@ from pathlib import Path
 
 import uvicorn
 
-from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.errors import ConfigError
+from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.engine_loop import EngineLoop
-from kvbridge.serve.instance import Instance, KVLoadFailure, Role
-from kvbridge.transfer.config import TransferConfig, load_token
+from kvbridge.serve.instance import Instance
 from kvbridge.transfer.connector import ConnectorRole, ConnectorSpec, GetEndpoint, SetEndpoints
 
 
@@ -26,51 +24,37 @@ def _progress(stage: str, done: int, total: int) -> None:
         print(f"  {stage}: {done}/{total}", file=sys.stderr, flush=True)
 
 
-def run_instance(args: argparse.Namespace) -> int:
-
-    role = Role(args.role)
-    if args.tp is None:
-        raise ConfigError(f"--role {role.value} needs --tp (the instance's tensor-parallel size)")
+def run_instance(cfg: InstanceConfig) -> int:
+    role = cfg.role
     instance_id = f"{role.value}-{uuid.uuid4().hex[:8]}"
-    transfer = TransferConfig(
-        host=args.kv_host or args.host,
-        base_port=args.kv_port,
-        token=load_token(path=args.kv_token_file),
-        lease_s=args.lease_s,
-        transfer_timeout_s=args.transfer_timeout_s,
-        handshake_timeout_s=args.handshake_timeout_s,
-    )
     role_name = ConnectorRole.PRODUCER if role is Role.PREFILL else ConnectorRole.CONSUMER
-    spec = ConnectorSpec(role=role_name, instance_id=instance_id, transfer=transfer)
-    config = EngineConfig(
-        tp_size=args.tp,
-        block_size=args.block_size,
-        cache_layout=args.layout,
-        kv_cache_mb=args.kv_cache_mb,
-    )
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    spec = ConnectorSpec(role=role_name, instance_id=instance_id, transfer=cfg.transfer_config())
+    config = cfg.engine_config()
+    sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((args.host, args.port))
+        sock.bind((cfg.host, cfg.port))
     except OSError as exc:
         raise ConfigError(
-            f"--port {args.port} on {args.host}: {exc.strerror}; choose a free port (0 picks one)"
+            f"--port {cfg.port} on {cfg.host}: {exc.strerror}; choose a free port (0 picks one)"
         ) from None
     port = sock.getsockname()[1]
-    if args.port_file:  # tell the launcher where we listen (atomically)
-        tmp = Path(f"{args.port_file}.tmp")
+    if cfg.port_file:  # tell the launcher where we listen (atomically)
+        tmp = Path(f"{cfg.port_file}.tmp")
         tmp.write_text(str(port))
-        tmp.replace(args.port_file)
-    print(f"[{instance_id}] loading {args.model} at tp {args.tp} ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(args.model, config, progress=_progress, connector=spec)
+        tmp.replace(cfg.port_file)
+    print(
+        f"[{instance_id}] loading {cfg.model} at tp {cfg.tp_size} ...", file=sys.stderr, flush=True
+    )
+    engine = LLMEngine(cfg.model, config, progress=_progress, connector=spec)
     endpoints = [reply.endpoint for reply in engine.connector_call(GetEndpoint())]
     if role is Role.PREFILL:
         engine.connector_call(SetEndpoints(endpoints))
-    loop = EngineLoop(engine, world_size=args.tp).start()
-    inst = Instance(loop, role, instance_id, args.model, KVLoadFailure(args.kv_load_failure))
+    loop = EngineLoop(engine, world_size=cfg.tp_size).start()
+    inst = Instance(loop, role, instance_id, cfg.model, cfg.kv_load_failure)
     inst.endpoint = endpoints[0] if role is Role.PREFILL else ""
     print(
-        f"[{instance_id}] serving on http://{args.host}:{port}"
+        f"[{instance_id}] serving on http://{cfg.host}:{port}"
         + (f", KV side channel {inst.endpoint}" if inst.endpoint else ""),
         file=sys.stderr,
         flush=True,

@@ -2,27 +2,27 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import uvicorn
 
+from kvbridge.serve.config import ProxyConfig
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.proxy import make_app
 
 
-def run_proxy(args: argparse.Namespace, prefill_urls: list[str], decode_urls: list[str]) -> int:
+def run_proxy(cfg: ProxyConfig) -> int:
     backend = DisaggBackend(
-        prefill_urls,
-        decode_urls,
-        args.model,
-        recompute_on_failure=args.kv_load_failure == "recompute",
+        list(cfg.prefill_urls),
+        list(cfg.decode_urls),
+        cfg.model,
+        recompute_on_failure=cfg.recompute_on_failure,
     )
     print(
-        f"kvbridge proxy on http://{args.host}:{args.port}/v1 (prefill {prefill_urls}, "
-        f"decode {decode_urls}); Ctrl-C stops everything",
+        f"kvbridge proxy on http://{cfg.host}:{cfg.port}/v1 (prefill {list(cfg.prefill_urls)}, "
+        f"decode {list(cfg.decode_urls)}); Ctrl-C stops everything",
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(make_app(backend), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(make_app(backend), host=cfg.host, port=cfg.port, log_level="warning")
     return 0

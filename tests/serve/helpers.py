@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 
+from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.proxy import make_app
 
 
 def instance_args(
-    role: str, tp: int, block_size: int = 16, layout: str = "BHLNC", *extra: str
+    role: str, tp: int, block_size: int = 16, layout: str = "BHLNC", **overrides: Any
 ) -> list[str]:
-    """A test instance: a small cache, and timeouts generous enough for a 2-core machine
-    running two dozen processes (the fault tests pass shorter ones in `extra`)."""
-    args = ["--role", role, "--tp", str(tp), "--block-size", str(block_size)]
-    args += ["--layout", layout, "--kv-cache-mb", "32", "--lease-s", "120"]
-    return [*args, "--transfer-timeout-s", "60", "--handshake-timeout-s", "30", *extra]
+    """A test instance's command line: a small cache, and timeouts generous enough for a
+    2-core machine running two dozen processes (the fault tests pass shorter ones)."""
+    fields: dict[str, Any] = dict(
+        kv_cache_mb=32, lease_s=120, transfer_timeout_s=60, handshake_timeout_s=30
+    )
+    fields.update(overrides)
+    return InstanceConfig(
+        Role(role), tp, block_size=block_size, cache_layout=layout, **fields
+    ).to_args()
 
 
 def proxy_for(prefill: list[str], decode: list[str], recompute: bool = True) -> ServerThread:

@@ -15,6 +15,7 @@ import pytest
 
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
+from kvbridge.serve.config import KVLoadFailure
 from kvbridge.serve.demo import colocated_text
 from kvbridge.serve.launcher import Deployment
 from tests.serve.helpers import complete, instance_args, metric, proxy_for
@@ -112,16 +113,30 @@ def fault_setup():
     with a short transfer timeout (all tp 1)."""
     dep = Deployment()
     try:
-        short = ("--transfer-timeout-s", "10")
         procs = {
             "prefill_a": dep.start_instance("prefill_a", instance_args("prefill", 1)),
             "prefill_b": dep.start_instance("prefill_b", instance_args("prefill", 1)),
             "recompute": dep.start_instance(
                 "recompute",
-                instance_args("decode", 1, 16, "HND", "--kv-load-failure", "recompute", *short),
+                instance_args(
+                    "decode",
+                    1,
+                    16,
+                    "HND",
+                    kv_load_failure=KVLoadFailure.RECOMPUTE,
+                    transfer_timeout_s=10,
+                ),
             ),
             "fail": dep.start_instance(
-                "fail", instance_args("decode", 1, 16, "HND", "--kv-load-failure", "fail", *short)
+                "fail",
+                instance_args(
+                    "decode",
+                    1,
+                    16,
+                    "HND",
+                    kv_load_failure=KVLoadFailure.FAIL,
+                    transfer_timeout_s=10,
+                ),
             ),
         }
         dep.wait_healthy(600, say=None)

@@ -1,0 +1,144 @@
+"""Typed configuration of serving: one instance, the proxy, a whole deployment.
+
+The CLI (`kvbridge serve`, `kvbridge demo`) builds these from its flags; everything
+below it takes them, never an `argparse.Namespace`. A deployment starts each instance
+as a child process (`kvbridge serve --role ...`): `InstanceConfig.to_args` is its
+command line, and the child parses it back into the same object.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvbridge.engine.config import EngineConfig
+from kvbridge.errors import ConfigError
+from kvbridge.plan.layout import DEFAULT_LAYOUT, CacheLayout
+from kvbridge.transfer.config import TransferConfig, load_token
+
+
+class Role(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class KVLoadFailure(enum.Enum):
+    RECOMPUTE = "recompute"  # compute the prompt locally and answer correctly
+    FAIL = "fail"  # answer an error
+
+
+@dataclass(frozen=True)
+class InstanceConfig:
+    """One prefill or decode instance: its engine, its HTTP server, its KV runtime."""
+
+    role: Role
+    tp_size: int
+    model: str = "smollm2-135m"
+    block_size: int = 16
+    cache_layout: CacheLayout = field(default_factory=lambda: CacheLayout.parse(DEFAULT_LAYOUT))
+    kv_cache_mb: int = 256
+    host: str = "127.0.0.1"
+    port: int = 0
+    port_file: str | None = None  # where a launched instance reports its port
+    kv_host: str | None = None  # default: host
+    kv_port: int = 0
+    kv_token_file: str | None = None
+    kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
+    lease_s: float = 120.0
+    transfer_timeout_s: float = 30.0
+    handshake_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"--port {self.port} must be in [0, 65536); 0 picks a free port")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            tp_size=self.tp_size,
+            block_size=self.block_size,
+            cache_layout=self.cache_layout,
+            kv_cache_mb=self.kv_cache_mb,
+        )
+
+    def transfer_config(self) -> TransferConfig:
+        """The KV runtime's settings; reads the shared secret (file or environment)."""
+        return TransferConfig(
+            host=self.kv_host or self.host,
+            base_port=self.kv_port,
+            token=load_token(path=self.kv_token_file),
+            lease_s=self.lease_s,
+            transfer_timeout_s=self.transfer_timeout_s,
+            handshake_timeout_s=self.handshake_timeout_s,
+        )
+
+    def to_args(self) -> list[str]:
+        """The `kvbridge serve --role ...` command line of this instance (the port is
+        left to the launcher)."""
+        out = [
+            "--role",
+            self.role.value,
+            "--model",
+            self.model,
+            "--tp",
+            str(self.tp_size),
+            "--block-size",
+            str(self.block_size),
+            "--layout",
+            self.cache_layout.name,
+            "--kv-load-failure",
+            self.kv_load_failure.value,
+            "--lease-s",
+            str(self.lease_s),
+            "--transfer-timeout-s",
+            str(self.transfer_timeout_s),
+            "--handshake-timeout-s",
+            str(self.handshake_timeout_s),
+            "--kv-cache-mb",
+            str(self.kv_cache_mb),
+            "--kv-port",
+            str(self.kv_port),
+        ]
+        if self.kv_host:
+            out += ["--kv-host", self.kv_host]
+        if self.kv_token_file:
+            out += ["--kv-token-file", self.kv_token_file]
+        return out
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The OpenAI-compatible proxy in front of prefill and decode instances."""
+
+    model: str
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8300
+    kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
+
+    @property
+    def recompute_on_failure(self) -> bool:
+        return self.kv_load_failure is KVLoadFailure.RECOMPUTE
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    """A whole deployment on this host: one prefill and one decode instance (children),
+    and the proxy (this process)."""
+
+    prefill: InstanceConfig
+    decode: InstanceConfig
+    host: str = "127.0.0.1"
+    port: int = 8300
+    start_timeout_s: float = 900.0
+
+    def proxy(self, prefill_url: str, decode_url: str) -> ProxyConfig:
+        return ProxyConfig(
+            self.prefill.model,
+            (prefill_url,),
+            (decode_url,),
+            self.host,
+            self.port,
+            self.decode.kv_load_failure,
+        )
