@@ -10,7 +10,8 @@ class KVBridgeError(Exception):
 
 
 class ConfigError(KVBridgeError):
-    """A model configuration (config.json, GGUF) is unreadable or has a bad field."""
+    """A model configuration (config.json, GGUF) is unreadable or has a bad field, or an
+    optional package a flag needs is not installed."""
 
 
 class LayoutError(KVBridgeError):

@@ -3,8 +3,9 @@
 Prints which bytes every decode worker reads from which prefill worker, what each
 prefill worker waits for, and (with --verify) proves the plan byte-exact on a
 synthetic multi-block request. `--json` prints exactly one object (a contract: see
-`plan_to_json`). Exit 0 when the pair is supported, 2 when it is not (or the config
-is bad), 1 if verification found wrong bytes (a bug).
+`plan_to_json`); `--svg FILE` also draws the plan (see `plan_map`). Exit 0 when the
+pair is supported, 2 when it is not (or the config is bad, or --svg cannot be
+written), 1 if verification found wrong bytes (a bug).
 """
 
 from __future__ import annotations
@@ -127,6 +128,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tokens of the synthetic request (default: 3.5 blocks of the larger size)",
     )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument(
+        "--svg",
+        default=None,
+        metavar="FILE",
+        help="also draw the plan (workers, one arrow per read) as SVG; needs matplotlib",
+    )
     p.set_defaults(handler=run)
 
 
@@ -263,6 +270,20 @@ def run(args: argparse.Namespace) -> int:
             verified = True
         except VerificationError as exc:
             verified, failure = False, str(exc)
+    num_arrows: int | None = None
+    if args.svg is not None:
+        # drawn before anything is printed: without matplotlib (ConfigError, exit 2) or
+        # with an unwritable FILE, stdout stays empty
+        from kvbridge.cli.plan_map import draw_plan
+
+        try:
+            num_arrows = draw_plan(plan, args.svg)
+        except OSError as exc:
+            print(
+                f"kvbridge plan: error: cannot write --svg {args.svg}: {exc.strerror or exc}",
+                file=sys.stderr,
+            )
+            return 2
 
     if args.json:
         print(json.dumps(plan_to_json(plan, verified)))
@@ -272,6 +293,12 @@ def run(args: argparse.Namespace) -> int:
         # runs per block of a whole-block request: what the layout pair costs per block
         whole = 4 * math.lcm(plan.prefill.block_size, plan.decode.block_size)
         print_plan(plan, descriptor_counts(plan, whole), whole, report)
+    if num_arrows is not None:
+        # stdout holds exactly one JSON object with --json
+        print(
+            f"map written to {args.svg} ({num_arrows} reads)",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     if failure:
         print(f"kvbridge plan: VERIFICATION FAILED: {failure}", file=sys.stderr)
         return 1

@@ -13,7 +13,8 @@ def _r(r: tuple[int, int]) -> str:
     return f"[{r[0]}, {r[1]})"
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """`n` bytes in B, KiB, MiB or GiB, e.g. "7.5 KiB"."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -59,7 +60,7 @@ def print_plan(
                 _r(r.kv_heads),
                 _r(r.layers),
                 str(r.prefill_rank),
-                _bytes(r.bytes_per_token),
+                format_bytes(r.bytes_per_token),
                 per_block if first else "",
             )
     console.print(reads)
@@ -93,13 +94,13 @@ def print_plan(
         d.rank: sum(r.bytes_per_token for r in plan.reads_for(d.rank)) for d in plan.decode_workers
     }
     console.print(
-        f"bytes per token: {_bytes(plan.bytes_per_token)} read in total, "
-        f"{_bytes(max(per_worker.values()))} by the busiest decode worker"
+        f"bytes per token: {format_bytes(plan.bytes_per_token)} read in total, "
+        f"{format_bytes(max(per_worker.values()))} by the busiest decode worker"
     )
     if report is not None:
         console.print(
             f"[bold green]verified byte-exact[/]: {report.num_tokens}-token request over "
-            f"shuffled, non-contiguous blocks; {_bytes(report.bytes_copied)} copied in "
+            f"shuffled, non-contiguous blocks; {format_bytes(report.bytes_copied)} copied in "
             f"{report.descriptors} descriptors ({report.descriptors_unmerged} before merging); "
             "every other byte on the decode workers unchanged"
         )

@@ -5,9 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from kvbridge.cli.plan_report import format_bytes
+from kvbridge.plan.geometry import load_model_spec
+from kvbridge.plan.layout import InstanceLayout
+from kvbridge.plan.planner import TransferPlan, make_plan
 
 
 def kvbridge(*args: str) -> subprocess.CompletedProcess[str]:
@@ -150,3 +156,141 @@ def test_bench_plan_prints_figures():
     assert out.returncode == 0, out.stderr
     assert "merged == contiguous runs: yes" in out.stdout
     assert all(name in out.stdout for name in ("BHLNC", "LBHNC", "LBNHC"))
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def _svg_texts(el: ET.Element) -> list[str]:
+    """The strings of every <text> under `el` (one per line of a multi-line label)."""
+    return [t.text or "" for t in el.iter(f"{SVG}text")]
+
+
+def _plan(config: str, prefill: tuple[int, int], decode: tuple[int, int]) -> TransferPlan:
+    return make_plan(
+        load_model_spec(config),
+        InstanceLayout(tp_size=prefill[0], pp_size=prefill[1]),
+        InstanceLayout(tp_size=decode[0], pp_size=decode[1]),
+    )
+
+
+@pytest.mark.parametrize(
+    "config, prefill, decode",
+    [
+        ("smollm2-135m", (3, 1), (9, 1)),  # the README picture: decode replicas
+        ("llama-3.2-1b", (2, 2), (4, 1)),  # prefill pp stages, two reads per decode worker
+        ("smollm2-135m", (9, 1), (3, 1)),  # prefill replicas, six of them unused
+    ],
+    ids=["tp3-tp9", "tp2pp2-tp4", "tp9-tp3"],
+)
+def test_svg_map_draws_every_worker_and_one_arrow_per_read(config, prefill, decode, tmp_path):
+    plan = _plan(config, prefill, decode)
+    path = tmp_path / "plan.svg"
+    out = kvbridge(
+        "plan",
+        "--config",
+        config,
+        "--prefill-tp",
+        str(prefill[0]),
+        "--prefill-pp",
+        str(prefill[1]),
+        "--decode-tp",
+        str(decode[0]),
+        "--decode-pp",
+        str(decode[1]),
+        "--svg",
+        str(path),
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip().endswith(f"map written to {path} ({len(plan.reads)} reads)")
+
+    root = ET.parse(path).getroot()
+    assert root.tag == f"{SVG}svg"
+    by_id = {el.get("id"): el for el in root.iter() if el.get("id")}
+    arrows = sorted(i for i in by_id if i.startswith("read-"))
+    assert arrows == sorted(f"read-{i}" for i in range(len(plan.reads)))
+    for i in arrows:  # each arrow is drawn: a stroked line and its head
+        assert "stroke:" in by_id[i].find(f"{SVG}path").get("style", "")
+
+    for side, letter, workers in (
+        ("prefill", "P", plan.prefill_workers),
+        ("decode", "D", plan.decode_workers),
+    ):
+        for w in workers:
+            assert f"{side}-{w.rank}" in by_id  # the box
+            assert _svg_texts(by_id[f"{side}-{w.rank}-name"]) == [
+                f"{letter}{w.rank} tp{w.tp_rank}/pp{w.pp_rank}"
+            ]
+            details = _svg_texts(by_id[f"{side}-{w.rank}-text"])
+            head, tail = w.kv_heads, w.layers
+            assert details[0] == f"heads [{head[0]},{head[1]})  layers [{tail[0]},{tail[1]})"
+
+    texts = _svg_texts(root)
+    labels = [
+        f"heads [{r.kv_heads[0]},{r.kv_heads[1]}) L[{r.layers[0]},{r.layers[1]}) "
+        f"{format_bytes(r.bytes_per_token)}/tok"
+        for r in plan.reads
+    ]
+    assert sorted(t for t in texts if t.endswith("/tok") and "L[" in t) == sorted(labels)
+    assert any(plan.prefill.describe() in t and plan.decode.describe() in t for t in texts)
+
+
+def test_svg_map_marks_stages_and_replicas(tmp_path):
+    path = tmp_path / "pp.svg"
+    args = ["plan", "--config", "llama-3.2-1b", "--prefill-tp", "2", "--prefill-pp", "2"]
+    out = kvbridge(*args, "--decode-tp", "4", "--svg", str(path))
+    assert out.returncode == 0, out.stderr
+    texts = _svg_texts(ET.parse(path).getroot())
+    # a band per prefill stage; none for decode's single stage
+    assert [t for t in texts if t.startswith("pp")] == ["pp0 · layers [0,8)", "pp1 · layers [8,16)"]
+
+    plan = _plan("smollm2-135m", (9, 1), (3, 1))
+    path = tmp_path / "replicas.svg"
+    args = ["plan", "--config", "smollm2-135m", "--prefill-tp", "9", "--decode-tp", "3"]
+    out = kvbridge(*args, "--svg", str(path))
+    assert out.returncode == 0, out.stderr
+    by_id = {el.get("id"): el for el in ET.parse(path).getroot().iter() if el.get("id")}
+    unused = [w.rank for w in plan.prefill_workers if plan.expected_notifications[w.rank] == 0]
+    assert len(unused) == 6
+    for w in plan.prefill_workers:
+        status = _svg_texts(by_id[f"prefill-{w.rank}-text"])[1]
+        assert status.startswith("unused replica") == (w.rank in unused), status
+        assert status.startswith("replica") == (w.rank not in unused), status
+        # every prefill worker shares its head with two others: a dashed edge
+        assert "stroke-dasharray" in by_id[f"prefill-{w.rank}"].find(f"{SVG}path").get("style")
+    for d in plan.decode_workers:  # decode tp 3 = num_kv_heads: no replicas
+        assert "stroke-dasharray" not in by_id[f"decode-{d.rank}"].find(f"{SVG}path").get("style")
+        assert "replica" not in " ".join(_svg_texts(by_id[f"decode-{d.rank}-text"]))
+
+
+def test_svg_map_with_json_keeps_stdout_one_object(tmp_path):
+    path = tmp_path / "plan.svg"
+    args = ["plan", "--config", "smollm2-135m", "--prefill-tp", "3", "--decode-tp", "9"]
+    out = kvbridge(*args, "--verify", "--json", "--svg", str(path))
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)  # exactly one object, nothing else
+    assert obj["verified"] is True and len(obj["reads"]) == 9
+    assert f"map written to {path} (9 reads)" in out.stderr
+    assert ET.parse(path).getroot().tag == f"{SVG}svg"
+
+
+def test_svg_map_errors_exit_2(tmp_path):
+    # without matplotlib: `kvbridge plan` still runs, --svg says what to install
+    no_matplotlib = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from kvbridge.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    plan = ["plan", "--config", "smollm2-135m", "--json"]
+    run = [sys.executable, "-c", no_matplotlib, *plan]
+    out = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and json.loads(out.stdout)["supported"] is True, out.stderr
+    path = tmp_path / "plan.svg"
+    out = subprocess.run([*run, "--svg", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    assert "--svg needs matplotlib; pip install 'kvbridge[map]'" in out.stderr
+    assert "Traceback" not in out.stderr and not path.exists()
+
+    out = kvbridge(*plan, "--svg", str(tmp_path / "missing" / "plan.svg"))
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert f"cannot write --svg {tmp_path / 'missing' / 'plan.svg'}" in out.stderr
