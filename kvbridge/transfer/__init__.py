@@ -1,6 +1,9 @@
 """The transfer runtime: move a request's KV blocks between worker processes with NIXL.
 
-Engine-facing API (mirrors vLLM's KV-connector lifecycle):
+What an engine embeds (docs/embedding.md): one `WorkerConnector` per worker process
+that owns a KV cache, driven with typed requests (`GetEndpoint`, `SetEndpoints`,
+`Expose`, `Pull`, `Poll`); the driver folds the workers' replies into one outcome per
+request with `TransferTracker`. Underneath (mirrors vLLM's KV-connector lifecycle):
   * prefill worker: `KVProducer.expose(request_id, block_ids, num_tokens)`, then call
     `poll()` from its loop; `on_release` hands the blocks back once every expected
     decode worker notified completion (or the lease expired).
@@ -19,6 +22,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvbridge.transfer.agent import NixlTransport, Transport, XferState
     from kvbridge.transfer.config import TransferConfig, load_token
+    from kvbridge.transfer.connector import (
+        ConnectorEvent,
+        ConnectorReply,
+        ConnectorRequest,
+        ConnectorRole,
+        ConnectorSpec,
+        Expose,
+        GetEndpoint,
+        Poll,
+        Pull,
+        SetEndpoints,
+        TrackedTransfer,
+        TransferTracker,
+        WorkerConnector,
+    )
     from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
     from kvbridge.transfer.errors import AuthError, HandshakeError, ProtocolError, TransferError
     from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
@@ -28,6 +46,19 @@ _EXPORTS = {
     "NixlTransport": "agent",
     "Transport": "agent",
     "XferState": "agent",
+    "ConnectorEvent": "connector",
+    "ConnectorReply": "connector",
+    "ConnectorRequest": "connector",
+    "ConnectorRole": "connector",
+    "ConnectorSpec": "connector",
+    "Expose": "connector",
+    "GetEndpoint": "connector",
+    "Poll": "connector",
+    "Pull": "connector",
+    "SetEndpoints": "connector",
+    "TrackedTransfer": "connector",
+    "TransferTracker": "connector",
+    "WorkerConnector": "connector",
     "TransferConfig": "config",
     "load_token": "config",
     "KVConsumer": "consumer",
@@ -46,19 +77,32 @@ _EXPORTS = {
 __all__ = [
     "AuthError",
     "CacheRegions",
+    "ConnectorEvent",
+    "ConnectorReply",
+    "ConnectorRequest",
+    "ConnectorRole",
+    "ConnectorSpec",
+    "Expose",
+    "GetEndpoint",
     "HandshakeError",
     "KVConsumer",
     "KVProducer",
     "MemType",
     "NixlTransport",
+    "Poll",
     "ProtocolError",
+    "Pull",
     "Release",
     "ReleaseCause",
+    "SetEndpoints",
+    "TrackedTransfer",
     "TransferConfig",
     "TransferError",
     "TransferResult",
     "TransferState",
+    "TransferTracker",
     "Transport",
+    "WorkerConnector",
     "XferState",
     "load_token",
 ]
