@@ -33,32 +33,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     bp.add_argument("--tokens", type=int, default=32768, help="request length (default 32768)")
     bp.add_argument("--repeat", type=int, default=5, help="timed repetitions (default 5)")
-    bp.set_defaults(handler=run_plan_bench)
+    bp.set_defaults(handler=run_plan_bench, extra=None)
 
-    for name, module, runner, help_ in (
+    for name, module, runner, extra, help_ in (
         (
             "transfer",
             "kvbridge.harness.transfer_bench",
             "run_transfer_bench",
+            "transfer",
             "the plan's NIXL transfer vs one single-descriptor READ and a memcpy",
         ),
         (
             "comm",
             "kvbridge.cli.bench_comm",
             "run_comm_bench",
+            "engine",
             "all-reduce latency: shared memory vs gloo",
         ),
         (
             "engine",
             "kvbridge.cli.bench_engine",
             "run",
+            "engine",
             "TTFT and decode tokens/s at tp 1, 3, 9 next to transformers",
         ),
     ):
         mod = importlib.import_module(module)
         sp = bench.add_parser(name, help=help_, description=(mod.__doc__ or "").strip())
         mod.add_arguments(sp)
-        sp.set_defaults(handler=getattr(mod, runner))
+        sp.set_defaults(handler=getattr(mod, runner), extra=extra)
 
     bs = bench.add_parser(
         "serve",
@@ -74,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--prompt-words", type=int, default=100, help="words per prompt")
     bs.add_argument("--max-tokens", type=int, default=32)
     bs.add_argument("--rounds", type=int, default=2, help="batches per concurrency level")
-    bs.set_defaults(handler=_lazy("kvbridge.serve.bench", "run_serve_bench"))
+    bs.set_defaults(handler=_lazy("kvbridge.serve.bench", "run_serve_bench"), extra="serve")
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
 
 

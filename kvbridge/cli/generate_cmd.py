@@ -79,7 +79,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--json", action="store_true", help="print one JSON object: text, token ids, timings"
     )
     p.add_argument("--quiet", action="store_true", help="no loading progress on stderr")
-    p.set_defaults(handler=run)
+    p.set_defaults(handler=run, extra="engine")
 
 
 def run(args: argparse.Namespace) -> int:

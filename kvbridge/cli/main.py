@@ -1,7 +1,9 @@
 """Entry point of the `kvbridge` console script.
 
 Each subcommand lives in its own module exposing ``register(subparsers)``; heavy
-imports (torch, NIXL) happen inside the handlers so `kvbridge plan` stays fast.
+imports (torch, NIXL, msgspec, FastAPI) happen inside the handlers, so the base install
+(numpy, rich) runs `kvbridge plan` and every command's `--help`, and a command whose
+extra is missing says which one to install.
 """
 
 from __future__ import annotations
@@ -12,7 +14,24 @@ import sys
 
 from kvbridge.errors import KVBridgeError
 
-#: Modules that register subcommands, in help order.
+#: Which extra installs a third-party module (for a command that declares none).
+EXTRA_OF_MODULE = {
+    "torch": "engine",
+    "gguf": "engine",
+    "tokenizers": "engine",
+    "safetensors": "engine",
+    "jinja2": "engine",
+    "nixl_cu12": "transfer",
+    "zmq": "transfer",
+    "msgspec": "transfer",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "httpx": "serve",
+    "matplotlib": "map",
+}
+
+#: Modules that register subcommands, in help order. Each sets `extra` (the extra its
+#: handler needs, None for the base install) next to its handler.
 SUBCOMMAND_MODULES = [
     "kvbridge.cli.plan_cmd",
     "kvbridge.cli.serve_cmd",
@@ -41,6 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.handler(args) or 0)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if not missing or missing == "kvbridge":
+            raise
+        extra = getattr(args, "extra", None) or EXTRA_OF_MODULE.get(missing, "all")
+        print(
+            f"kvbridge {args.command}: error: this command needs the '{extra}' extra "
+            f"(module {missing!r} is not installed): pip install 'kvbridge[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
     except KVBridgeError as exc:
         print(f"kvbridge {args.command}: error: {exc}", file=sys.stderr)
         return 2

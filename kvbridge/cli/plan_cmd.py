@@ -134,7 +134,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="also draw the plan (workers, one arrow per read) as SVG; needs matplotlib",
     )
-    p.set_defaults(handler=run)
+    p.set_defaults(handler=run, extra=None)
 
 
 def _range(r: tuple[int, int]) -> list[int]:

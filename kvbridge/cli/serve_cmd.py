@@ -123,7 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="decode instance URL (role proxy; repeat for round-robin)",
     )
     add_instance_arguments(p)
-    p.set_defaults(handler=run_serve)
+    p.set_defaults(handler=run_serve, extra="serve")
 
     d = sub.add_parser(
         "demo",
@@ -143,7 +143,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         )
     d.add_argument("--port", type=int, default=8300)
     add_instance_arguments(d)
-    d.set_defaults(handler=run_demo)
+    d.set_defaults(handler=run_demo, extra="serve")
 
 
 def _check_pp(args: argparse.Namespace) -> None:

@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="block-id shuffle seed (default 0)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S", help="default 60")
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    p.set_defaults(handler=run)
+    p.set_defaults(handler=run, extra="transfer")
 
 
 def model_from_args(args: argparse.Namespace) -> ModelKVSpec:

@@ -22,19 +22,20 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvbridge.errors import ConfigError
 from kvbridge.harness import cma_floor
-from kvbridge.harness.check import make_workload
-from kvbridge.harness.cluster import Cluster
-from kvbridge.harness.commands import Expose, Finished, Pull, RawDone, RawRead, Released, Span
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.plan.layout import DEFAULT_LAYOUT, LAYOUT_HELP, CacheLayout, InstanceLayout
 from kvbridge.plan.planner import make_plan
 from kvbridge.transfer.errors import TransferError
+
+if TYPE_CHECKING:  # the worker harness needs msgspec and NIXL: imported when run
+    from kvbridge.harness.cluster import Cluster
+    from kvbridge.harness.commands import Span
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +194,10 @@ def _measure_pair(
 ) -> Row:
     """Start one prefill and one decode instance of worker processes in these layouts
     and time the plan's transfer and (a), alternating, in the same processes."""
+    from kvbridge.harness.check import make_workload
+    from kvbridge.harness.cluster import Cluster
+    from kvbridge.harness.commands import RawDone, RawRead
+
     prefill, decode = (
         _layout(args, args.prefill_tp, pair[0]),
         _layout(args, args.decode_tp, pair[1]),
@@ -302,6 +307,8 @@ def _print_floor(floor: cma_floor.CmaFloor | None, run_bytes: int, num_runs: int
 def _one_request(
     c: Cluster, endpoint: str, prefill: list, decode: list, rid: str, p: Span, d: Span
 ) -> tuple[float, tuple[int, int, int]]:
+    from kvbridge.harness.commands import Expose, Finished, Pull, Released
+
     for w in prefill:
         w.send(Expose(rid, p.block_ids, p.num_tokens))
     t0 = time.perf_counter()
