@@ -17,7 +17,7 @@ transposing was several times slower, most for the cross-layer layouts
 A token's slot is ``block_id * block_size + offset``.
 
 The tensor is allocated and zero-filled (touched) up front: copying into never-touched
-pages runs at a tenth of the speed on this machine. Its memory comes from numpy, which
+pages is several times slower (docs/benchmarks.md). Its memory comes from numpy, which
 asks the kernel for transparent huge pages on large arrays (torch's CPU allocator does
 not): NIXL reads a cache between processes page by page (UCX's CMA transport), and
 huge pages make those reads faster (docs/benchmarks.md).

@@ -4,8 +4,7 @@ Both sources hand out tensors under Hugging Face names (``model.layers.3.self_at
 as float32, and can hand out a slice of one (`get(name, dim, start, end)`) so that every
 tensor-parallel worker reads only its shard.
 
-GGUF start-up cost is the dequantization (12.5 s measured for SmolLM2-135M, first load). It is done
-once per file: `GGUFWeights.open` dequantizes every tensor into one float32 file under
+GGUF start-up cost is the dequantization (docs/benchmarks.md). It is done once per file: `GGUFWeights.open` dequantizes every tensor into one float32 file under
 ``$KVBRIDGE_CACHE_DIR`` (default ``~/.cache/kvbridge``), keyed by the GGUF's path, size and
 mtime, written to a temporary name and renamed into place under a file lock, so concurrent
 processes wait for the first instead of repeating it. Workers memory-map that file and copy

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# np.unique and np.union1d import numpy.ma on their first call: 0.1-0.2 s of CPU, over
-# a second when nine decode workers make their first copy lists at once. Importing it
-# here moves that cost from a server's first request to its start.
+# np.unique and np.union1d import numpy.ma on their first call, which costs a server's
+# first request dearly when many decode workers make their first copy lists at once
+# (docs/benchmarks.md). Importing it here moves that cost to start-up.
 import numpy.ma
 
 from kvbridge.errors import LayoutError
