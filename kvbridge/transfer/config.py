@@ -5,6 +5,7 @@ Times are seconds. Every wait the runtime does is bounded by one of them.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +26,14 @@ class TransferConfig:
     """How a worker's side channel listens and how long the runtime waits.
 
     Attributes:
-        host: address the producer's side channel binds (127.0.0.1 unless configured).
+        host: address the producer's side channel binds (127.0.0.1 unless configured);
+            any other needs a token.
         base_port: worker ``rank`` of a producer instance serves ``base_port + rank``;
             0 lets the OS pick (the actual endpoint is then reported by the producer).
-        token: shared secret; when set, every side-channel message and every
-            completion notification carries an HMAC-SHA256 over its body, and a
-            message without a valid one is refused.
+        token: shared secret; when set, the side channel is encrypted and authenticated
+            (ZMQ CURVE with keys derived from it, plus an HMAC-SHA256 on every message),
+            and notifications are signed with per-handshake session keys derived from
+            it (see auth.py). Without it peers are not authenticated: loopback only.
         lease_s: a producer releases exposed blocks after this long even if the
             expected consumers never notified completion.
         transfer_timeout_s: a consumer fails a request not finished after this long.
@@ -63,15 +66,36 @@ class TransferConfig:
                 f"max_message_bytes={self.max_message_bytes} is too small for a handshake; "
                 "use at least 4096"
             )
+        if self.token is None and not is_loopback(self.host):
+            raise ConfigError(
+                f"KV host {self.host!r} is not a loopback address, and a side channel other "
+                "hosts can reach needs a shared secret: set --kv-token-file (or "
+                f"{TOKEN_ENV}), or keep --kv-host 127.0.0.1"
+            )
         if self.token is not None and len(self.token) < 16:
             raise ConfigError(
                 f"token of {len(self.token)} bytes is too short to authenticate peers; "
                 "use at least 16 bytes (e.g. `openssl rand -hex 32`)"
             )
 
+    @property
+    def is_open(self) -> bool:
+        """No shared token: peers are not authenticated (allowed on loopback only)."""
+        return self.token is None
+
     def port_of(self, rank: int) -> int:
         """The side-channel port worker `rank` binds (0: any free port)."""
         return self.base_port + rank if self.base_port else 0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is a loopback address (127.0.0.0/8, ::1) or "localhost"."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def load_token(value: str | None = None, path: str | Path | None = None) -> bytes | None:

@@ -80,11 +80,13 @@ class SetEndpoints(msgspec.Struct, frozen=True, tag="set_endpoints"):
 
 
 class Expose(msgspec.Struct, frozen=True, tag="expose"):
-    """Producer workers: pin `block_ids` holding `num_tokens` tokens of `request_id`."""
+    """Producer workers: pin `block_ids` holding `num_tokens` tokens of `request_id`;
+    with `reader`, only that decode instance's notifications release them."""
 
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    reader: str | None = None
 
 
 class Pull(msgspec.Struct, frozen=True, tag="pull"):
@@ -120,6 +122,7 @@ class ConnectorReply(msgspec.Struct, frozen=True):
     endpoint: str = ""
     events: list[ConnectorEvent] = msgspec.field(default_factory=list)
     pinned_blocks: int = 0  # producer: blocks pinned; consumer: blocks being pulled into
+    replays_refused: int = 0  # producer: forged, replayed or misdirected messages so far
 
 
 request_decoder = msgspec.msgpack.Decoder(ConnectorRequest)
@@ -182,7 +185,7 @@ class WorkerConnector:
             self._need(self.producer, request).set_worker_endpoints(request.endpoints)
         elif isinstance(request, Expose):
             self._need(self.producer, request).expose(
-                request.request_id, request.block_ids, request.num_tokens
+                request.request_id, request.block_ids, request.num_tokens, reader=request.reader
             )
         elif isinstance(request, Pull):
             self._need(self.consumer, request).pull(
@@ -196,7 +199,10 @@ class WorkerConnector:
             self._last_poll = 0.0  # the driver asks: poll now
             self.idle_poll()
             events, self._events = self._events, []
-            return ConnectorReply(events=events, pinned_blocks=self.num_pinned_blocks)
+            replays = self.producer.num_replays if self.producer is not None else 0
+            return ConnectorReply(
+                events=events, pinned_blocks=self.num_pinned_blocks, replays_refused=replays
+            )
         return ConnectorReply()
 
     def _need(self, side: KVProducer | KVConsumer | None, request: ConnectorRequest) -> Any:
@@ -283,6 +289,7 @@ class TransferTracker:
     def __init__(self) -> None:
         self.transfers: dict[str, TrackedTransfer] = {}
         self.pinned_blocks = 0
+        self.replays_refused = 0
         self.nbytes_total = 0
 
     def track(
@@ -299,9 +306,10 @@ class TransferTracker:
     def feed(self, replies: Iterable[ConnectorReply]) -> list[TrackedTransfer]:
         """Apply one Poll's replies; returns the transfers that finished."""
         done = []
-        pinned = 0
+        pinned = replays = 0
         for reply in replies:
             pinned += reply.pinned_blocks
+            replays += reply.replays_refused
             for ev in reply.events:
                 tr = self.transfers.get(ev.request_id)
                 if tr is None:
@@ -316,5 +324,5 @@ class TransferTracker:
                     done.append(tr)
                     if tr.on_done is not None:
                         tr.on_done(tr)
-        self.pinned_blocks = pinned
+        self.pinned_blocks, self.replays_refused = pinned, replays
         return done

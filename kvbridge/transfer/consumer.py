@@ -50,7 +50,6 @@ from kvbridge.transfer.messages import (
     LayoutWire,
     ModelWire,
     ReadDone,
-    encode,
     spec_error,
 )
 from kvbridge.transfer.peers import PeerState, ProducerDirectory, ProducerInstance, ProducerWorker
@@ -92,8 +91,8 @@ class _Pull:
     xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
     temp_dlists: list[Any] = field(default_factory=list)
     notified: set[int] = field(default_factory=set)  # prefill ranks told we are done
-    notif: bytes = b""  # our completion notification
-    # prefill ranks read by more than one READ: none carries `notif`; it follows the last
+    # prefill ranks read by more than one READ: none carries the notification; it
+    # follows the last
     silent: set[int] = field(default_factory=set)
     stats: tuple[int, int, int, int] = (0, 0, 0, 0)
 
@@ -129,6 +128,7 @@ class KVConsumer:
             rank=rank,
             model=ModelWire.of(model),
             layout=LayoutWire.of(layout),
+            nonce=bytes(16),  # each handshake sends a fresh one (ProducerDirectory)
         )
         self.directory = ProducerDirectory(
             model=model,
@@ -231,7 +231,8 @@ class KVConsumer:
                     if p not in pull.silent:
                         pull.notified.add(p)
                     elif all(q != p for q, _ in pull.xfers.values()):  # p's last READ
-                        self._notify(pull, p, inst.readers[p], pull.notif)
+                        peer = inst.readers[p]
+                        self._notify(pull, p, peer, self._done(pull, peer))
                 elif st is XferState.ERR:
                     peer = inst.readers[p]
                     reason = (
@@ -285,10 +286,6 @@ class KVConsumer:
         lists = copy_lists(
             inst.plan, self.rank, pull.producer_block_ids, pull.local_block_ids, pull.num_tokens
         )
-        notif = pull.notif = encode(
-            ReadDone(request_id=pull.request_id, instance_id=self.instance_id, rank=self.rank),
-            self.config.token,
-        )
         nbytes = ndesc = nunmerged = nidx = 0
         pull.state = TransferState.READING
         posts: list[tuple[int, ProducerWorker, tuple[Any, np.ndarray, Any, np.ndarray]]] = []
@@ -306,7 +303,7 @@ class KVConsumer:
                     f"{peer.welcome.num_blocks} blocks"
                 )
             if cl.nbytes == 0:  # nothing to read, but the producer still waits for us
-                self.transport.send_notif(peer.agent, notif)
+                self.transport.send_notif(peer.agent, self._done(pull, peer))
                 pull.notified.add(p)
                 continue
             posts += [(p, peer, r) for r in self._reads(pull, cl, peer, inst.block_units.get(p))]
@@ -319,9 +316,8 @@ class KVConsumer:
         pull.silent = {p for p, n in reads_of.items() if n > 1}
         for p, peer, (local, local_idx, remote, remote_idx) in posts:
             try:
-                xfer, _ = self.transport.read(
-                    local, local_idx, remote, remote_idx, b"" if p in pull.silent else notif
-                )
+                notif = b"" if p in pull.silent else self._done(pull, peer)
+                xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, notif)
             except TransferError as exc:
                 reason = (
                     f"READ from prefill worker {p} ({peer.endpoint}) failed: {exc}; "
@@ -332,7 +328,7 @@ class KVConsumer:
             pull.xfers[len(pull.xfers)] = (p, xfer)
             nidx += len(local_idx)
         for p, peer in inst.unread.items():
-            self._notify(pull, p, peer, notif)
+            self._notify(pull, p, peer, self._done(pull, peer))
         pull.stats = (nbytes, ndesc, nunmerged, nidx)
 
     def _reads(
@@ -377,6 +373,22 @@ class KVConsumer:
                 exc,
             )
 
+    def _done(self, pull: _Pull, peer: ProducerWorker, failure: str | None = None) -> bytes:
+        """Our signed ReadDone for `peer` (its session's key; names it as receiver)."""
+        assert peer.welcome is not None
+        return peer.sign(
+            ReadDone(
+                request_id=pull.request_id,
+                instance_id=self.instance_id,
+                rank=self.rank,
+                to_instance=peer.welcome.instance_id,
+                to_rank=peer.welcome.rank,
+                sent_at=time.time(),
+                ok=failure is None,
+                reason=(failure or "")[:4000],
+            )
+        )
+
     def _local_dlist(self, g: int) -> Any:
         if g not in self._local_dlists:
             self._local_dlists[g] = self.transport.prep_local(unit_descs(self.regions, g))
@@ -387,20 +399,10 @@ class KVConsumer:
         pull.xfers.clear()
         if state is TransferState.FAILED and cancelled:
             # producer workers still waiting for us may release now: we will not read
-            msg = encode(
-                ReadDone(
-                    request_id=pull.request_id,
-                    instance_id=self.instance_id,
-                    rank=self.rank,
-                    ok=False,
-                    reason=reason[:4000],
-                ),
-                self.config.token,
-            )
             inst = pull.instance
             for p, peer in (*inst.readers.items(), *inst.unread.items()):
                 if p not in pull.notified and peer.state is PeerState.READY:
-                    self._notify(pull, p, peer, msg)
+                    self._notify(pull, p, peer, self._done(pull, peer, reason))
         if cancelled:
             for handle in pull.temp_dlists:
                 self.transport.release_dlist(handle)

@@ -2,16 +2,19 @@
 
 Wire format of one message (one ZMQ frame, or one NIXL notification):
 
-    msgpack(Envelope{v: PROTOCOL_VERSION, body: msgpack(<one Message>), mac: HMAC-SHA256(body)})
+    msgpack(Envelope{v: PROTOCOL_VERSION, body: msgpack(<one Message>), mac, key_id})
 
-`mac` is empty when no token is configured. Nothing is ever unpickled: bodies decode
+Side-channel messages are signed with the shared token (`mac` empty without one, and
+`key_id` empty); a `ReadDone` is always signed with its session's key, named by
+`key_id` = the session id (see `auth.py`). Nothing is ever unpickled: bodies decode
 into the `Message` union below with msgspec, which rejects unknown kinds, missing or
 mistyped fields and over-long lists or strings. Decoding order: size -> envelope ->
-version -> HMAC -> body, so an unauthenticated peer never reaches the body decoder.
+version -> MAC -> body, so an unauthenticated peer never reaches the body decoder.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
@@ -22,7 +25,7 @@ from kvbridge.plan.layout import CacheLayout, InstanceLayout
 from kvbridge.transfer.auth import sign, verify
 from kvbridge.transfer.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: Bounds on untrusted fields (a worker holds at most this many cache regions, ...).
 MAX_REGIONS = 4096
@@ -31,6 +34,8 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]
 Reason = Annotated[str, msgspec.Meta(max_length=4096)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack caps ints at 64 bits
+Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+SessionId = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
 
 class ModelWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -102,20 +107,24 @@ class LayoutWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True):
-    """Consumer -> producer worker: who I am and what my cache looks like."""
+    """Consumer -> producer worker: who I am, what my cache looks like, and a fresh
+    nonce (a producer answers each nonce once: a replayed Hello is refused)."""
 
     instance_id: Name
     rank: Count
     model: ModelWire
     layout: LayoutWire
+    nonce: Nonce
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=True):
-    """Producer worker -> consumer: its geometry, regions and NIXL agent metadata.
+    """Producer worker -> consumer: its geometry, regions and NIXL agent metadata, the
+    Hello's nonce echoed (a Welcome answers one Hello only) and its own fresh nonce;
+    the two nonces make the session key (`auth.session_key`).
 
-    `regions[r]` is (base address, length in bytes) of cache region r
-    (r = local_layer * num_kv_tensors + kv); `worker_endpoints[p]` is the side
-    channel of the producer instance's worker p.
+    `regions[r]` is (base address, length in bytes) of cache region r (see
+    `CacheLayout`: the regions are the combinations of the axes before B);
+    `worker_endpoints[p]` is the side channel of the producer instance's worker p.
     """
 
     instance_id: Name
@@ -129,6 +138,8 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=
     agent_name: Name
     agent_metadata: Annotated[bytes, msgspec.Meta(max_length=16 << 20)]
     worker_endpoints: Annotated[list[Name], msgspec.Meta(max_length=MAX_WORKERS)]
+    hello_nonce: Nonce
+    nonce: Nonce
 
 
 class Refused(msgspec.Struct, frozen=True, tag="refused", forbid_unknown_fields=True):
@@ -148,13 +159,18 @@ class Pong(msgspec.Struct, frozen=True, tag="pong", forbid_unknown_fields=True):
 
 
 class ReadDone(msgspec.Struct, frozen=True, tag="read_done", forbid_unknown_fields=True):
-    """Consumer -> producer worker (NIXL notification): decode worker `rank` is done with
-    `request_id` here: its reads finished (`ok`), or it gave up (`ok` False, `reason`)
-    and will not read again. Either way the producer may stop waiting for it."""
+    """Consumer -> producer worker (NIXL notification): decode worker `rank` of
+    `instance_id` is done with `request_id` at prefill worker `to_rank` of `to_instance`:
+    its reads finished (`ok`), or it gave up (`ok` False, `reason`) and will not read
+    again. Either way the producer may stop waiting for it. Signed with the session key
+    (the envelope's key_id); `sent_at` (Unix seconds) bounds how long it may be replayed."""
 
     request_id: Name
     instance_id: Name
     rank: Count
+    to_instance: Name
+    to_rank: Count
+    sent_at: float
     ok: bool = True
     reason: Reason = ""
 
@@ -166,6 +182,7 @@ class Envelope(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fiel
     v: int
     body: bytes
     mac: bytes = b""
+    key_id: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
 
 
 _envelope_decoder = msgspec.msgpack.Decoder(Envelope)
@@ -173,14 +190,36 @@ _body_decoder = msgspec.msgpack.Decoder(Message)
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode(msg: Message, token: bytes | None) -> bytes:
-    """The wire bytes of `msg`, signed with `token` when one is set."""
+def encode(msg: Message, key: bytes | None, key_id: bytes = b"") -> bytes:
+    """The wire bytes of `msg`, signed with `key` when one is set (`key_id` names it)."""
     body = _encoder.encode(msg)
-    return _encoder.encode(Envelope(PROTOCOL_VERSION, body, sign(token, body)))
+    return _encoder.encode(Envelope(PROTOCOL_VERSION, body, sign(key, body), key_id))
 
 
-def decode(data: bytes, token: bytes | None, max_bytes: int) -> Message:
-    """Parse wire bytes; raises ProtocolError (or AuthError) with the reason on any defect."""
+#: Looks up a signing key by its id (None: unknown).
+KeyLookup = Callable[[bytes], bytes | None]
+
+
+def decode(data: bytes, key: bytes | None, max_bytes: int) -> Message:
+    """Parse wire bytes signed with the shared `key` (unchecked when None); raises
+    ProtocolError (or AuthError) with the reason on any defect."""
+    return _decode(data, key, max_bytes, None)[0]
+
+
+def decode_signed(data: bytes, keys: KeyLookup, max_bytes: int) -> tuple[Message, bytes]:
+    """Parse wire bytes that must be signed by a session `keys` knows; returns the
+    message and its session id. Raises AuthError for an unsigned or unknown one."""
+    msg, key_id = _decode(data, None, max_bytes, keys)
+    if not key_id:
+        raise AuthError("message is not signed by a session")
+    return msg, key_id
+
+
+def _decode(
+    data: bytes, key: bytes | None, max_bytes: int, keys: KeyLookup | None
+) -> tuple[Message, bytes]:
+    """An envelope with a key_id is verified with `keys(key_id)` (and refused if `keys`
+    is None or does not know it); one without with `key` when it is set."""
     if len(data) > max_bytes:
         raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes} bytes")
     try:
@@ -191,11 +230,17 @@ def decode(data: bytes, token: bytes | None, max_bytes: int) -> Message:
         raise ProtocolError(
             f"protocol version={env.v} is not supported; this side speaks version {PROTOCOL_VERSION}"
         )
-    if token is not None and not verify(token, env.body, env.mac):
+    if env.key_id:
+        found = keys(env.key_id) if keys is not None else None
+        if found is None:
+            raise AuthError(f"message signed by unknown session {env.key_id.hex()}")
+        if not verify(found, env.body, env.mac):
+            raise AuthError("message has a wrong HMAC for its session")
+    elif key is not None and not verify(key, env.body, env.mac):
         why = "has no HMAC" if not env.mac else "has a wrong HMAC"
         raise AuthError(f"message {why}; the peer does not hold the shared transfer token")
     try:
-        return _body_decoder.decode(env.body)
+        return _body_decoder.decode(env.body), env.key_id
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed message: {exc}") from None
 

@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport
+from kvbridge.transfer.auth import session_id, session_key
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.descriptors import unit_descs
 from kvbridge.transfer.errors import ProtocolError
-from kvbridge.transfer.messages import Hello, Refused, Welcome, spec_error
+from kvbridge.transfer.messages import Hello, ReadDone, Refused, Welcome, encode, spec_error
 from kvbridge.transfer.regions import CacheRegions, MemType
 from kvbridge.transfer.side_channel import SideChannelClient
 
@@ -52,6 +56,13 @@ class ProducerWorker:
     regions: CacheRegions | None = None
     reason: str = ""
     remote_dlists: dict[int, Any] = field(default_factory=dict)  # unit size -> prepared list
+    hello_nonce: bytes = b""  # our Hello's; the Welcome must echo it
+    session_key: bytes = b""  # signs our notifications to this worker (auth.session_key)
+    session_id: bytes = b""
+
+    def sign(self, msg: ReadDone) -> bytes:
+        """`msg` as this session's signed notification to the worker."""
+        return encode(msg, self.session_key, self.session_id)
 
 
 @dataclass
@@ -148,7 +159,8 @@ class ProducerDirectory:
         if w is None:
             client = SideChannelClient(endpoint, self.config.token, self.config.max_message_bytes)
             w = ProducerWorker(endpoint, client, self._clock() + self.config.handshake_timeout_s)
-            client.send(self._hello)
+            w.hello_nonce = os.urandom(16)
+            client.send(msgspec.structs.replace(self._hello, nonce=w.hello_nonce))
             self._workers[endpoint] = w
         return w
 
@@ -164,7 +176,7 @@ class ProducerDirectory:
                     w,
                     f"handshake with {w.endpoint} timed out after "
                     f"{self.config.handshake_timeout_s:g} s; is the producer worker "
-                    "running?",
+                    "running, and (with a shared token) the token the same on both sides?",
                 )
         elif isinstance(reply, Refused):
             self.drop(w, f"producer {w.endpoint} refused the handshake: {reply.reason}")
@@ -177,7 +189,13 @@ class ProducerDirectory:
             self.drop(w, f"{w.endpoint} answered a handshake with {type(reply).__name__}")
 
     def _accept(self, w: ProducerWorker, welcome: Welcome) -> None:
-        """Validate a Welcome against the geometry it claims, then load the agent."""
+        """Validate a Welcome against our Hello and the geometry it claims, derive the
+        session key, then load the agent."""
+        if welcome.hello_nonce != w.hello_nonce:
+            raise ProtocolError(
+                "the Welcome does not answer our Hello (its nonce differs): a replayed or "
+                "stale reply"
+            )
         model, layout = welcome.model.to_spec(), welcome.layout.to_layout()
         workers = layout.workers(model, "prefill")
         if welcome.rank >= len(workers):
@@ -201,10 +219,19 @@ class ProducerDirectory:
             )
         agent = self.transport.add_peer(welcome.agent_metadata)
         if agent != welcome.agent_name:
+            self.transport.remove_peer(agent)  # loaded above: unload before refusing
             raise ProtocolError(
                 f"agent metadata names {agent!r}, the handshake {welcome.agent_name!r}"
             )
         w.welcome, w.agent = welcome, agent
+        w.session_key = session_key(
+            self.config.token,
+            w.hello_nonce,
+            welcome.nonce,
+            (self._hello.instance_id, self._hello.rank),
+            (welcome.instance_id, welcome.rank),
+        )
+        w.session_id = session_id(w.session_key)
         w.regions = CacheRegions(
             tuple(a for a, _ in welcome.regions),
             tuple(n for _, n in welcome.regions),

@@ -9,9 +9,14 @@ when prefill tp > num_kv_heads) waits for decode worker 0 alone, which notifies 
 once per request. A decode worker that gave up sends `ReadDone(ok=False)`: it will
 not read again, so it counts as done, and the release says ABORTED with its reason.
 A notification that arrives before its request's `expose` (engines race) is kept for
-one lease and applied by `expose`. Duplicate notifications, notifications for already
-released (or never exposed) requests and from workers the plan does not expect are
-ignored (logged). The owner must call
+one lease and applied by `expose`. Notifications for already released (or never
+exposed) requests and from workers the plan does not expect are ignored (logged).
+
+Who may notify: every notification is signed with the key of the handshake session
+of the decode worker that sends it (`sessions.py`), names this worker as receiver, is
+recent (`sent_at` within a lease) and is taken once; a request exposed for a given
+decode instance (its capability's reader) takes notifications from that instance only.
+Anything else is refused and counted in `num_replays` (forged, replayed, misdirected). The owner must call
 `poll()` often: it serves the side channel, drives NIXL progress (reads of our memory
 progress only while we poll) and enforces leases. Single-threaded: `expose`, `poll`
 and `close` from one thread.
@@ -45,10 +50,11 @@ from kvbridge.transfer.messages import (
     ReadDone,
     Refused,
     Welcome,
-    decode,
+    decode_signed,
     spec_error,
 )
 from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
+from kvbridge.transfer.sessions import Session, SessionRefused, SessionTable
 from kvbridge.transfer.side_channel import SideChannelServer
 
 log = logging.getLogger("kvbridge.transfer.producer")
@@ -57,8 +63,8 @@ log = logging.getLogger("kvbridge.transfer.producer")
 _RECENT = 4096
 #: Notifications kept per request that arrive before its `expose`.
 _MAX_EARLY_PER_REQUEST = 1024
-#: How many decode instances' plans a producer worker keeps.
-_MAX_PEER_INSTANCES = 256
+#: Handshake sessions a producer worker keeps (see sessions.py).
+_MAX_SESSIONS = 1024
 
 
 class ReleaseCause(enum.Enum):
@@ -83,7 +89,9 @@ class _Exposure:
     block_ids: tuple[int, ...]
     num_tokens: int
     deadline: float
-    instance_id: str | None = None
+    reader: str | None = None  # the only decode instance allowed to notify, if given
+    instance_id: str | None = None  # the decode instance whose workers notified
+    plan: TransferPlan | None = None  # that instance's plan with us
     notified: set[int] = field(default_factory=set)
     failures: list[str] = field(default_factory=list)
 
@@ -126,10 +134,18 @@ class KVProducer:
         self._exposed: dict[str, _Exposure] = {}
         self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
         # notifications that arrived before their request's `expose`, by request id
-        self._early: collections.OrderedDict[str, list[tuple[float, ReadDone]]] = (
+        self._early: collections.OrderedDict[str, list[tuple[float, ReadDone, Session]]] = (
             collections.OrderedDict()
         )
-        self._plans: collections.OrderedDict[str, TransferPlan] = collections.OrderedDict()
+        self._sessions = SessionTable(
+            token=config.token,
+            me=(instance_id, rank),
+            max_sessions=_MAX_SESSIONS,
+            grace_s=config.transfer_timeout_s + config.handshake_timeout_s,
+            active_s=config.lease_s,
+            clock=clock,
+        )
+        self.num_replays = 0  # notifications and Hellos refused as forged or replayed
         self.releases: list[Release] = []  # every release, in order (for the owner/tests)
         self.num_ignored_notifs = 0
         self.refusals: collections.deque[str] = collections.deque(maxlen=64)  # recent, for owners
@@ -138,7 +154,6 @@ class KVProducer:
         )
         self.endpoint = self._server.endpoint
         self.worker_endpoints: list[str] = [self.endpoint]
-        self._welcome_cache: bytes | None = None
 
     # -- engine-facing API -------------------------------------------------------------
     def set_worker_endpoints(self, endpoints: Sequence[str]) -> None:
@@ -157,8 +172,10 @@ class KVProducer:
         block_ids: Sequence[int] | np.ndarray,
         num_tokens: int,
         lease_s: float | None = None,
+        reader: str | None = None,
     ) -> None:
-        """Pin `block_ids` (this request's KV, `num_tokens` tokens) for decode workers to read."""
+        """Pin `block_ids` (this request's KV, `num_tokens` tokens) for decode workers to
+        read; with `reader`, only that decode instance's notifications count."""
         ids = tuple(int(b) for b in np.asarray(block_ids).ravel())
         if request_id in self._exposed:
             raise TransferError(f"request_id={request_id!r} is already exposed; ids must be unique")
@@ -173,9 +190,9 @@ class KVProducer:
                 f"{self.layout.block_size} tokens"
             )
         lease = self.config.lease_s if lease_s is None else lease_s
-        self._exposed[request_id] = _Exposure(ids, num_tokens, self._clock() + lease)
-        for _, msg in self._early.pop(request_id, []):
-            self._apply(msg)
+        self._exposed[request_id] = _Exposure(ids, num_tokens, self._clock() + lease, reader)
+        for _, msg, session in self._early.pop(request_id, []):
+            self._apply(msg, session)
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -232,8 +249,7 @@ class KVProducer:
         lease = f"lease expired after {self.config.lease_s:g} s"
         if exp.instance_id is None:
             return f"{lease}: no decode worker notified completion of {request_id!r}"
-        plan = self._plans.get(exp.instance_id)
-        readers = expected_notifiers(plan, self.rank) if plan is not None else ()
+        readers = expected_notifiers(exp.plan, self.rank) if exp.plan is not None else ()
         missing = sorted(set(readers) - exp.notified)
         return (
             f"{lease}: {len(exp.notified)} of {len(readers)} decode workers of instance "
@@ -242,18 +258,37 @@ class KVProducer:
 
     def _on_notif(self, sender: str, raw: bytes) -> None:
         try:
-            msg = decode(raw, self.config.token, 64 << 10)
+            msg, sid = decode_signed(raw, self._sessions.key_of, 64 << 10)
             if not isinstance(msg, ReadDone):
                 raise ProtocolError(f"notification of kind {type(msg).__name__}; expected ReadDone")
         except ProtocolError as exc:
+            self.num_replays += 1
             self._ignore(f"notification from agent {sender!r} rejected: {exc}", warn=True)
             return
-        self._apply(msg)
+        session = self._sessions.get(sid)
+        assert session is not None  # its key verified the message
+        why = ""
+        if (msg.instance_id, msg.rank) != (session.instance_id, session.rank):
+            why = (
+                f"it claims decode worker {msg.instance_id!r} rank {msg.rank} but is signed "
+                f"by the session of {session.instance_id!r} rank {session.rank}"
+            )
+        elif (msg.to_instance, msg.to_rank) != (self.instance_id, self.rank):
+            why = f"it is addressed to {msg.to_instance!r} rank {msg.to_rank}, not to us"
+        elif abs(time.time() - msg.sent_at) > self.config.lease_s:
+            why = f"it was sent {time.time() - msg.sent_at:.0f} s ago, beyond a lease"
+        if why:
+            self.num_replays += 1
+            self._ignore(f"notification for {msg.request_id!r} refused: {why}", warn=True)
+            return
+        self._sessions.touch(sid)
+        self._apply(msg, session)
 
-    def _apply(self, msg: ReadDone) -> None:
+    def _apply(self, msg: ReadDone, session: Session) -> None:
         exp = self._exposed.get(msg.request_id)
         if exp is None:
             if msg.request_id in self._recent:
+                self.num_replays += 1
                 self._ignore(
                     f"stale notification for {msg.request_id!r} from "
                     f"{msg.instance_id!r} rank {msg.rank}"
@@ -261,19 +296,19 @@ class KVProducer:
             else:  # may precede `expose` (a race between engines): keep it for a lease
                 early = self._early.setdefault(msg.request_id, [])
                 if len(early) < _MAX_EARLY_PER_REQUEST:
-                    early.append((self._clock(), msg))
+                    early.append((self._clock(), msg, session))
                 while len(self._early) > _RECENT:
                     self._early.popitem(last=False)
             return
-        plan = self._plans.get(msg.instance_id)
-        if plan is None:
+        if exp.reader is not None and msg.instance_id != exp.reader:
+            self.num_replays += 1
             self._ignore(
-                f"notification for {msg.request_id!r} from instance {msg.instance_id!r}, "
-                "which never completed a handshake with this worker",
+                f"notification for {msg.request_id!r} from decode instance "
+                f"{msg.instance_id!r}; its capability went to {exp.reader!r}",
                 warn=True,
             )
             return
-        readers = expected_notifiers(plan, self.rank)
+        readers = expected_notifiers(session.plan, self.rank)
         if msg.rank not in readers:
             self._ignore(
                 f"notification for {msg.request_id!r} from decode rank {msg.rank}, "
@@ -282,15 +317,16 @@ class KVProducer:
             )
             return
         if exp.instance_id is None:
-            exp.instance_id = msg.instance_id
-        elif exp.instance_id != msg.instance_id:
+            exp.instance_id, exp.plan = msg.instance_id, session.plan
+        elif exp.instance_id != msg.instance_id or exp.plan != session.plan:
             self._ignore(
                 f"notification for {msg.request_id!r} from a second decode instance "
-                f"{msg.instance_id!r} (first: {exp.instance_id!r})",
+                f"{msg.instance_id!r} (first: {exp.instance_id!r}) or another plan",
                 warn=True,
             )
             return
         if msg.rank in exp.notified:
+            self.num_replays += 1
             self._ignore(f"duplicate notification for {msg.request_id!r} rank {msg.rank}")
             return
         exp.notified.add(msg.rank)
@@ -346,10 +382,21 @@ class KVProducer:
             )
             self.refusals.append(spec_error(exc))
             return Refused(kind="incompatible", reason=spec_error(exc))
-        self._plans[msg.instance_id] = plan
-        self._plans.move_to_end(msg.instance_id)
-        while len(self._plans) > _MAX_PEER_INSTANCES:
-            self._plans.popitem(last=False)
+        try:
+            _, nonce = self._sessions.open(
+                msg.instance_id, msg.rank, msg.nonce, plan, self._is_reading
+            )
+        except SessionRefused as exc:
+            if exc.kind == "replay":
+                self.num_replays += 1
+            log.warning(
+                "prefill worker %d refused the handshake of instance %r rank %d: %s",
+                self.rank,
+                msg.instance_id,
+                msg.rank,
+                exc,
+            )
+            return Refused(kind=exc.kind, reason=str(exc))
         return Welcome(
             instance_id=self.instance_id,
             rank=self.rank,
@@ -362,4 +409,13 @@ class KVProducer:
             agent_name=self.transport.name,
             agent_metadata=self.transport.metadata(),
             worker_endpoints=self.worker_endpoints,
+            hello_nonce=msg.nonce,
+            nonce=nonce,
+        )
+
+    def _is_reading(self, instance_id: str) -> bool:
+        """Whether decode instance `instance_id` reads (or may read) a pinned request."""
+        return any(
+            e.instance_id == instance_id or e.reader in (instance_id, None)
+            for e in self._exposed.values()
         )

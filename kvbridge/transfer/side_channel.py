@@ -1,7 +1,10 @@
 """The side channel: a producer worker's ZMQ server and a consumer's client.
 
 The server is poll-driven (the producer's owner calls `poll()` from its loop, so no
-extra thread touches state). Each request is one frame (see `messages.py`); a
+extra thread touches state). With a shared token both ends speak ZMQ CURVE: the
+server's keypair derives from the token (`auth.curve_server_secret`), each client
+makes an ephemeral one, so every byte after ZMQ's greeting is encrypted and a peer
+without the token cannot complete the handshake (its messages never reach us). Each request is one frame (see `messages.py`); a
 malformed, oversized, unknown-kind or unauthenticated frame is answered with
 `Refused`, logged with its reason, and the server goes on serving other peers.
 ZMQ's own MAXMSGSIZE (a multiple of the limit) bounds what it buffers from a peer
@@ -15,7 +18,9 @@ import time
 from collections.abc import Callable
 
 import zmq
+from zmq.utils import z85
 
+from kvbridge.transfer.auth import curve_server_secret
 from kvbridge.transfer.errors import AuthError, HandshakeError, ProtocolError
 from kvbridge.transfer.messages import Message, Refused, decode, encode
 
@@ -34,6 +39,12 @@ def _ctx() -> zmq.Context[zmq.Socket[bytes]]:
     return _context
 
 
+def curve_server_keys(token: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) CURVE keys of every producer side channel, Z85-encoded."""
+    secret = z85.encode(curve_server_secret(token))
+    return zmq.curve_public(secret), secret
+
+
 class SideChannelServer:
     """A ROUTER socket serving typed requests; owned and polled by one thread.
 
@@ -50,6 +61,10 @@ class SideChannelServer:
         self._sock = _ctx().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_bytes)
+        if token is not None:
+            public, secret = curve_server_keys(token)
+            self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
+            self._sock.curve_server = True
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
@@ -127,6 +142,9 @@ class SideChannelClient:
         sock = _ctx().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
+        if self._token is not None:
+            sock.curve_serverkey = curve_server_keys(self._token)[0]
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         try:
             sock.connect(self.endpoint)
         except zmq.ZMQError as exc:
@@ -159,7 +177,8 @@ class SideChannelClient:
                     self.reset()
                     raise HandshakeError(
                         f"no answer from {self.endpoint} within {timeout_s:g} s; "
-                        "is the producer worker running and the endpoint right?"
+                        "is the producer worker running, the endpoint right, and the "
+                        "shared token the same on both sides?"
                     )
                 continue
             reply = self.try_recv()

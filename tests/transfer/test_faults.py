@@ -25,6 +25,7 @@ from kvbridge.harness.commands import (
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, decode, encode
+from kvbridge.transfer.side_channel import curve_server_keys
 
 pytestmark = pytest.mark.slow
 
@@ -108,13 +109,19 @@ def test_producer_releases_after_the_lease_when_no_consumer_comes(cluster: Clust
     assert c.expect(p, StatusReply, 10).held_blocks == 0
 
 
-def raw_request(endpoint: str, frame: bytes) -> Refused:
+def raw_request(endpoint: str, frame: bytes, curve: bool = True) -> Refused | None:
+    """Send one raw frame; the reply, or None if none came within 1.5 s. With `curve` the
+    socket speaks CURVE with the token's server key (as a token holder would)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve:
+        sock.curve_serverkey = curve_server_keys(TOKEN)[0]
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
     sock.connect(endpoint)
     try:
         sock.send(frame)
-        assert sock.poll(10_000), "the side channel did not answer"
+        if not sock.poll(1_500):
+            return None
         reply = decode(sock.recv(), TOKEN, 1 << 22)
     finally:
         sock.close()
@@ -128,14 +135,24 @@ def test_bad_side_channel_peers_are_refused_and_good_ones_served(cluster: Cluste
     (p,) = c.start(
         "prefill", MODEL, TP1, work.prefill_blocks, "P", fill=work.prefill, token=TOKEN
     ).workers
-    hello = Hello(instance_id="x", rank=0, model=ModelWire.of(MODEL), layout=LayoutWire.of(TP1))
-    assert "malformed" in raw_request(p.endpoint, b"\x92\xff garbage").reason
-    assert "exceeds the limit" in raw_request(p.endpoint, b"\x00" * (5 << 20)).reason
+    hello = Hello(
+        instance_id="x",
+        rank=0,
+        model=ModelWire.of(MODEL),
+        layout=LayoutWire.of(TP1),
+        nonce=bytes(range(16)),
+    )
+    # without the token's CURVE key nothing reaches the server, not even a refusal
+    assert raw_request(p.endpoint, encode(hello, TOKEN), curve=False) is None
+    malformed = raw_request(p.endpoint, b"\x92\xff garbage")
+    assert malformed is not None and "malformed" in malformed.reason
+    oversized = raw_request(p.endpoint, b"\x00" * (5 << 20))
+    assert oversized is not None and "exceeds the limit" in oversized.reason
     wrong = raw_request(p.endpoint, encode(hello, b"not-the-right-token!"))
-    assert wrong.kind == "auth" and "wrong HMAC" in wrong.reason
+    assert wrong is not None and wrong.kind == "auth" and "wrong HMAC" in wrong.reason
     # a decode instance without the token is refused; one with it is served
     (stranger,) = c.start(
-        "decode", MODEL, TP1, work.decode_blocks, "S", salt=7, handshake_timeout_s=5
+        "decode", MODEL, TP1, work.decode_blocks, "S", salt=7, handshake_timeout_s=2
     ).workers
     (good,) = c.start("decode", MODEL, TP1, work.decode_blocks, "D", salt=8, token=TOKEN).workers
     for i, w in enumerate((stranger, good)):
@@ -143,15 +160,15 @@ def test_bad_side_channel_peers_are_refused_and_good_ones_served(cluster: Cluste
         p.send(Expose(f"r{i}", ps.block_ids, ps.num_tokens))
         w.send(Pull(f"r{i}", p.endpoint, ps.block_ids, ds.block_ids, ds.num_tokens))
     refused = c.expect(stranger, Finished, 20)
-    assert refused.state == "failed" and "refused the handshake" in refused.reason
-    assert "no HMAC" in refused.reason
+    assert refused.state == "failed" and "handshake with" in refused.reason
+    assert "timed out" in refused.reason and "token the same on both sides" in refused.reason
     served = c.expect(good, Finished, 20)
     assert served.state == "done", served.reason
     good.send(Verify([work.decode[1]]))
     assert c.expect(good, Verified, 30).ok
     p.send(Status())
     status = c.expect(p, StatusReply, 10)
-    assert status.rejected == 4
+    assert status.rejected == 3  # garbage, oversized, wrong HMAC; the plain peer never got in
     rel = c.expect(p, Released, 10)
     assert rel.request_id == "r1" and rel.cause == "completed"
 

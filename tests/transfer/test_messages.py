@@ -20,6 +20,7 @@ from kvbridge.transfer.messages import (
     ReadDone,
     Welcome,
     decode,
+    decode_signed,
     encode,
 )
 
@@ -41,6 +42,14 @@ def welcome(num_regions: int = 4) -> Welcome:
         agent_name="agent-p1",
         agent_metadata=b"\x00md",
         worker_endpoints=["tcp://127.0.0.1:5000", "tcp://127.0.0.1:5001"],
+        hello_nonce=b"h" * 16,
+        nonce=b"w" * 16,
+    )
+
+
+def read_done(request_id: str = "r1") -> ReadDone:
+    return ReadDone(
+        request_id=request_id, instance_id="d", rank=0, to_instance="p", to_rank=1, sent_at=1.0
     )
 
 
@@ -62,7 +71,7 @@ def test_oversized_message_is_rejected_with_its_size() -> None:
         decode(data, None, 100)
 
 
-@pytest.mark.parametrize("data", [b"", b"\x00\x01garbage", b"\x93\x01\xc4\x01x\xc4\x00"])
+@pytest.mark.parametrize("data", [b"", b"\x00\x01garbage", b"\x93\x02\xc4\x01x\xc4\x00"])
 def test_malformed_bytes_are_rejected(data: bytes) -> None:
     with pytest.raises(ProtocolError, match="malformed"):
         decode(data, None, 1 << 20)
@@ -70,15 +79,15 @@ def test_malformed_bytes_are_rejected(data: bytes) -> None:
 
 def test_unknown_message_kind_is_rejected() -> None:
     body = msgspec.msgpack.encode({"type": "shutdown_everything"})
-    data = msgspec.msgpack.encode(Envelope(1, body, b""))
+    data = msgspec.msgpack.encode(Envelope(2, body, b""))
     with pytest.raises(ProtocolError, match="malformed message"):
         decode(data, None, 1 << 20)
 
 
 def test_other_protocol_version_is_rejected_by_number() -> None:
     body = msgspec.msgpack.encode(Ping(nonce=1))
-    data = msgspec.msgpack.encode(Envelope(2, body, b""))
-    with pytest.raises(ProtocolError, match="protocol version=2 is not supported"):
+    data = msgspec.msgpack.encode(Envelope(1, body, b""))
+    with pytest.raises(ProtocolError, match="protocol version=1 is not supported"):
         decode(data, None, 1 << 20)
 
 
@@ -90,11 +99,26 @@ def test_missing_or_wrong_token_is_refused() -> None:
 
 
 def test_tampered_body_fails_authentication() -> None:
-    data = encode(ReadDone(request_id="r1", instance_id="d", rank=0), TOKEN)
+    data = encode(read_done("r1"), TOKEN)
     env = msgspec.msgpack.decode(data, type=Envelope)
-    forged = msgspec.msgpack.encode(ReadDone(request_id="r2", instance_id="d", rank=0))
+    forged = msgspec.msgpack.encode(read_done("r2"))
     with pytest.raises(AuthError):
         decode(msgspec.msgpack.encode(Envelope(env.v, forged, env.mac)), TOKEN, 1 << 20)
+
+
+def test_session_signed_messages_need_a_known_session_and_its_key() -> None:
+    keys = {b"s" * 16: b"k" * 32}
+    data = encode(read_done(), b"k" * 32, b"s" * 16)
+    msg, sid = decode_signed(data, keys.get, 1 << 16)
+    assert msg == read_done() and sid == b"s" * 16
+    with pytest.raises(AuthError, match="unknown session"):
+        decode_signed(encode(read_done(), b"k" * 32, b"t" * 16), keys.get, 1 << 16)
+    with pytest.raises(AuthError, match="wrong HMAC for its session"):
+        decode_signed(encode(read_done(), b"x" * 32, b"s" * 16), keys.get, 1 << 16)
+    with pytest.raises(AuthError, match="not signed by a session"):
+        decode_signed(encode(read_done(), TOKEN), keys.get, 1 << 16)
+    with pytest.raises(AuthError, match="unknown session"):  # the token decoder has no sessions
+        decode(data, TOKEN, 1 << 16)
 
 
 def test_region_list_is_bounded() -> None:
@@ -109,6 +133,7 @@ def test_invalid_geometry_in_a_hello_raises_the_geometry_error() -> None:
         rank=0,
         model=ModelWire(4, 8, 3, 16, "float16", "gqa", "bad"),
         layout=LayoutWire.of(LAYOUT),
+        nonce=b"n" * 16,
     )
     got = decode(encode(bad, None), None, 1 << 20)
     assert isinstance(got, Hello)

@@ -4,8 +4,11 @@ processes are test_transfers.py and test_faults.py."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -14,7 +17,8 @@ from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
-from kvbridge.transfer.messages import ReadDone, decode, encode
+from kvbridge.transfer.messages import ReadDone, decode_signed, encode
+from kvbridge.transfer.peers import ProducerWorker
 from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
 from kvbridge.transfer.regions import CacheRegions
 
@@ -88,11 +92,42 @@ def drive(p: KVProducer, consumers: list[KVConsumer], rounds: int = 20) -> list[
     return out
 
 
-def notify(p: KVProducer, request_id: str, rank: int, instance: str = "D") -> None:
-    assert isinstance(p.transport, FakeTransport)
-    p.transport.inbox.setdefault("decode", []).append(
-        encode(ReadDone(request_id=request_id, instance_id=instance, rank=rank), None)
+def session(c: KVConsumer, p: KVProducer) -> ProducerWorker:
+    """Decode worker `c`'s handshake session with prefill worker `p` (tp 1: worker 0)."""
+    w = c.directory.instance(p.endpoint).worker0
+    assert w.session_key and w.session_id
+    return w
+
+
+def signed(c: KVConsumer, p: KVProducer, request_id: str, **fields: Any) -> bytes:
+    """What decode worker `c` sends `p` when done with `request_id` (fields overridden)."""
+    msg = ReadDone(
+        request_id=request_id,
+        instance_id=c.instance_id,
+        rank=c.rank,
+        to_instance=p.instance_id,
+        to_rank=p.rank,
+        sent_at=time.time(),
     )
+    return session(c, p).sign(msgspec.structs.replace(msg, **fields))
+
+
+def deliver(p: KVProducer, data: bytes) -> None:
+    """Hand `p` a notification, as NIXL delivers one."""
+    assert isinstance(p.transport, FakeTransport)
+    p.transport.inbox.setdefault("decode", []).append(data)
+
+
+def notify(p: KVProducer, c: KVConsumer, request_id: str, **fields: Any) -> None:
+    deliver(p, signed(c, p, request_id, **fields))
+
+
+def opened(c: KVConsumer, p: KVProducer, data: bytes) -> ReadDone:
+    """A notification `c` sent `p`, checked with their session's key."""
+    w = session(c, p)
+    msg, sid = decode_signed(data, {w.session_id: w.session_key}.get, 1 << 16)
+    assert isinstance(msg, ReadDone) and sid == w.session_id
+    return msg
 
 
 def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer, clock) -> None:
@@ -107,26 +142,27 @@ def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer
         assert isinstance(t, FakeTransport) and len(t.reads) == 1
         local_idx, remote_idx, notif = t.reads[0]
         assert len(local_idx) == len(remote_idx) > 0
-        assert decode(notif, None, 1 << 16) == ReadDone(
-            request_id="r1", instance_id="D", rank=c.rank
-        )
+        got = opened(c, p, notif)  # signed with the session's key, addressed to P rank 0
+        assert (got.request_id, got.instance_id, got.rank) == ("r1", "D", c.rank)
+        assert (got.to_instance, got.to_rank, got.ok) == ("P", 0, True)
         t.read_state = XferState.DONE
     results = drive(p, cs)
     assert sorted((r.request_id, r.state) for r in results) == [("r1", TransferState.DONE)] * 2
     assert all(r.local_block_ids == (1, 6, 3) for r in results)
     # the fake moved no bytes, so notifications are delivered by hand, as NIXL would
-    notify(p, "r1", 0)
+    first = cs[0].transport.reads[0][2]
+    deliver(p, first)
     p.poll()
     assert released == []
-    notify(p, "r1", 0)  # duplicate: ignored
+    deliver(p, first)  # replayed: ignored, counted
     p.poll()
-    assert released == [] and p.num_ignored_notifs == 1
-    notify(p, "r1", 1)
+    assert released == [] and p.num_ignored_notifs == 1 and p.num_replays == 1
+    deliver(p, cs[1].transport.reads[0][2])
     p.poll()
     assert [(r.request_id, r.cause, r.block_ids) for r in released] == [
         ("r1", ReleaseCause.COMPLETED, (5, 2, 7))
     ]
-    notify(p, "r1", 1)  # stale
+    notify(p, cs[1], "r1")  # stale
     p.poll()
     assert p.num_ignored_notifs == 2 and len(released) == 1 and p.num_pinned_blocks == 0
 
@@ -159,8 +195,8 @@ def test_a_partial_last_block_is_a_second_read_and_the_notification_follows_both
     t.read_state = XferState.DONE
     results = drive(p, [c])
     assert [(r.request_id, r.state) for r in results] == [("r1", TransferState.DONE)]
-    assert [decode(msg, None, 1 << 16) for _, msg in t.sent] == [
-        ReadDone(request_id="r1", instance_id="D", rank=0)
+    assert [(opened(c, p, msg).request_id, opened(c, p, msg).ok) for _, msg in t.sent] == [
+        ("r1", True)
     ]
 
 
@@ -172,7 +208,7 @@ def test_split_reads_notify_only_after_the_last_and_never_after_a_failure(produc
     assert drive(p, [c]) == [] and t.sent == []
     t.xfer_states = {1: XferState.DONE, 2: XferState.DONE}
     assert [r.state for r in drive(p, [c])] == [TransferState.DONE]
-    assert [decode(m, None, 1 << 16).ok for _, m in t.sent] == [True]
+    assert [opened(c, p, m).ok for _, m in t.sent] == [True]
     # its own descriptor lists (4 layers x K/V: one run each) are released with it
     assert t.released_dlists == [("local", 8), ("remote", "prefill0", 8)]
 
@@ -186,7 +222,7 @@ def test_split_reads_notify_only_after_the_last_and_never_after_a_failure(produc
     clock.now += 6  # past transfer_timeout_s
     [result] = drive(p, [c])
     assert result.state is TransferState.FAILED and "timed out" in result.reason
-    assert [decode(m, None, 1 << 16).ok for _, m in t.sent] == [False]
+    assert [opened(c, p, m).ok for _, m in t.sent] == [False]
 
 
 def test_lists_of_a_read_nixl_cannot_cancel_are_kept_until_close(producer, clock) -> None:
@@ -201,23 +237,30 @@ def test_lists_of_a_read_nixl_cannot_cancel_are_kept_until_close(producer, clock
     assert ("local", 8) in t.released_dlists and ("remote", "prefill0", 8) in t.released_dlists
 
 
-def test_notifications_the_plan_does_not_expect_are_ignored(producer, clock) -> None:
+def test_forged_misdirected_and_unexpected_notifications_are_ignored(producer, clock) -> None:
     p, released = producer
     p.expose("r1", [0], 4)
-    notify(p, "r1", 0)  # instance D never handshaked
+    forged = encode(
+        ReadDone(request_id="r1", instance_id="D", rank=0, to_instance="P", to_rank=0, sent_at=1.0),
+        b"k" * 32,
+        b"s" * 16,
+    )
+    deliver(p, forged)  # no session: nobody handshaked with this key
+    deliver(p, encode(ReadDone("r1", "D", 0, "P", 0, time.time()), None))  # unsigned
     p.poll()
     c = consumer(0, clock)
     c.pull("r1", p.endpoint, [0], [0], 4)
     drive(p, [c])
-    notify(p, "r1", 7)  # not a reader in the plan
-    notify(p, "nope", 0)  # unknown request: kept for a lease in case expose comes late
-    assert isinstance(p.transport, FakeTransport)
-    p.transport.inbox["decode"].append(b"garbage")
+    notify(p, c, "r1", rank=1)  # claims another decode worker than its session's
+    notify(p, c, "r1", to_rank=1)  # addressed to another prefill worker
+    notify(p, c, "r1", sent_at=time.time() - 3600)  # an hour old
+    notify(p, c, "nope")  # unknown request: kept for a lease in case expose comes late
+    deliver(p, b"garbage")
     p.poll()
-    assert released == [] and p.num_ignored_notifs == 3
+    assert released == [] and p.num_ignored_notifs == 6 and p.num_replays == 6
     clock.now += 10.1  # a lease later "nope" was never exposed: dropped (and r1 expired)
     p.poll()
-    assert p.num_ignored_notifs == 4
+    assert p.num_ignored_notifs == 7
     assert [r.cause for r in released] == [ReleaseCause.LEASE_EXPIRED]
 
 
@@ -227,8 +270,8 @@ def test_a_notification_before_expose_completes_the_request(producer, clock) -> 
     for c in (c0, c1):  # both handshake (the plan becomes known) on a first request
         c.pull("warm", p.endpoint, [0], [0], 4)
     drive(p, [c0, c1])
-    notify(p, "late", 0)
-    notify(p, "late", 1)
+    notify(p, c0, "late")
+    notify(p, c1, "late")
     p.poll()
     assert released == []
     p.expose("late", [3, 4], 20)
@@ -329,14 +372,14 @@ def test_a_consumer_that_gives_up_tells_the_producer_which_releases_at_once(
     assert isinstance(t0, FakeTransport) and isinstance(t1, FakeTransport)
     t0.read_state = XferState.DONE
     drive(p, cs)
-    notify(p, "r1", 0)  # rank 0's READ delivered its notification
+    notify(p, cs[0], "r1")  # rank 0's READ delivered its notification
     clock.now += 5.1  # rank 1's READ is stuck: it times out and gives up
     (res,) = cs[1].poll()
     assert res.state is TransferState.FAILED
     ((peer, msg),) = t1.sent
     assert peer == "prefill0"
-    notice = decode(msg, None, 1 << 16)
-    assert isinstance(notice, ReadDone) and not notice.ok and "timed out" in notice.reason
+    notice = opened(cs[1], p, msg)
+    assert not notice.ok and "timed out" in notice.reason
     assert isinstance(p.transport, FakeTransport)
     p.transport.inbox["decode1"] = [msg]
     p.poll()

@@ -12,7 +12,7 @@ import zmq
 
 from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.messages import Message, Ping, Pong, Refused, decode, encode
-from kvbridge.transfer.side_channel import SideChannelClient, SideChannelServer
+from kvbridge.transfer.side_channel import SideChannelClient, SideChannelServer, curve_server_keys
 
 TOKEN = b"side-channel-token-0123"
 LIMIT = 64 << 10
@@ -41,8 +41,11 @@ def server() -> Iterator[SideChannelServer]:
 
 
 def raw_exchange(endpoint: str, frames: list[bytes]) -> Message:
+    """Frames from a peer that holds the token's CURVE key (the layer under the HMAC)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey = curve_server_keys(TOKEN)[0]
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
     sock.connect(endpoint)
     try:
         sock.send_multipart(frames)
@@ -54,6 +57,24 @@ def raw_exchange(endpoint: str, frames: list[bytes]) -> Message:
 
 def test_binds_loopback_by_default(server: SideChannelServer) -> None:
     assert server.endpoint.startswith("tcp://127.0.0.1:")
+
+
+def test_with_a_token_a_plain_or_wrongly_keyed_peer_reaches_nothing(
+    server: SideChannelServer,
+) -> None:
+    for key in (None, zmq.curve_keypair()[0]):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if key is not None:
+            sock.curve_serverkey = key
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.connect(server.endpoint)
+        try:
+            sock.send(encode(Ping(nonce=1), TOKEN))
+            assert not sock.poll(1000)  # CURVE's handshake fails: no reply, no refusal
+        finally:
+            sock.close()
+    assert server.num_served == 0 and server.num_rejected == 0
 
 
 def test_bad_peers_are_refused_and_logged_while_good_peers_are_served(

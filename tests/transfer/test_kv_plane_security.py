@@ -1,0 +1,280 @@
+"""The KV plane against an attacker on the network (issue #14): every attack that worked
+on protocol version 1 is refused. Real producers and consumers with their real side
+channels (ZMQ, CURVE with a shared token) in one process; the transport is the fake one,
+so notifications are handed over as NIXL would deliver them."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvbridge.plan.layout import InstanceLayout
+from kvbridge.transfer.agent import XferState
+from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.consumer import KVConsumer, TransferState
+from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
+from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
+from kvbridge.transfer.side_channel import SideChannelClient
+
+from .fakes import FakeTransport
+from .test_runtime_states import DECODE, MODEL, NUM_BLOCKS, Clock, deliver, drive, regions, signed
+
+TOKEN = b"a-shared-secret-of-the-deployment"
+TP2 = InstanceLayout(tp_size=2)
+
+
+def make_producer(
+    clock: Clock, released: list[Release], rank: int = 0, layout: InstanceLayout = TP2
+) -> KVProducer:
+    return KVProducer(
+        model=MODEL,
+        layout=layout,
+        rank=rank,
+        regions=regions(layout, rank),
+        num_blocks=NUM_BLOCKS,
+        transport=FakeTransport(f"prefill{rank}"),
+        config=TransferConfig(token=TOKEN, lease_s=10, transfer_timeout_s=5, handshake_timeout_s=2),
+        instance_id="P",
+        on_release=released.append,
+        clock=clock,
+    )
+
+
+def make_consumer(clock: Clock, instance_id: str = "D", rank: int = 0) -> KVConsumer:
+    return KVConsumer(
+        model=MODEL,
+        layout=DECODE,
+        rank=rank,
+        regions=regions(DECODE, rank),
+        num_blocks=NUM_BLOCKS,
+        transport=FakeTransport(f"{instance_id}{rank}"),
+        config=TransferConfig(token=TOKEN, transfer_timeout_s=5, handshake_timeout_s=2),
+        instance_id=instance_id,
+        clock=clock,
+    )
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[KVProducer, KVProducer, list[Release], Clock]]:
+    """Prefill workers 0 and 1 of one tp-2 instance "P" (each holds one KV head)."""
+    clock, released = Clock(), []
+    ps = [make_producer(clock, released, r) for r in (0, 1)]
+    endpoints = [p.endpoint for p in ps]
+    for p in ps:
+        p.set_worker_endpoints(endpoints)
+    yield ps[0], ps[1], released, clock
+    for p in ps:
+        p.close()
+
+
+def hello(instance_id: str, nonce: bytes, layout: InstanceLayout = DECODE) -> Hello:
+    return Hello(
+        instance_id=instance_id,
+        rank=0,
+        model=ModelWire.of(MODEL),
+        layout=LayoutWire.of(layout),
+        nonce=nonce,
+    )
+
+
+def ask(p: KVProducer, msg: Hello, token: bytes | None = TOKEN) -> object:
+    """Send `msg` to `p`'s side channel, serving it meanwhile; the reply or None."""
+    client = SideChannelClient(p.endpoint, token, 1 << 22)
+    try:
+        client.send(msg)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            p.poll(timeout_ms=5)
+            reply = client.try_recv()
+            if reply is not None:
+                return reply
+        return None
+    finally:
+        client.close()
+
+
+def pull_all(p0: KVProducer, p1: KVProducer, cs: list[KVConsumer], rid: str) -> None:
+    """Decode workers `cs` pull `rid` (blocks [3], 4 tokens) from instance P and their
+    READs finish; their notifications are left in the fake transports."""
+    for c in cs:
+        c.pull(rid, p0.endpoint, [3], [5], 4)
+    for _ in range(40):
+        p0.poll(5)
+        p1.poll(5)
+        for c in cs:
+            c.poll()
+    for c in cs:
+        assert isinstance(c.transport, FakeTransport) and c.transport.reads
+        c.transport.read_state = XferState.DONE
+
+
+def test_a_replayed_hello_is_refused_and_counted(pair) -> None:
+    p0, _, _, _ = pair
+    first = ask(p0, hello("D", b"n" * 16))
+    assert isinstance(first, Welcome) and first.hello_nonce == b"n" * 16
+    again = ask(p0, hello("D", b"n" * 16))
+    assert isinstance(again, Refused) and again.kind == "replay"
+    assert "replayed handshake" in again.reason and p0.num_replays == 1
+    other = ask(p0, hello("D", b"m" * 16))  # a fresh nonce is a fresh session
+    assert isinstance(other, Welcome) and other.nonce != first.nonce
+
+
+def test_without_the_token_a_peer_gets_no_answer_at_all(pair) -> None:
+    p0, _, _, _ = pair
+    assert ask(p0, hello("X", b"x" * 16), token=None) is None
+    assert ask(p0, hello("X", b"y" * 16), token=b"some-other-token-0123") is None
+
+
+def test_forged_or_replayed_read_done_leaves_the_blocks_pinned_until_the_reader(pair) -> None:
+    """A token holder posing as decode instance X, and replays of the real reader's
+    notification to the other prefill worker, cannot release a request exposed for D."""
+    p0, p1, released, clock = pair
+    for p in (p0, p1):
+        p.expose("victim", [3], 4, reader="D")
+    mallory = make_consumer(clock, "X")
+    real = make_consumer(clock, "D")
+    mallory.pull("warm", p0.endpoint, [3], [5], 4)  # handshakes X with P's workers
+    drive(p0, [mallory], rounds=30)
+    p1.poll(5)
+    deliver(p0, signed(mallory, p0, "victim"))  # a valid session, the wrong instance
+    p0.poll()
+    assert released == [] and p0.num_replays == 1 and p0.num_pinned_blocks == 1
+    # the real reader D (decode tp 2, rank 0 reads head 0 from prefill rank 0)
+    real.pull("victim", p0.endpoint, [3], [5], 4)
+    for _ in range(40):
+        p0.poll(5)
+        p1.poll(5)
+        real.poll()
+    notif = real.transport.reads[0][2]
+    deliver(p1, notif)  # replayed to the other prefill worker: not its session
+    p1.poll()
+    assert p1.num_replays == 1 and not [r for r in released if r.request_id == "victim"]
+    deliver(p0, notif)
+    p0.poll()
+    assert [(r.request_id, r.cause) for r in released] == [("victim", ReleaseCause.COMPLETED)]
+
+
+def test_a_hello_cannot_replace_another_instances_plan(pair) -> None:
+    p0, p1, released, clock = pair
+    d0, d1 = make_consumer(clock, "D", 0), make_consumer(clock, "D", 1)
+    for p in (p0, p1):
+        p.expose("r1", [3], 4)
+    pull_all(p0, p1, [d0, d1], "r1")
+    # an insider claims D's id with another layout (tp 1: it would read every head)
+    assert isinstance(ask(p0, hello("D", b"z" * 16, InstanceLayout(tp_size=1))), Welcome)
+    for _ in range(2):
+        for c in (d0, d1):
+            c.poll()
+    for p, d in ((p0, d0), (p1, d1)):
+        for notif in [r[2] for r in d.transport.reads if r[2]]:
+            deliver(p, notif)
+        p.poll()
+    # D's own sessions and plans still count: both prefill workers released r1
+    assert sorted((r.request_id, r.cause) for r in released) == [("r1", ReleaseCause.COMPLETED)] * 2
+
+
+def test_a_hello_flood_leaves_the_real_peer_working(pair) -> None:
+    p0, _, released, clock = pair
+    p0._sessions.max_sessions = 32  # the flood fills the table quickly
+    real = make_consumer(clock, "D")
+    p0.expose("warm", [1], 4)
+    real.pull("warm", p0.endpoint, [1], [2], 4)
+    drive(p0, [real], rounds=30)
+    refused = 0
+    for i in range(100):  # fresh instance ids, fresh nonces: all valid Hellos
+        reply = ask(p0, hello(f"flood-{i}", i.to_bytes(16, "big")))
+        refused += isinstance(reply, Refused) and reply.kind == "busy"
+    assert refused > 0 and len(p0._sessions) <= 32
+    assert ("D", 0) in p0._sessions.peers()  # never evicted while in use
+    real.transport.read_state = XferState.DONE
+    (res,) = drive(p0, [real], rounds=30)
+    assert res.state is TransferState.DONE
+    deliver(p0, real.transport.reads[0][2])
+    p0.poll()
+    assert [(r.request_id, r.cause) for r in released] == [("warm", ReleaseCause.COMPLETED)]
+
+
+class Relay:
+    """A TCP relay between a consumer and a producer's side channel that keeps a copy of
+    every byte in both directions (what someone on the path sees)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        self.seen = bytearray()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+            except OSError:
+                return
+            if not data:
+                return
+            with self._lock:
+                self.seen += data
+            dst.sendall(data)
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("token", [TOKEN, None])
+def test_the_handshake_on_the_wire_shows_no_agent_metadata_with_a_token(token) -> None:
+    clock, released = Clock(), []
+    tp1 = InstanceLayout(tp_size=1)
+    p = make_producer(clock, released, 0, tp1)
+    if token is None:  # the same deployment without a secret, as a contrast
+        p.close()
+        p = KVProducer(
+            model=MODEL,
+            layout=tp1,
+            rank=0,
+            regions=regions(tp1, 0),
+            num_blocks=NUM_BLOCKS,
+            transport=FakeTransport("prefill0"),
+            config=TransferConfig(lease_s=10),
+            instance_id="P",
+            on_release=released.append,
+            clock=clock,
+        )
+    relay = Relay(p.endpoint)
+    # tp 1: the consumer reaches worker 0 at the endpoint it was given, the relay
+    c = make_consumer(clock)
+    if token is None:
+        c.config = TransferConfig(transfer_timeout_s=5, handshake_timeout_s=2)
+        c.directory.config = c.config
+    try:
+        p.expose("r1", [3], 4)
+        c.pull("r1", relay.endpoint, [3], [5], 4)
+        drive(p, [c], rounds=40)
+        assert c.transport.reads, "the handshake through the relay did not complete"
+        seen = bytes(relay.seen)
+        secret_bits = [p.transport.metadata(), p.transport.name.encode()]
+        address = p.regions.addresses[0].to_bytes(8, "big")
+        if token is None:  # in the clear: the relay sees the agent metadata
+            assert any(b in seen for b in secret_bits)
+        else:
+            assert seen and not any(b in seen for b in [*secret_bits, address])
+    finally:
+        relay.close()
+        c.close()
+        p.close()
