@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="skip the kernel floor (bare process_vm_readv of the same runs)",
     )
+    parser.add_argument(
+        "--no-auth",
+        dest="auth",
+        action="store_false",
+        help="run without a shared token (no CURVE, no session-signed notifications), to "
+        "see what authentication costs",
+    )
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.add_argument(
         "--backend-param",
@@ -101,6 +108,8 @@ class Row:
     descriptors_unmerged: int
     prepared_indices: int
     run_bytes: int  # mean bytes per descriptor
+    first_ms: float  # the first request, handshakes included
+    auth: bool  # a shared token: encrypted handshakes, session-signed notifications
 
 
 def run_transfer_bench(args: argparse.Namespace) -> int:
@@ -236,7 +245,7 @@ def _measure_pair(
             backend_params=params,
             transfer_timeout_s=120,
         )
-        plan_s, raw_s, descs = [], [], (0, 0, 0)
+        plan_s, raw_s, descs, first_s = [], [], (0, 0, 0), 0.0
         for i in range(repeat + 1):
             seconds, descs = _one_request(
                 c,
@@ -248,6 +257,7 @@ def _measure_pair(
                 work.decode[0],
             )
             if not i:
+                first_s = seconds
                 continue  # warm-up: handshakes
             plan_s.append(seconds)
             t0 = time.perf_counter()
@@ -281,6 +291,8 @@ def _measure_pair(
         descriptors_unmerged=unmerged,
         prepared_indices=indices,
         run_bytes=sum(per_decode) // max(merged, 1),
+        first_ms=first_s * 1e3,
+        auth=args.auth,
     )
 
 
