@@ -14,6 +14,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+import secrets
 import sys
 import time
 import uuid
@@ -61,8 +62,9 @@ TIMEOUT_S = 60.0  # for every wait of the driver
 
 def transfer_config() -> TransferConfig:
     """Every worker's transfer settings: side channel on 127.0.0.1 (the default host) at
-    a free port, the shared token from KVBRIDGE_TRANSFER_TOKEN if set; a consumer gives
-    up on a pull (30 s) before a producer's lease on its blocks (60 s) runs out."""
+    a free port, the shared token from KVBRIDGE_TRANSFER_TOKEN (`main` makes one up for
+    this run when none is set: encrypted handshakes, signed notifications); a consumer
+    gives up on a pull (30 s) before a producer's lease on its blocks (60 s) runs out."""
     return TransferConfig(lease_s=60.0, transfer_timeout_s=30.0, token=load_token())
 
 
@@ -297,6 +299,8 @@ def run(prefill: Instance, decode: Instance) -> None:
 def main() -> int:
     prefill = Instance(ConnectorRole.PRODUCER, PREFILL)
     decode = Instance(ConnectorRole.CONSUMER, DECODE)
+    # one secret for the deployment; spawned workers inherit the environment
+    os.environ.setdefault("KVBRIDGE_TRANSFER_TOKEN", secrets.token_hex(32))
     try:
         transfer_config()  # a bad token fails here, not in every worker
         prefill.start()
