@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -172,7 +173,8 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
     print(f"{'(b) in-process memcpy':44} {t_mem * 1e3:8.1f} {_gbps(total, t_mem):7.2f}")
     for r in rows:
         print(
-            f"{r.prefill_layout} -> {r.decode_layout}: {r.descriptors_unmerged} descriptors "
+            f"{r.prefill_layout} -> {r.decode_layout}: first request (handshakes) "
+            f"{r.first_ms:.1f} ms; {r.descriptors_unmerged} descriptors "
             f"before merging, {r.descriptors} after ({r.prepared_indices} prepared-list "
             f"indices; NIXL joins consecutive ones), {r.run_bytes} B per descriptor; "
             f"plan / (a) = {r.ratio:.2f}"
@@ -220,6 +222,7 @@ def _measure_pair(
     ]
     readers = {d.rank: plan.reads_for(d.rank)[0].prefill_rank for d in plan.decode_workers}
     per_prefill = max(per_decode) * max(len(plan.readers_of(p.rank)) for p in plan.prefill_workers)
+    token = secrets.token_hex(32).encode() if args.auth else None
     with Cluster() as c:
         pre = c.start(
             "prefill",
@@ -232,6 +235,7 @@ def _measure_pair(
             scratch_bytes=per_prefill,
             backend_params=params,
             lease_s=600,
+            token=token,
         )
         dec = c.start(
             "decode",
@@ -244,6 +248,7 @@ def _measure_pair(
             scratch_bytes=max(per_decode),
             backend_params=params,
             transfer_timeout_s=120,
+            token=token,
         )
         plan_s, raw_s, descs, first_s = [], [], (0, 0, 0), 0.0
         for i in range(repeat + 1):

@@ -278,3 +278,24 @@ def test_the_handshake_on_the_wire_shows_no_agent_metadata_with_a_token(token) -
         relay.close()
         c.close()
         p.close()
+
+
+def test_a_capability_holds_only_for_its_reader_its_token_and_its_lifetime() -> None:
+    from kvbridge.transfer.capability import Capability, check, issue
+    from kvbridge.transfer.errors import AuthError
+
+    cap = Capability("r1", "P", "tcp://127.0.0.1:5000", [3, 1], 20, "D", time.time() + 60)
+    data = issue(cap, TOKEN)
+    assert check(data, TOKEN, "D") == cap
+    for token, reader, now, words in (
+        (TOKEN, "X", None, r"issued to decode instance 'D', not to this one \('X'\)"),
+        (b"another-token-0123456", "D", None, "signature is wrong"),
+        (TOKEN, "D", time.time() + 120, "expired"),
+    ):
+        with pytest.raises(AuthError, match=words):
+            check(data, token, reader, now)
+    forged = issue(Capability("r1", "P", "tcp://evil:1", [0], 20, "D", time.time() + 60), None)
+    with pytest.raises(AuthError, match="signature is wrong"):
+        check(forged, TOKEN, "D")
+    with pytest.raises(AuthError, match="malformed"):
+        check(b"\x93garbage", TOKEN, "D")
