@@ -88,6 +88,7 @@ class _Worker:
     def __init__(self, conn: Connection, spec: WorkerSpec) -> None:
         from kvbridge.transfer.agent import NixlTransport
         from kvbridge.transfer.consumer import KVConsumer
+        from kvbridge.transfer.netdev import device_of
         from kvbridge.transfer.producer import KVProducer
         from kvbridge.transfer.regions import CacheRegions
 
@@ -112,6 +113,7 @@ class _Worker:
             f"{spec.instance_id}-{spec.role}-{spec.rank}-{os.getpid()}",
             regions,
             spec.backend_params,
+            net_device=device_of(spec.host),
         )
         self.scratch = np.ones(max(spec.scratch_bytes, 1), dtype=np.uint8)  # touched
         if spec.scratch_bytes:

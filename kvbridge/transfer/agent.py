@@ -58,12 +58,23 @@ class NixlTransport:
         name: agent name, unique among the peers it talks to.
         regions: the cache regions to register (DRAM or VRAM).
         backend_params: UCX backend parameters (e.g. ``{"ucx_error_handling_mode": "none"}``).
+        net_device: keep UCX to this network interface (its TCP listener included), set
+            as UCX_NET_DEVICES for this process unless the user set that variable; it
+            must be set before the process's first agent is created.
     """
 
     def __init__(
-        self, name: str, regions: CacheRegions, backend_params: dict[str, str] | None = None
+        self,
+        name: str,
+        regions: CacheRegions,
+        backend_params: dict[str, str] | None = None,
+        net_device: str | None = None,
     ) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        if net_device:
+            os.environ.setdefault("UCX_NET_DEVICES", net_device)
+        #: the devices UCX may use in this process ("" = all)
+        self.net_devices = os.environ.get("UCX_NET_DEVICES", "")
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.name = name

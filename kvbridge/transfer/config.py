@@ -28,6 +28,9 @@ class TransferConfig:
     Attributes:
         host: address the producer's side channel binds (127.0.0.1 unless configured);
             any other needs a token.
+        advertise_host: the address peers reach this worker at, when it differs from
+            `host` (required when binding a wildcard such as 0.0.0.0). UCX is kept to
+            the network device that carries it (or `host`), unless UCX_NET_DEVICES is set.
         base_port: worker ``rank`` of a producer instance serves ``base_port + rank``;
             0 lets the OS pick (the actual endpoint is then reported by the producer).
         token: shared secret; when set, the side channel is encrypted and authenticated
@@ -44,6 +47,7 @@ class TransferConfig:
     """
 
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
     base_port: int = 0
     token: bytes | None = None
     lease_s: float = 120.0
@@ -66,6 +70,11 @@ class TransferConfig:
                 f"max_message_bytes={self.max_message_bytes} is too small for a handshake; "
                 "use at least 4096"
             )
+        if self.advertise_host is None and self.host in ("0.0.0.0", "::", ""):
+            raise ConfigError(
+                f"KV host {self.host!r} binds every interface, so peers need to be told "
+                "which address reaches it: set --kv-advertise-host"
+            )
         if self.token is None and not is_loopback(self.host):
             raise ConfigError(
                 f"KV host {self.host!r} is not a loopback address, and a side channel other "
@@ -77,6 +86,11 @@ class TransferConfig:
                 f"token of {len(self.token)} bytes is too short to authenticate peers; "
                 "use at least 16 bytes (e.g. `openssl rand -hex 32`)"
             )
+
+    @property
+    def reachable_host(self) -> str:
+        """The address peers use to reach this worker."""
+        return self.advertise_host or self.host
 
     @property
     def is_open(self) -> bool:

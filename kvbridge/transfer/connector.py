@@ -150,11 +150,14 @@ class WorkerConnector:
     ) -> None:
         from kvbridge.transfer.agent import NixlTransport
         from kvbridge.transfer.consumer import KVConsumer
+        from kvbridge.transfer.netdev import device_of
         from kvbridge.transfer.producer import KVProducer
 
         self.role = spec.role
         self.transport = transport or NixlTransport(
-            f"{spec.instance_id}-{spec.role.value}-{rank}", regions
+            f"{spec.instance_id}-{spec.role.value}-{rank}",
+            regions,
+            net_device=device_of(spec.transfer.reachable_host),
         )
         side = KVProducer if self.role is ConnectorRole.PRODUCER else KVConsumer
         try:

@@ -152,7 +152,10 @@ class KVProducer:
         self._server = SideChannelServer(
             config.host, config.port_of(rank), config.token, config.max_message_bytes, self._handle
         )
-        self.endpoint = self._server.endpoint
+        bound = self._server.endpoint  # tcp://HOST:PORT as bound
+        port = bound.rsplit(":", 1)[1]
+        host = config.reachable_host
+        self.endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
         self.worker_endpoints: list[str] = [self.endpoint]
 
     # -- engine-facing API -------------------------------------------------------------

@@ -189,3 +189,17 @@ def test_incompatible_geometry_fails_on_both_sides_with_the_planners_error(
     p.send(Status())
     assert any(words in r for r in c.expect(p, StatusReply, 10).refusals)
     assert msgspec.json.encode(f)  # the reason is plain data, never pickled
+
+
+def test_workers_listen_on_loopback_only(cluster: Cluster) -> None:
+    """UCX is kept to the device carrying the KV host (here lo): no listener of a worker
+    is on another interface."""
+    from tests.listening import is_loopback, listening
+
+    work = make_workload(TP1, TP1, 1, 20)
+    (p,) = cluster.start("prefill", MODEL, TP1, work.prefill_blocks, "P").workers
+    (d,) = cluster.start("decode", MODEL, TP1, work.decode_blocks, "D").workers
+    for w in (p, d):
+        addrs = listening(w.pid)
+        assert addrs, f"{w.role} worker listens on nothing?"
+        assert all(is_loopback(a) for a, _ in addrs), addrs
