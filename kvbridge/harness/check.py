@@ -9,10 +9,12 @@ that every block was released on both sides.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvbridge.harness.cluster import Cluster, Instance
@@ -102,11 +104,18 @@ def run_check(
     seed: int = 0,
     timeout_s: float = 60.0,
     cluster: Cluster | None = None,
+    start_token: int = 0,
     **options: Any,
 ) -> CheckReport:
-    """Run the check (see module docstring). `options` go to every worker (`WorkerSpec`)."""
+    """Run the check (see module docstring); with `start_token`, partial pulls of tokens
+    [start_token, num_tokens) that must leave each decode worker's earlier tokens as they
+    were. `options` go to every worker (`WorkerSpec`)."""
     make_plan(model, prefill, decode)  # refuse an incompatible pair before spawning
     work = make_workload(prefill, decode, num_requests, num_tokens, seed)
+    if start_token:
+        work = dataclasses.replace(
+            work, decode=[msgspec.structs.replace(s, start_token=start_token) for s in work.decode]
+        )
     own = cluster is None
     c = cluster or Cluster()
     failures: list[str] = []
@@ -125,7 +134,8 @@ def run_check(
             "decode", model, decode, work.decode_blocks, "check-decode", salt=5000, **options
         )
         t0 = time.perf_counter()
-        finished = _run_requests(c, pre, dec, work, timeout_s, failures)
+        blocks = (prefill.block_size, decode.block_size)
+        finished = _run_requests(c, pre, dec, work, timeout_s, failures, blocks)
         seconds = time.perf_counter() - t0
         done = [f for f in finished if f.state == "done"]
         for f in finished:
@@ -159,16 +169,21 @@ def _run_requests(
     work: Workload,
     timeout_s: float,
     failures: list[str],
+    block_sizes: tuple[int, int],
 ) -> list[Finished]:
     """Expose on every prefill worker (unused replicas included: decode worker 0
-    notifies them), pull on every decode worker, wait for every result and release."""
+    notifies them), pull on every decode worker, wait for every result and release.
+    A decode span's `start_token` makes a partial pull: only the blocks from the one
+    holding that token on are exposed and read, on both sides."""
     readers = pre.workers
-    for i, span in enumerate(work.prefill):
-        for w in readers:
-            w.send(Expose(f"req-{i}", span.block_ids, span.num_tokens))
+    bp, bd = block_sizes
     for i, (ps, ds) in enumerate(zip(work.prefill, work.decode, strict=True)):
+        start = ds.start_token  # the decode side holds [0, start) already
+        src = ps.block_ids[start // bp :]
+        for w in readers:
+            w.send(Expose(f"req-{i}", src, ps.num_tokens, start))
         for w in dec.workers:
-            w.send(Pull(f"req-{i}", pre.endpoint, ps.block_ids, ds.block_ids, ds.num_tokens))
+            w.send(Pull(f"req-{i}", pre.endpoint, src, ds.blocks_from(bd), ds.num_tokens, start))
     n_fin = len(work.decode) * len(dec.workers)
     n_rel = len(work.prefill) * len(readers)
     finished: list[Finished] = []

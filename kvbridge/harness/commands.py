@@ -16,12 +16,18 @@ from kvbridge.transfer.messages import LayoutWire, ModelWire
 
 
 class Span(msgspec.Struct, frozen=True, array_like=True):
-    block_ids: list[int]
+    block_ids: list[int]  # every block of the request, in token order
     num_tokens: int
     key: int
+    start_token: int = 0  # a partial pull moves tokens [start_token, num_tokens) only
 
     def to_request(self) -> RequestSpan:
-        return RequestSpan(np.asarray(self.block_ids, dtype=np.int64), self.num_tokens, self.key)
+        ids = np.asarray(self.block_ids, dtype=np.int64)
+        return RequestSpan(ids, self.num_tokens, self.key, self.start_token)
+
+    def blocks_from(self, block_size: int) -> list[int]:
+        """The blocks holding tokens [start_token, num_tokens)."""
+        return self.block_ids[self.start_token // block_size :]
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -54,6 +60,7 @@ class Expose(msgspec.Struct, tag=True):
     request_id: str
     block_ids: list[int]
     num_tokens: int
+    start_token: int = 0
 
 
 class Pull(msgspec.Struct, tag=True):
@@ -62,6 +69,7 @@ class Pull(msgspec.Struct, tag=True):
     producer_block_ids: list[int]
     local_block_ids: list[int]
     num_tokens: int
+    start_token: int = 0
 
 
 class Verify(msgspec.Struct, tag=True):

@@ -227,7 +227,9 @@ class _Worker:
             if isinstance(cmd, SetEndpoints) and producer is not None:
                 producer.set_worker_endpoints(cmd.endpoints)
             elif isinstance(cmd, Expose) and producer is not None:
-                producer.expose(cmd.request_id, cmd.block_ids, cmd.num_tokens)
+                producer.expose(
+                    cmd.request_id, cmd.block_ids, cmd.num_tokens, start_token=cmd.start_token
+                )
             elif isinstance(cmd, Pull) and consumer is not None:
                 consumer.pull(
                     cmd.request_id,
@@ -235,6 +237,7 @@ class _Worker:
                     cmd.producer_block_ids,
                     cmd.local_block_ids,
                     cmd.num_tokens,
+                    cmd.start_token,
                 )
             elif isinstance(cmd, Verify) and self.initial is not None:
                 want = expected_decode_cache(

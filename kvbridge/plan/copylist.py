@@ -89,19 +89,28 @@ class CopyList:
         return src, dst, self.lengths
 
 
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
+def blocks_needed(num_tokens: int, block_size: int, start_token: int = 0) -> int:
+    """Blocks that hold tokens [start_token, num_tokens)."""
+    return -(-num_tokens // block_size) - start_token // block_size
 
 
 def check_block_ids(
-    block_ids: Sequence[int] | IntArray, num_tokens: int, block_size: int, side: str
+    block_ids: Sequence[int] | IntArray,
+    num_tokens: int,
+    block_size: int,
+    side: str,
+    start_token: int = 0,
 ) -> IntArray:
-    """The first ceil(num_tokens / block_size) block ids as int64, validated."""
+    """The block ids holding tokens [start_token, num_tokens), as int64, validated: the
+    first is the block of token `start_token`."""
     ids = np.asarray(block_ids, dtype=np.int64).ravel()
-    need = blocks_needed(num_tokens, block_size)
+    need = blocks_needed(num_tokens, block_size, start_token)
     if len(ids) < need:
+        span = (
+            f"tokens [{start_token}, {num_tokens})" if start_token else f"num_tokens={num_tokens}"
+        )
         raise LayoutError(
-            f"{side}_block_ids has {len(ids)} blocks but num_tokens={num_tokens} at "
+            f"{side}_block_ids has {len(ids)} blocks but {span} at "
             f"block_size={block_size} needs {need}"
         )
     ids = ids[:need]
@@ -118,7 +127,8 @@ class _Side:
 
     strides: dict[str, tuple[int, int]]  # axis -> (region stride, byte stride)
     block_size: int
-    block_ids: IntArray
+    block_ids: IntArray  # of the blocks from the one holding `first_block`'s tokens on
+    first_block: int  # the block index (in token order) of block_ids[0]
     start: dict[str, int]  # first local index of the read along L and H
 
     @classmethod
@@ -129,11 +139,13 @@ class _Side:
         shard: WorkerShard,
         read: Read,
         ids: IntArray,
+        start_token: int,
     ) -> _Side:
         return cls(
             cache_strides(plan.model, layout, shard),
             layout.block_size,
             ids,
+            start_token // layout.block_size,
             {"L": read.layers[0] - shard.layers[0], "H": read.kv_heads[0] - shard.kv_heads[0]},
         )
 
@@ -144,7 +156,7 @@ class _Side:
 
     def segment_base(self, cuts: IntArray) -> tuple[IntArray, IntArray]:
         """(region, offset) of each segment's first token, at the read's first L and H."""
-        r_b, o_b = self.at("B", self.block_ids[cuts // self.block_size])
+        r_b, o_b = self.at("B", self.block_ids[cuts // self.block_size - self.first_block])
         r_n, o_n = self.at("N", cuts % self.block_size)
         r_l, o_l = self.at("L", self.start["L"])
         r_h, o_h = self.at("H", self.start["H"])
@@ -187,16 +199,26 @@ def _segment_group(
 
 
 def _pieces(
-    plan: TransferPlan, read: Read, p_ids: IntArray, d_ids: IntArray, num_tokens: int
+    plan: TransferPlan,
+    read: Read,
+    p_ids: IntArray,
+    d_ids: IntArray,
+    num_tokens: int,
+    start_token: int,
 ) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
-    """Unmerged runs of one read: (src regions, src offsets, dst regions, dst offsets,
-    lengths), each run contiguous on both sides and inside one segment."""
+    """Unmerged runs of one read over tokens [start_token, num_tokens): (src regions, src
+    offsets, dst regions, dst offsets, lengths), each contiguous on both sides and inside
+    one segment."""
     p = plan.prefill_workers[read.prefill_rank]
     d = plan.decode_workers[read.decode_rank]
-    src = _Side.of(plan, plan.prefill, p, read, p_ids)
-    dst = _Side.of(plan, plan.decode, d, read, d_ids)
+    src = _Side.of(plan, plan.prefill, p, read, p_ids, start_token)
+    dst = _Side.of(plan, plan.decode, d, read, d_ids, start_token)
     bp, bd = plan.prefill.block_size, plan.decode.block_size
-    cuts = np.union1d(np.arange(0, num_tokens, bp), np.arange(0, num_tokens, bd))
+    first_p, first_d = -(-start_token // bp) * bp, -(-start_token // bd) * bd
+    cuts = np.union1d(
+        np.union1d(np.arange(first_p, num_tokens, bp), np.arange(first_d, num_tokens, bd)),
+        [start_token],
+    )
     seg_len = np.diff(np.append(cuts, num_tokens))
     s_base, d_base = src.segment_base(cuts), dst.segment_base(cuts)
     row = plan.model.head_dim * plan.model.itemsize
@@ -256,11 +278,14 @@ def copy_lists(
     prefill_block_ids: Sequence[int] | IntArray,
     decode_block_ids: Sequence[int] | IntArray,
     num_tokens: int,
+    start_token: int = 0,
 ) -> list[CopyList]:
-    """The copy lists of every read of decode worker `decode_rank` for one request.
+    """The copy lists of every read of decode worker `decode_rank` for one request's
+    tokens [start_token, num_tokens) (a partial pull: the decode side holds the rest).
 
-    Block ids are the request's blocks in token order on each instance (the same ids
-    on every worker of an instance); only the first ceil(num_tokens / block_size) are used.
+    Block ids are the request's blocks in token order on each instance (the same ids on
+    every worker of an instance), from the block holding token `start_token` on; only as
+    many as those tokens need are used. `start_token` may fall inside a block on either side.
     """
     if (
         isinstance(num_tokens, bool)
@@ -274,10 +299,20 @@ def copy_lists(
             f"{len(plan.decode_workers)} workers"
         )
     num_tokens = int(num_tokens)
-    p_ids = check_block_ids(prefill_block_ids, num_tokens, plan.prefill.block_size, "prefill")
-    d_ids = check_block_ids(decode_block_ids, num_tokens, plan.decode.block_size, "decode")
+    if isinstance(start_token, bool) or not 0 <= start_token < num_tokens:
+        raise LayoutError(
+            f"start_token={start_token!r} must be in [0, num_tokens={num_tokens}); "
+            "a pull copies at least one token"
+        )
+    start_token = int(start_token)
+    p_ids = check_block_ids(
+        prefill_block_ids, num_tokens, plan.prefill.block_size, "prefill", start_token
+    )
+    d_ids = check_block_ids(
+        decode_block_ids, num_tokens, plan.decode.block_size, "decode", start_token
+    )
     out = []
     for read in plan.reads_for(decode_rank):
-        pieces = _pieces(plan, read, p_ids, d_ids, num_tokens)
+        pieces = _pieces(plan, read, p_ids, d_ids, num_tokens, start_token)
         out.append(CopyList(read, *merge_runs(*pieces), num_unmerged=len(pieces[0])))
     return out

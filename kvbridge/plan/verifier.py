@@ -38,11 +38,14 @@ class VerificationError(KVBridgeError):
 
 @dataclass(frozen=True)
 class RequestSpan:
-    """One request's blocks on one instance: its block ids in token order."""
+    """One request's blocks on one instance: its block ids in token order, and the
+    first token its values are written for (a partial pull leaves [0, start_token) as
+    it was)."""
 
     block_ids: np.ndarray
     num_tokens: int
     key: int = 1
+    start_token: int = 0
 
 
 def _mix(*parts: np.ndarray | int) -> np.ndarray:
@@ -88,7 +91,8 @@ def _request_values(
         position = np.full(num_blocks, -1, dtype=np.int64)
         position[ids] = np.arange(len(ids))
         token = position[g["block"]] * layout.block_size + g["slot"]
-        mask = np.broadcast_to((position[g["block"]] >= 0) & (token < req.num_tokens), out.shape)
+        held = (position[g["block"]] >= 0) & (token < req.num_tokens) & (token >= req.start_token)
+        mask = np.broadcast_to(held, out.shape)
         values = _mix(g["layer"], g["kv"], g["head"], token, g["elem"], int(req.key))
         out[mask] = np.broadcast_to(values, out.shape)[mask].astype(dtype)
 
@@ -203,10 +207,17 @@ def _first_mismatch(
 
 
 def verify_plan(
-    plan: TransferPlan, num_tokens: int, *, seed: int = 0, spare_blocks: int = 3
+    plan: TransferPlan,
+    num_tokens: int,
+    *,
+    seed: int = 0,
+    spare_blocks: int = 3,
+    start_token: int = 0,
 ) -> VerifyReport:
     """Run the plan for one synthetic request with shuffled, non-contiguous block ids
-    on both sides and check every decode worker byte for byte. Raises VerificationError."""
+    on both sides and check every decode worker byte for byte; with `start_token`, a
+    partial pull of tokens [start_token, num_tokens) that must leave the decode side's
+    earlier tokens as they were. Raises VerificationError."""
     rng = np.random.default_rng(seed)
     model = plan.model
 
@@ -218,6 +229,9 @@ def verify_plan(
 
     p_blocks, p_req = request(plan.prefill, key=7)
     d_blocks, d_req = request(plan.decode, key=7)
+    d_req = RequestSpan(d_req.block_ids, num_tokens, d_req.key, start_token)
+    p_first = start_token // plan.prefill.block_size
+    d_first = start_token // plan.decode.block_size
     p_caches = [
         fill_worker_cache(model, plan.prefill, w, p_blocks, [p_req], salt=1000 + w.rank)
         for w in plan.prefill_workers
@@ -226,7 +240,14 @@ def verify_plan(
     for d in plan.decode_workers:
         initial = fill_worker_cache(model, plan.decode, d, d_blocks, [], salt=5000 + d.rank)
         cache = initial.copy()
-        lists = copy_lists(plan, d.rank, p_req.block_ids, d_req.block_ids, num_tokens)
+        lists = copy_lists(
+            plan,
+            d.rank,
+            p_req.block_ids[p_first:],
+            d_req.block_ids[d_first:],
+            num_tokens,
+            start_token,
+        )
         dst = region_bytes(cache, num_regions(model, plan.decode, d))
         for cl in lists:
             p = plan.prefill_workers[cl.read.prefill_rank]
@@ -240,7 +261,7 @@ def verify_plan(
         want = expected_decode_cache(model, plan.decode, d, initial, [d_req])
         if not np.array_equal(cache, want):
             raise VerificationError(_first_mismatch(model, plan.decode, d, cache, want))
-    expected_bytes = num_tokens * plan.bytes_per_token
+    expected_bytes = (num_tokens - start_token) * plan.bytes_per_token
     if report.bytes_copied != expected_bytes:
         raise VerificationError(
             f"copied {report.bytes_copied} bytes, the plan's reads account for {expected_bytes}"

@@ -87,6 +87,7 @@ class Expose(msgspec.Struct, frozen=True, tag="expose"):
     block_ids: list[int]
     num_tokens: int
     reader: str | None = None
+    start_token: int = 0  # a partial pull: block_ids hold tokens [start_token, num_tokens)
 
 
 class Pull(msgspec.Struct, frozen=True, tag="pull"):
@@ -97,6 +98,7 @@ class Pull(msgspec.Struct, frozen=True, tag="pull"):
     producer_block_ids: list[int]
     local_block_ids: list[int]
     num_tokens: int
+    start_token: int = 0  # read tokens [start_token, num_tokens); both lists from its block
 
 
 class Poll(msgspec.Struct, frozen=True, tag="poll"):
@@ -188,7 +190,11 @@ class WorkerConnector:
             self._need(self.producer, request).set_worker_endpoints(request.endpoints)
         elif isinstance(request, Expose):
             self._need(self.producer, request).expose(
-                request.request_id, request.block_ids, request.num_tokens, reader=request.reader
+                request.request_id,
+                request.block_ids,
+                request.num_tokens,
+                reader=request.reader,
+                start_token=request.start_token,
             )
         elif isinstance(request, Pull):
             self._need(self.consumer, request).pull(
@@ -197,6 +203,7 @@ class WorkerConnector:
                 request.producer_block_ids,
                 request.local_block_ids,
                 request.num_tokens,
+                request.start_token,
             )
         elif isinstance(request, Poll):
             self._last_poll = 0.0  # the driver asks: poll now

@@ -87,6 +87,7 @@ class _Pull:
     local_block_ids: np.ndarray
     num_tokens: int
     deadline: float
+    start_token: int = 0  # tokens [0, start_token) are ours already: not read
     state: TransferState = TransferState.HANDSHAKING
     xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
     temp_dlists: list[Any] = field(default_factory=list)
@@ -148,9 +149,12 @@ class KVConsumer:
         producer_block_ids: Sequence[int] | np.ndarray,
         local_block_ids: Sequence[int] | np.ndarray,
         num_tokens: int,
+        start_token: int = 0,
     ) -> None:
-        """Start loading `request_id`'s `num_tokens` tokens from the producer instance at
-        `endpoint` (its worker 0's side channel) into `local_block_ids`; returns at once."""
+        """Start loading `request_id`'s tokens [start_token, num_tokens) from the producer
+        instance at `endpoint` (its worker 0's side channel) into `local_block_ids`;
+        returns at once. Both block lists start with the block holding token
+        `start_token` (a partial pull: this worker holds the earlier tokens already)."""
         if request_id in self._pulls:
             raise TransferError(f"request_id={request_id!r} is already being pulled")
         local = np.asarray(local_block_ids, dtype=np.int64).ravel()
@@ -160,10 +164,16 @@ class KVConsumer:
                 f"local_block_ids of {request_id!r} must lie in "
                 f"[0, {self.num_blocks}); got {local.tolist()[:8]}"
             )
-        if not 0 <= num_tokens <= len(local) * self.layout.block_size:
+        bd = self.layout.block_size
+        if not 0 <= start_token < max(num_tokens, 1):
             raise TransferError(
-                f"num_tokens={num_tokens} of {request_id!r} does not fit "
-                f"{len(local)} local blocks of {self.layout.block_size} tokens"
+                f"start_token={start_token} of {request_id!r} must be in [0, "
+                f"num_tokens={num_tokens})"
+            )
+        if not 0 <= num_tokens - start_token // bd * bd <= len(local) * bd:
+            raise TransferError(
+                f"tokens [{start_token}, {num_tokens}) of {request_id!r} do not fit "
+                f"{len(local)} local blocks of {bd} tokens"
             )
         inst = self.directory.instance(endpoint)
         self._pulls[request_id] = _Pull(
@@ -173,6 +183,7 @@ class KVConsumer:
             local,
             num_tokens,
             self._clock() + self.config.transfer_timeout_s,
+            start_token,
         )
 
     def poll(self) -> list[TransferResult]:
@@ -284,7 +295,12 @@ class KVConsumer:
         inst = pull.instance
         assert inst.plan is not None
         lists = copy_lists(
-            inst.plan, self.rank, pull.producer_block_ids, pull.local_block_ids, pull.num_tokens
+            inst.plan,
+            self.rank,
+            pull.producer_block_ids,
+            pull.local_block_ids,
+            pull.num_tokens,
+            pull.start_token,
         )
         nbytes = ndesc = nunmerged = nidx = 0
         pull.state = TransferState.READING

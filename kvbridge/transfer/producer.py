@@ -176,9 +176,11 @@ class KVProducer:
         num_tokens: int,
         lease_s: float | None = None,
         reader: str | None = None,
+        start_token: int = 0,
     ) -> None:
-        """Pin `block_ids` (this request's KV, `num_tokens` tokens) for decode workers to
-        read; with `reader`, only that decode instance's notifications count."""
+        """Pin `block_ids` (this request's KV of tokens [start_token, num_tokens), from the
+        block holding token `start_token` on) for decode workers to read; with `reader`,
+        only that decode instance's notifications count."""
         ids = tuple(int(b) for b in np.asarray(block_ids).ravel())
         if request_id in self._exposed:
             raise TransferError(f"request_id={request_id!r} is already exposed; ids must be unique")
@@ -187,10 +189,15 @@ class KVProducer:
                 f"block_ids of {request_id!r} must lie in [0, {self.num_blocks}); got "
                 f"{[b for b in ids if not 0 <= b < self.num_blocks][:4]}"
             )
-        if not 0 <= num_tokens <= len(ids) * self.layout.block_size:
+        bp = self.layout.block_size
+        if not 0 <= start_token <= num_tokens <= start_token // bp * bp + len(ids) * bp:
+            span = (
+                f"tokens [{start_token}, {num_tokens})"
+                if start_token
+                else f"num_tokens={num_tokens}"
+            )
             raise TransferError(
-                f"num_tokens={num_tokens} of {request_id!r} does not fit {len(ids)} blocks of "
-                f"{self.layout.block_size} tokens"
+                f"{span} of {request_id!r} does not fit {len(ids)} blocks of {bp} tokens"
             )
         lease = self.config.lease_s if lease_s is None else lease_s
         self._exposed[request_id] = _Exposure(ids, num_tokens, self._clock() + lease, reader)

@@ -20,6 +20,7 @@ from kvbridge.plan.verifier import (
     expected_decode_cache,
     fill_worker_cache,
     region_bytes,
+    verify_plan,
 )
 
 LLAMA = load_model_spec("llama-3.2-1b")
@@ -270,3 +271,53 @@ def test_a_first_copy_list_imports_nothing():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("blocks", [(16, 32), (32, 16), (16, 24)])
+@pytest.mark.parametrize("layouts", [("BHLNC", "LBNHC"), ("LBHNC", "BHLNC")])
+def test_partial_pulls_are_byte_exact_at_every_start(blocks, layouts):
+    """Tokens [start, T) only, start anywhere inside a block on either side; the decode
+    worker's tokens before start stay as they were (the verifier checks every byte)."""
+    model = from_hf_config(
+        {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 4,
+            "torch_dtype": "float16",
+        }
+    )
+    plan = make_plan(
+        model,
+        InstanceLayout(2, block_size=blocks[0], cache_layout=layouts[0]),
+        InstanceLayout(1, block_size=blocks[1], cache_layout=layouts[1]),
+    )
+    tokens = 70
+    for start in range(tokens):
+        report = verify_plan(plan, tokens, seed=start, start_token=start)
+        assert report.bytes_copied == (tokens - start) * plan.bytes_per_token
+
+
+def test_a_partial_pull_takes_the_blocks_from_its_first_token_on():
+    plan = make_plan(LLAMA, InstanceLayout(8, block_size=16), InstanceLayout(8, block_size=32))
+    # tokens [40, 70): prefill blocks 2..4 (of 16), decode blocks 1..2 (of 32)
+    (cl,) = copy_lists(plan, 0, [7, 3, 9], [5, 2], 70, start_token=40)
+    assert cl.nbytes == 30 * cl.read.bytes_per_token
+    with pytest.raises(LayoutError, match=r"prefill_block_ids has 2 blocks but tokens \[40, 70\)"):
+        copy_lists(plan, 0, [7, 3], [5, 2], 70, start_token=40)
+    with pytest.raises(LayoutError, match=r"start_token=70 must be in \[0, num_tokens=70\)"):
+        copy_lists(plan, 0, [7, 3, 9], [5, 2], 70, start_token=70)
+
+
+def test_the_verifier_sees_a_pull_that_overwrites_tokens_before_its_start():
+    plan = make_plan(LLAMA, InstanceLayout(8), InstanceLayout(8))
+    m, d = plan.model, plan.decode_workers[0]
+    p_req, d_req = RequestSpan(np.array([3, 1]), 20), RequestSpan(np.array([0, 2]), 20)
+    src = fill_worker_cache(m, plan.prefill, plan.prefill_workers[0], 4, [p_req], salt=1)
+    initial = fill_worker_cache(m, plan.decode, d, 4, [], salt=2)
+    cache = initial.copy()
+    (cl,) = copy_lists(plan, 0, p_req.block_ids, d_req.block_ids, 20)  # all 20 tokens
+    apply_copy_lists(region_bytes(src, 1), region_bytes(cache, 1), [cl])
+    partial = RequestSpan(d_req.block_ids, 20, start_token=10)  # but only [10, 20) was asked
+    assert not np.array_equal(cache, expected_decode_cache(m, plan.decode, d, initial, [partial]))
+    assert np.array_equal(cache, expected_decode_cache(m, plan.decode, d, initial, [d_req]))

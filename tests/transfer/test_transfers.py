@@ -84,3 +84,18 @@ def test_per_request_descriptor_lists_when_units_would_be_too_many() -> None:
     )
     assert report.failures == [] and report.verified
     assert report.indices == report.descriptors  # one entry per merged descriptor
+
+
+@pytest.mark.parametrize("start", [21])
+def test_a_partial_pull_moves_only_the_missing_tokens(start: int) -> None:
+    """The decode side already holds tokens [0, start): only the blocks from the one
+    holding `start` on are exposed and read (start inside a block on both sides, or on a
+    decode block boundary), and the decode workers' earlier tokens stay as they were."""
+    model, prefill, decode = gqa(3, 9), lay(3, "BHLNC", 16), lay(9, "LBNHC", 32)
+    report = run_check(
+        model, prefill, decode, num_requests=2, num_tokens=50, timeout_s=60, start_token=start
+    )
+    assert report.failures == [] and report.verified
+    from kvbridge.plan.planner import make_plan
+
+    assert report.bytes == 2 * (50 - start) * make_plan(model, prefill, decode).bytes_per_token
