@@ -70,6 +70,13 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache per worker (MiB)")
     p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16.0,
+        help="largest request body the proxy and the instances accept, in MiB "
+        "(default 16); a larger one is refused with 413",
+    )
+    p.add_argument(
         "--start-timeout-s",
         type=float,
         default=900.0,
@@ -188,6 +195,7 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s,
         handshake_timeout_s=args.handshake_timeout_s,
+        max_body_mb=args.max_body_mb,
     )
 
 
@@ -226,6 +234,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.host,
                 args.port,
                 KVLoadFailure(args.kv_load_failure),
+                args.max_body_mb,
             )
         )
     cfg = deployment_config(args)

@@ -47,6 +47,9 @@ class Executor(abc.ABC):
         """Run `WorkerConnector.handle(request)` on every worker; replies in rank order."""
         raise EngineError("this engine was started without a KV connector")
 
+    def check_workers(self) -> None:  # noqa: B027 - optional hook
+        """Raise WorkerError if a worker process has died (no wait); in-process: no-op."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Stop the workers; idempotent."""
 

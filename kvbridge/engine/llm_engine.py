@@ -129,13 +129,13 @@ class LLMEngine:
         """Decode a request whose prompt K/V already sits in `block_ids` (from
         `allocate_blocks`); its first token was sampled by the prefill instance."""
         params = params or SamplingParams()
-        seq = self._new_seq(list(prompt_ids), params, request_id, False)
         need = self.block_manager.blocks_for(len(prompt_ids))
         if len(block_ids) != need:
             raise RequestError(
                 f"block_ids has {len(block_ids)} blocks but a prompt of "
                 f"{len(prompt_ids)} tokens needs {need}"
             )
+        seq = self._new_seq(list(prompt_ids), params, request_id, False)
         seq.block_ids = list(block_ids)
         seq.num_computed = len(prompt_ids)
         seq.status = SequenceStatus.RUNNING
@@ -173,6 +173,15 @@ class LLMEngine:
             and self.connector.role is ConnectorRole.PRODUCER
             and not self.connector_polls_itself
         )
+
+    def is_finished(self, request_id: str) -> bool:
+        """Whether the request has finished (its completion waits for `pop`)."""
+        return self._seqs[request_id].is_finished
+
+    def check_workers(self) -> None:
+        """Raise WorkerError naming a worker process that has died, without waiting
+        (a no-op for tp 1). Lets an idle server notice a dead worker."""
+        self.executor.check_workers()
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)

@@ -1,6 +1,8 @@
 """Sampling parameters and the sampler (driver side, on the gathered float32 logits).
 
-Greedy is argmax (ties to the lowest id, like torch.argmax and transformers). Otherwise:
+Greedy is argmax (ties to the lowest id, like torch.argmax and transformers), also for a
+temperature below `GREEDY_BELOW` (dividing logits by it would overflow float32 and turn
+the probabilities into NaN). Otherwise:
 logits / temperature, then top-k, then top-p (smallest set whose probability reaches p),
 then one draw from the request's own seeded torch.Generator, so a seed reproduces a
 completion whatever else is batched with it.
@@ -14,6 +16,11 @@ import numpy as np
 import torch
 
 from kvbridge.engine.errors import RequestError
+
+#: Temperatures below this sample greedily (vLLM's threshold too).
+GREEDY_BELOW = 1e-5
+#: The seeds torch.Generator.manual_seed takes (negative ones are mapped to positive).
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -30,7 +37,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise RequestError(f"max_tokens={self.max_tokens!r} must be a positive integer")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise RequestError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p={self.top_p} must be in (0, 1]")
@@ -38,10 +45,14 @@ class SamplingParams:
             raise RequestError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise RequestError(
+                f"seed={self.seed} is outside [{SEED_MIN}, {SEED_MAX}]; use a 64-bit seed"
+            )
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

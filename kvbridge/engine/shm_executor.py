@@ -155,6 +155,12 @@ class ShmExecutor(Executor):
             )
         return [r.reply or ConnectorReply() for r in replies]
 
+    def check_workers(self) -> None:
+        try:
+            self.group.check_alive()
+        except (ParallelError, WorkerError) as exc:
+            raise _worker_error(f"tp worker check failed: {exc}", exc) from None
+
     def close(self) -> None:
         group = getattr(self, "group", None)
         if group is not None:

@@ -53,6 +53,11 @@ class GenerateEvent(msgspec.Struct):
     #: after the KV load, ...)
     stages: dict[str, float] = msgspec.field(default_factory=dict)
     error: str | None = None  # set on a failure after streaming began
+    #: the HTTP status a non-streamed response answers `error` with: 503 when what
+    #: served the request cannot serve any more (its engine failed), 500 otherwise
+    error_status: int = 500
+    #: why the KV pull failed, when it did (then `stages["kv_load_failed"]` is 1.0)
+    kv_load_error: str | None = None
 
 
 class BackendError(KVBridgeError):
@@ -78,12 +83,15 @@ class Backend(abc.ABC):
         Closing the iterator early (client went away) aborts the request."""
 
     async def health(self) -> dict[str, object]:
-        """Readiness of what sits behind the backend."""
+        """Readiness of what sits behind the backend: `status` "ok" (everything up),
+        "degraded" (something down, requests still served) or "unavailable" (requests
+        cannot be served now; the proxy's /health answers 503), with details."""
         return {"status": "ok"}
 
-    async def instance_metrics(self) -> str:
-        """Prometheus text from the instances (blocks in use, ...), appended to /metrics."""
-        return ""
+    async def instance_metrics(self) -> dict[str, str | None]:
+        """Each instance's Prometheus text (blocks in use, ...) by URL, None for one that
+        did not answer; the proxy appends them to its /metrics."""
+        return {}
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

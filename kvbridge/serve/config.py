@@ -9,11 +9,13 @@ command line, and the child parses it back into the same object.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_LAYOUT, CacheLayout
+from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.transfer.config import TransferConfig, load_token
 
 
@@ -25,6 +27,14 @@ class Role(enum.Enum):
 class KVLoadFailure(enum.Enum):
     RECOMPUTE = "recompute"  # compute the prompt locally and answer correctly
     FAIL = "fail"  # answer an error
+
+
+def _check_body_limit(max_body_mb: float) -> None:
+    if not (math.isfinite(max_body_mb) and mib_to_bytes(max_body_mb) >= 1024):
+        raise ConfigError(
+            f"--max-body-mb {max_body_mb} must be a finite size of at least 1 KiB "
+            f"(0.001); the default is {DEFAULT_MAX_BODY_MB:g}"
+        )
 
 
 @dataclass(frozen=True)
@@ -47,11 +57,17 @@ class InstanceConfig:
     lease_s: float = 120.0
     transfer_timeout_s: float = 30.0
     handshake_timeout_s: float = 15.0
+    max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port {self.port} must be in [0, 65536); 0 picks a free port")
+        _check_body_limit(self.max_body_mb)
+
+    @property
+    def max_body_bytes(self) -> int:
+        return mib_to_bytes(self.max_body_mb)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -98,6 +114,8 @@ class InstanceConfig:
             str(self.kv_cache_mb),
             "--kv-port",
             str(self.kv_port),
+            "--max-body-mb",
+            str(self.max_body_mb),
         ]
         if self.kv_host:
             out += ["--kv-host", self.kv_host]
@@ -116,10 +134,18 @@ class ProxyConfig:
     host: str = "127.0.0.1"
     port: int = 8300
     kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
+    max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
+
+    def __post_init__(self) -> None:
+        _check_body_limit(self.max_body_mb)
 
     @property
     def recompute_on_failure(self) -> bool:
         return self.kv_load_failure is KVLoadFailure.RECOMPUTE
+
+    @property
+    def max_body_bytes(self) -> int:
+        return mib_to_bytes(self.max_body_mb)
 
 
 @dataclass(frozen=True)
@@ -141,4 +167,5 @@ class DeploymentConfig:
             self.host,
             self.port,
             self.decode.kv_load_failure,
+            self.decode.max_body_mb,
         )

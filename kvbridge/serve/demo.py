@@ -3,12 +3,15 @@
 Starts a prefill and a decode instance and the proxy, sends one prompt through the
 OpenAI API, prints the completion and its stages, then asks the decode instance to
 generate the same request colocated (prompt computed there) and checks the texts match.
+Exits 1 if the request failed, if its KV cache did not come over from the prefill
+instance (whatever the fallback then did: the reason is printed), or if the texts differ.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from typing import Any
 
 import httpx
 import msgspec
@@ -48,6 +51,58 @@ def colocated_text(decode_url: str, prompt: str, max_tokens: int) -> str:
     return "".join(parts)
 
 
+def kv_failure(out: dict[str, Any]) -> str | None:
+    """Why a completion from the proxy did not come through a KV transfer, or None if it
+    did (or needed none: it ended at its first token)."""
+    stages = out.get("kvbridge_stages", {})
+    if stages.get("kv_load_failed"):
+        reason = out.get("kvbridge_kv_load_error") or "no reason given"
+        return f"the KV pull failed ({reason}); the decode instance recomputed the prompt"
+    if out["usage"]["completion_tokens"] > 1 and not stages.get("kv_bytes"):
+        return (
+            "no KV cache was transferred: the prefill instance did not serve the request "
+            "and the decode instance computed the prompt itself (see the proxy's warning)"
+        )
+    return None
+
+
+def ask(proxy_url: str, decode_url: str, model: str, prompt: str, max_tokens: int) -> int:
+    """Send the prompt through the proxy, print the completion and its stages, and check
+    it: 0 if the KV came over and the text equals colocated generation, else 1."""
+    say = print
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    say(f"$ curl {proxy_url}/v1/completions -d '{msgspec.json.encode(body).decode()}'")
+    t0 = time.perf_counter()
+    r = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=300)
+    elapsed = time.perf_counter() - t0
+    if r.status_code != 200:
+        say(f"request failed: HTTP {r.status_code}: {r.text}")
+        return 1
+    out = r.json()
+    text = out["choices"][0]["text"]
+    say(f"completion: {prompt!r} -> {text!r}")
+    stages = out.get("kvbridge_stages", {})
+    tokens = out["usage"]["completion_tokens"]
+    decode_ms = stages.get("decode_ms", 0.0)
+    say(
+        f"stages: prefill {stages.get('prefill_ms', 0):.0f} ms | KV "
+        f"{stages.get('kv_bytes', 0) / 2**20:.2f} MiB in {stages.get('transfer_ms', 0):.1f} ms"
+        f" | decode {max(tokens - 1, 0)} tokens in {decode_ms:.0f} ms"
+        + (f" ({(tokens - 1) / decode_ms * 1e3:.1f} tokens/s)" if decode_ms and tokens > 1 else "")
+        + f" | total {elapsed * 1e3:.0f} ms"
+    )
+    failure = kv_failure(out)
+    if failure is not None:
+        say(f"FAILED: {failure}")
+        return 1
+    reference = colocated_text(decode_url, prompt, max_tokens)
+    if reference != text:
+        say(f"MISMATCH: colocated generation gives {reference!r}")
+        return 1
+    say("check: identical to colocated generation on the decode instance")
+    return 0
+
+
 def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
     say = print
     dep = Deployment()
@@ -67,51 +122,15 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
             proxy_cfg.model,
             recompute_on_failure=proxy_cfg.recompute_on_failure,
         )
+        app = make_app(backend, max_body_bytes=proxy_cfg.max_body_bytes)
         port = cfg.port
         try:
-            proxy = ServerThread(make_app(backend), cfg.host, port).start()
+            proxy = ServerThread(app, cfg.host, port).start()
         except Exception:
             port = free_port(cfg.host)
             say(f"port {cfg.port} is busy; the proxy uses {port}")
-            proxy = ServerThread(make_app(backend), cfg.host, port).start()
-        body = {
-            "model": cfg.prefill.model,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        }
-        say(f"$ curl {proxy.url}/v1/completions -d '{msgspec.json.encode(body).decode()}'")
-        t0 = time.perf_counter()
-        r = httpx.post(f"{proxy.url}/v1/completions", json=body, timeout=300)
-        elapsed = time.perf_counter() - t0
-        if r.status_code != 200:
-            say(f"request failed: HTTP {r.status_code}: {r.text}")
-            return 1
-        out = r.json()
-        text = out["choices"][0]["text"]
-        say(f"completion: {prompt!r} -> {text!r}")
-        stages = out.get("kvbridge_stages", {})
-        tokens = out["usage"]["completion_tokens"]
-        decode_ms = stages.get("decode_ms", 0.0)
-        say(
-            f"stages: prefill {stages.get('prefill_ms', 0):.0f} ms | KV "
-            f"{stages.get('kv_bytes', 0) / 2**20:.2f} MiB in {stages.get('transfer_ms', 0):.1f} ms"
-            f" | decode {max(tokens - 1, 0)} tokens in {decode_ms:.0f} ms"
-            + (
-                f" ({(tokens - 1) / decode_ms * 1e3:.1f} tokens/s)"
-                if decode_ms and tokens > 1
-                else ""
-            )
-            + f" | total {elapsed * 1e3:.0f} ms"
-        )
-        if stages.get("kv_load_failed"):
-            say("note: the KV pull failed and the decode instance recomputed the prompt")
-        reference = colocated_text(decode.url, prompt, max_tokens)
-        if reference != text:
-            say(f"MISMATCH: colocated generation gives {reference!r}")
-            return 1
-        say("check: identical to colocated generation on the decode instance")
-        return 0
+            proxy = ServerThread(app, cfg.host, port).start()
+        return ask(proxy.url, decode.url, cfg.prefill.model, prompt, max_tokens)
     except LaunchError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
         return 1

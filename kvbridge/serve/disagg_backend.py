@@ -5,16 +5,22 @@
           ──DecodeRequest───▶ decode instance    (pulls the KV over NIXL, decodes)
           ◀──NDJSON events───
 
-Instances are chosen round-robin. With no prefill instance, or when the prefill
-instance cannot be reached and `recompute_on_failure` is set, the decode instance
-computes the whole request itself (colocated), so the answer is still correct.
+Instances of each role are chosen round-robin among those that are up (`InstancePool`).
+One that fails a request before serving it (unreachable, or a 5xx: its engine failed)
+is marked down with the reason and the request goes to the next one; it is tried again
+after `down_s`, or as soon as a /health probe finds it up. With no prefill instance up,
+the decode instance computes the whole request itself (colocated) when
+`recompute_on_failure` is set, so the answer is still correct; with no decode instance
+up the request is refused with 503 naming each instance's reason.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
 
 import httpx
 import msgspec
@@ -23,6 +29,62 @@ from kvbridge.serve import wire
 from kvbridge.serve.backend import Backend, BackendError, GenerateEvent, GenerateRequest
 
 log = logging.getLogger("kvbridge.serve")
+
+#: How long an instance that failed a request is skipped before it is tried again.
+DOWN_S = 5.0
+#: Timeout of a /health or /metrics probe of one instance.
+PROBE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class _Member:
+    url: str
+    down_until: float = 0.0
+    reason: str = ""
+
+
+class InstancePool:
+    """The instances of one role. Owned by one backend; used from the proxy's event loop."""
+
+    def __init__(self, role: str, urls: Sequence[str], down_s: float = DOWN_S) -> None:
+        self.role = role
+        self.members = [_Member(url) for url in urls]
+        self.down_s = down_s
+        self._next = 0
+
+    @property
+    def urls(self) -> list[str]:
+        return [m.url for m in self.members]
+
+    def candidates(self) -> list[str]:
+        """The instances up now, each once, starting with the next one in turn."""
+        if not self.members:
+            return []
+        start = self._next
+        self._next = (self._next + 1) % len(self.members)
+        now = time.monotonic()
+        order = self.members[start:] + self.members[:start]
+        return [m.url for m in order if m.down_until <= now]
+
+    def mark_down(self, url: str, reason: str) -> None:
+        for m in self.members:
+            if m.url == url:
+                m.down_until = time.monotonic() + self.down_s
+                m.reason = reason
+                log.warning(
+                    "%s instance %s is down for %.0f s: %s", self.role, url, self.down_s, reason
+                )
+
+    def mark_up(self, url: str) -> None:
+        for m in self.members:
+            if m.url == url:
+                m.down_until, m.reason = 0.0, ""
+
+    def unavailable(self) -> str:
+        """Why no instance of this role can serve now."""
+        now = time.monotonic()
+        reasons = [f"{m.url}: {m.reason}" for m in self.members if m.down_until > now]
+        return f"no {self.role} instance is up ({'; '.join(reasons) or 'none configured'})"
 
 
 class DisaggBackend(Backend):
@@ -36,15 +98,15 @@ class DisaggBackend(Backend):
         *,
         recompute_on_failure: bool = True,
         timeout_s: float = 300.0,
+        down_s: float = DOWN_S,
     ) -> None:
         if not decode_urls:
             raise BackendError("at least one decode instance is needed", 500)
-        self.prefill_urls = list(prefill_urls)
-        self.decode_urls = list(decode_urls)
+        self.prefill = InstancePool("prefill", prefill_urls, down_s)
+        self.decode = InstancePool("decode", decode_urls, down_s)
         self.model_name = model_name
         self.recompute_on_failure = recompute_on_failure
-        self._prefill_rr = itertools.cycle(self.prefill_urls) if self.prefill_urls else None
-        self._decode_rr = itertools.cycle(self.decode_urls)
+        # every read waits at most timeout_s (a decode stream: between two tokens)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
 
     async def _prefill(self, url: str, request: GenerateRequest) -> wire.PrefillResult:
@@ -57,19 +119,38 @@ class DisaggBackend(Backend):
         except httpx.HTTPError as exc:
             raise BackendError(f"prefill instance {url} is unreachable: {exc!r}", 503) from None
         if resp.status_code != 200:
-            raise BackendError(_message(resp), 400 if resp.status_code < 500 else 503)
-        return wire.prefill_result_decoder.decode(resp.content)
+            status = resp.status_code if resp.status_code < 500 else 503
+            raise BackendError(f"prefill instance {url}: {_message(resp)}", status)
+        try:
+            return wire.prefill_result_decoder.decode(resp.content)
+        except msgspec.DecodeError as exc:
+            raise BackendError(
+                f"prefill instance {url} sent a malformed result: {exc}", 503
+            ) from None
+
+    async def _prefill_any(self, request: GenerateRequest) -> wire.PrefillResult | None:
+        """The prefill result from the first instance up that serves it; None when none
+        could and the decode instance is to compute the prompt."""
+        errors = []
+        for url in self.prefill.candidates():
+            try:
+                return await self._prefill(url, request)
+            except BackendError as exc:
+                if exc.status < 500:
+                    raise  # the request itself was refused
+                self.prefill.mark_down(url, str(exc))
+                errors.append(str(exc))
+        message = "; ".join(errors) or self.prefill.unavailable()
+        if not self.recompute_on_failure:
+            raise BackendError(message, 503)
+        log.warning("%s; the decode instance computes the prompt instead", message)
+        return None
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
-        prefill: wire.PrefillResult | None = None
-        if self._prefill_rr is not None:
-            url = next(self._prefill_rr)
-            try:
-                prefill = await self._prefill(url, request)
-            except BackendError as exc:
-                if exc.status != 503 or not self.recompute_on_failure:
-                    raise
-                log.warning("%s; the decode instance computes the prompt instead", exc)
+        decode_urls = self.decode.candidates()
+        if not decode_urls:
+            raise BackendError(self.decode.unavailable(), 503)
+        prefill = await self._prefill_any(request) if self.prefill.members else None
         if prefill is not None:
             done = prefill.finish_reason is not None
             yield GenerateEvent(
@@ -82,58 +163,100 @@ class DisaggBackend(Backend):
             )
             if done:
                 return
-        url = next(self._decode_rr)
         body = msgspec.json.encode(wire.DecodeRequest(request, prefill))
-        try:
-            async with self._client.stream(
-                "POST",
-                f"{url}/internal/generate",
-                content=body,
-                headers={"content-type": "application/json"},
-            ) as r:
-                if r.status_code != 200:
-                    await r.aread()
-                    if prefill is None:
-                        raise BackendError(_message(r), 400 if r.status_code < 500 else 503)
-                    yield GenerateEvent(error=_message(r))
-                    return
-                async for line in r.aiter_lines():
-                    if not line:
-                        continue
-                    ev = wire.event_decoder.decode(line)
-                    yield ev
-                    if ev.finish_reason or ev.error:
+        errors = []
+        for url in decode_urls:
+            began = False  # whether this instance's stream yielded an event
+            try:
+                async with self._client.stream(
+                    "POST",
+                    f"{url}/internal/generate",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                ) as r:
+                    if r.status_code != 200:
+                        await r.aread()
+                        message = f"decode instance {url}: {_message(r)}"
+                        if r.status_code >= 500:  # it cannot serve: try the next one
+                            self.decode.mark_down(url, message)
+                            errors.append(message)
+                            continue
+                        if prefill is None:
+                            raise BackendError(message, r.status_code)
+                        yield GenerateEvent(error=message, error_status=r.status_code)
                         return
-            yield GenerateEvent(error=f"decode instance {url} ended the stream early")
+                    async for line in r.aiter_lines():
+                        if not line:
+                            continue
+                        try:
+                            ev = wire.event_decoder.decode(line)
+                        except msgspec.DecodeError as exc:
+                            ev = GenerateEvent(error=f"decode instance {url} sent {exc}")
+                        began = True
+                        yield ev
+                        if ev.error and ev.error_status == 503:
+                            self.decode.mark_down(url, ev.error)
+                        if ev.finish_reason or ev.error:
+                            return
+                message = f"decode instance {url} ended the stream early"
+                self.decode.mark_down(url, message)
+                yield GenerateEvent(error=message, error_status=503)
+                return
+            except httpx.HTTPError as exc:
+                message = f"decode instance {url} failed: {exc!r}"
+                self.decode.mark_down(url, message)
+                if began:
+                    yield GenerateEvent(error=message, error_status=503)
+                    return
+                errors.append(message)
+        message = "no decode instance could serve the request: " + "; ".join(errors)
+        if prefill is None:
+            raise BackendError(message, 503)
+        yield GenerateEvent(error=message, error_status=503)
+
+    async def _probe(self, url: str, path: str) -> httpx.Response | str:
+        try:
+            return await self._client.get(f"{url}{path}", timeout=PROBE_TIMEOUT_S)
         except httpx.HTTPError as exc:
-            message = f"decode instance {url} failed: {exc!r}"
-            if prefill is None:
-                raise BackendError(message, 503) from None
-            yield GenerateEvent(error=message)
+            return repr(exc)
 
     async def health(self) -> dict[str, object]:
+        pools = [(self.prefill, url) for url in self.prefill.urls]
+        pools += [(self.decode, url) for url in self.decode.urls]
+        answers = await asyncio.gather(*(self._probe(url, "/health") for _, url in pools))
         states: dict[str, object] = {}
-        ok = True
-        for url in self.prefill_urls + self.decode_urls:
+        up = {"prefill": 0, "decode": 0}
+        for (pool, url), answer in zip(pools, answers, strict=True):
+            if isinstance(answer, str):
+                states[url] = {"status": "unreachable", "reason": answer}
+                pool.mark_down(url, f"unreachable: {answer}")
+                continue
             try:
-                r = await self._client.get(f"{url}/health", timeout=5.0)
-                states[url] = r.json()
-                ok &= r.status_code == 200
-            except httpx.HTTPError as exc:
-                states[url] = {"status": "unreachable", "reason": repr(exc)}
-                ok = False
-        return {"status": "ok" if ok else "degraded", "instances": states}
+                states[url] = answer.json()
+            except ValueError:
+                states[url] = {"status": f"HTTP {answer.status_code}", "reason": answer.text[:200]}
+            if answer.status_code == 200:
+                pool.mark_up(url)
+                up[pool.role] += 1
+            else:
+                pool.mark_down(url, f"/health answered {answer.status_code}: {answer.text[:200]}")
+        everything = up["prefill"] + up["decode"] == len(pools)
+        prefill_ok = up["prefill"] > 0 or not self.prefill.members or self.recompute_on_failure
+        if everything:
+            status = "ok"
+        elif up["decode"] and prefill_ok:
+            status = "degraded"
+        else:
+            status = "unavailable"
+        return {"status": status, "instances": states}
 
-    async def instance_metrics(self) -> str:
-        parts = []
-        for url in self.prefill_urls + self.decode_urls:
-            try:
-                r = await self._client.get(f"{url}/metrics", timeout=5.0)
-                if r.status_code == 200:
-                    parts.append(r.text)
-            except httpx.HTTPError:
-                parts.append(f'kvbridge_instance_up{{url="{url}"}} 0\n')
-        return "".join(parts)
+    async def instance_metrics(self) -> dict[str, str | None]:
+        urls = self.prefill.urls + self.decode.urls
+        answers = await asyncio.gather(*(self._probe(url, "/metrics") for url in urls))
+        return {
+            url: a.text if not isinstance(a, str) and a.status_code == 200 else None
+            for url, a in zip(urls, answers, strict=True)
+        }
 
     async def close(self) -> None:
         await self._client.aclose()

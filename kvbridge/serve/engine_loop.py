@@ -2,11 +2,15 @@
 
 The engine is single-threaded; `EngineLoop` owns it. HTTP handlers submit work with
 `call(fn)` (runs `fn(engine)` in the loop thread) and receive their request's events on
-an asyncio queue. Between forward steps the loop polls the KV connector: a prefill
-instance frees a request's blocks once every worker released them (all expected
-decode workers notified, or the lease expired); a decode instance starts decoding a
-request once every worker's pull is done, or handles the failure (recompute the prompt
-locally, or fail the request, per `kv_load_failure`).
+an asyncio queue (`streams`) or a future (`prefills`). Between forward steps the loop
+polls the KV connector: a prefill instance frees a request's blocks once every worker
+released them (all expected decode workers notified, or the lease expired); a decode
+instance starts decoding a request once every worker's pull is done, or handles the
+failure (recompute the prompt locally, or fail the request, per `kv_load_failure`).
+
+If the engine fails (a tp worker died, a step raised), the loop stops for good: `fatal`
+says why, every waiter is told at once (pending calls and prefills raise
+`EngineFailedError`, streams get an error event) and every later call raises it too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, TypeVar
 
 from kvbridge.engine.llm_engine import LLMEngine, RequestOutput
 from kvbridge.engine.sampling import SamplingParams as EngineSampling
+from kvbridge.errors import KVBridgeError
 from kvbridge.serve.backend import GenerateEvent
 from kvbridge.transfer.connector import Poll, TransferTracker
 
@@ -32,10 +37,19 @@ T = TypeVar("T")
 #: How often the loop polls the connector while transfers are in flight / when idle.
 BUSY_POLL_S = 0.001
 IDLE_POLL_S = 0.05
+#: How often the loop checks that the tp workers live (an idle loop calls no worker).
+WORKER_CHECK_S = 0.5
+#: Longest `acall` waits for the loop to run a call (it runs between forward steps;
+#: one step is bounded by the engine's worker timeout).
+CALL_TIMEOUT_S = 300.0
+
+
+class EngineFailedError(KVBridgeError):
+    """The instance's engine failed and serves nothing any more; the message says why."""
 
 
 @dataclass
-class _Stream:
+class Stream:
     """Where one request's events go: an asyncio queue on the server's event loop."""
 
     aloop: asyncio.AbstractEventLoop
@@ -44,13 +58,40 @@ class _Stream:
     completion_tokens: int = 0
     stages: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
+    kv_load_error: str | None = None  # why the KV pull failed, if it did
 
     def put(self, ev: GenerateEvent) -> None:
         self.aloop.call_soon_threadsafe(self.queue.put_nowait, ev)
 
 
+@dataclass
+class PendingPrefill:
+    """A prefill-only request waiting for its first token. `on_done(output)` runs in the
+    loop thread and settles `future` (the handler awaits it); if it raises, the loop
+    sets the exception instead."""
+
+    future: concurrent.futures.Future[Any]
+    on_done: Callable[[RequestOutput], None]
+
+
+def settle(
+    fut: concurrent.futures.Future[Any], result: Any = None, exc: BaseException | None = None
+) -> None:
+    """Set a future's outcome unless it already has one (its waiter gave up: cancelled)."""
+    try:
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 class EngineLoop:
-    """Owns `engine` once started; all engine calls go through `call`."""
+    """Owns `engine` once started; all engine calls go through `call`.
+
+    `streams`, `prefills` and `tracker` are the requests this instance holds; they are
+    touched only in the loop thread (by the functions given to `call`)."""
 
     def __init__(self, engine: LLMEngine, world_size: int) -> None:
         self.engine = engine
@@ -61,11 +102,13 @@ class EngineLoop:
         self._tasks: queue.SimpleQueue[
             tuple[Callable[[LLMEngine], Any], concurrent.futures.Future[Any]]
         ] = queue.SimpleQueue()
+        # `fatal` and the task queue change together: no call slips in after the drain
+        self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, Stream] = {}
+        self.prefills: dict[str, PendingPrefill] = {}
         self.tracker = TransferTracker()  # requests whose KV is pinned or being pulled
-        self.on_prefilled: dict[str, Callable[[RequestOutput], None]] = {}
         self.fatal: str | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -81,25 +124,34 @@ class EngineLoop:
     # -- called from the server's threads ------------------------------------------------
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
         fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        if self.fatal:
-            fut.set_exception(RuntimeError(self.fatal))
-            return fut
-        self._tasks.put((fn, fut))
-        self._wake.set()
+        with self._lock:
+            if self.fatal is None:
+                self._tasks.put((fn, fut))
+                self._wake.set()
+                return fut
+            reason = self.fatal
+        fut.set_exception(EngineFailedError(reason))
         return fut
 
-    async def acall(self, fn: Callable[[LLMEngine], T]) -> T:
-        return await asyncio.wrap_future(self.call(fn))
+    @property
+    def queued_calls(self) -> int:
+        """Calls waiting for the loop thread (it runs them between forward steps)."""
+        return self._tasks.qsize()
+
+    async def acall(self, fn: Callable[[LLMEngine], T], timeout: float = CALL_TIMEOUT_S) -> T:
+        """`fn(engine)` in the loop thread; EngineFailedError at once if the engine
+        failed, TimeoutError after `timeout` (the call is then dropped if not begun)."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.call(fn)), timeout)
 
     # -- loop thread ----------------------------------------------------------------------
     def _run(self) -> None:
-        last_poll = 0.0
+        last_poll = last_check = 0.0
         while not self._stop.is_set():
             worked = self._run_tasks()
             try:
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
-                        self._deliver(out)
+                        self.deliver(out)
                     worked = True
                 now = time.monotonic()
                 busy = bool(self.tracker.transfers)
@@ -107,16 +159,38 @@ class EngineLoop:
                 if self.has_connector and (busy or self.poll_when_idle) and due:
                     self._poll_connector()
                     last_poll = now
-            except Exception as exc:  # a worker died: fail everyone, refuse new work
-                self.fatal = f"engine failed: {exc}"
+                if now - last_check >= WORKER_CHECK_S:
+                    self.engine.check_workers()
+                    last_check = now
+            except Exception as exc:  # a worker died or the engine broke: fail everyone
                 log.exception("engine loop failed")
-                for rid, stream in list(self.streams.items()):
-                    stream.put(GenerateEvent(error=self.fatal))
-                    self.streams.pop(rid, None)
+                self._fail_all(f"engine failed: {exc}")
                 return
             if not worked:
                 self._wake.wait(BUSY_POLL_S if self.tracker.transfers else IDLE_POLL_S)
                 self._wake.clear()
+        self._fail_all("the instance is shutting down")
+
+    def _fail_all(self, reason: str) -> None:
+        """Refuse new calls and tell every waiter `reason` (loop thread, once)."""
+        with self._lock:
+            self.fatal = reason
+            tasks = []
+            while True:
+                try:
+                    tasks.append(self._tasks.get_nowait())
+                except queue.Empty:
+                    break
+        error = EngineFailedError(reason)
+        for _, fut in tasks:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(error)
+        for prefill in self.prefills.values():
+            settle(prefill.future, exc=error)
+        self.prefills.clear()
+        for stream in self.streams.values():
+            stream.put(GenerateEvent(error=reason, error_status=503))
+        self.streams.clear()
 
     def _run_tasks(self) -> bool:
         ran = False
@@ -132,10 +206,15 @@ class EngineLoop:
                 except Exception as exc:
                     fut.set_exception(exc)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        hook = self.on_prefilled.pop(out.request_id, None)
-        if hook is not None:
-            hook(out)
+    def deliver(self, out: RequestOutput) -> None:
+        """Route one output to its request's prefill hook or stream (loop thread)."""
+        prefill = self.prefills.pop(out.request_id, None)
+        if prefill is not None:
+            try:
+                prefill.on_done(out)
+            except Exception as exc:  # this request fails, not the loop
+                log.exception("prefill %s failed", out.request_id)
+                settle(prefill.future, exc=exc)
             return
         stream = self.streams.get(out.request_id)
         if stream is None:
@@ -163,6 +242,7 @@ class EngineLoop:
                 prompt_tokens=stream.prompt_tokens,
                 completion_tokens=stream.completion_tokens,
                 stages=dict(stream.stages) if finish else {},
+                kv_load_error=stream.kv_load_error if finish else None,
             )
         )
 

@@ -7,8 +7,14 @@ behind an internal HTTP API the proxy calls.
          without: compute the prompt here (colocated; also the recompute fallback)
     GET  /health, /metrics, /internal/info
 
-Bodies are msgspec JSON, at most `wire.MAX_BODY_BYTES`; a malformed or oversized
-body is refused with 400/413 and a reason. Binds 127.0.0.1 unless told otherwise.
+Bodies are msgspec JSON of at most `max_body_bytes` (413 beyond it, `BodyLimit`). A
+malformed body or a request the engine refuses is answered 400; a `request_id` this
+instance still holds is refused with 409 and the running request is left alone. An id
+is free again once its request has completely finished and freed its blocks (a decode
+request: its stream ended; a prefill request: the decode side pulled its KV, or its
+lease expired), so ids need not be unique forever, only while in use. If the engine
+failed, every call and `/health` answer 503 with the reason. Errors are OpenAI-shaped.
+Binds 127.0.0.1 unless told otherwise.
 """
 
 from __future__ import annotations
@@ -21,16 +27,25 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvbridge.engine.errors import OutOfBlocksError
 from kvbridge.engine.llm_engine import LLMEngine, RequestOutput
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import KVBridgeError, WorkerError
 from kvbridge.serve import wire
 from kvbridge.serve.backend import PROTOCOL_VERSION, GenerateEvent, GenerateRequest
+from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit, mib_to_bytes
 from kvbridge.serve.config import KVLoadFailure, Role
-from kvbridge.serve.engine_loop import EngineLoop, _Stream, engine_sampling
-from kvbridge.serve.metrics import Metrics
-from kvbridge.serve.openai_protocol import error_body
+from kvbridge.serve.engine_loop import (
+    EngineFailedError,
+    EngineLoop,
+    PendingPrefill,
+    Stream,
+    engine_sampling,
+    settle,
+)
+from kvbridge.serve.http_errors import error_response, install_error_handlers
+from kvbridge.serve.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
 from kvbridge.transfer.connector import Expose, Pull, TrackedTransfer
 
 #: Longest a handler waits for the engine before answering 503 (a prefill of a long
@@ -38,18 +53,38 @@ from kvbridge.transfer.connector import Expose, Pull, TrackedTransfer
 REQUEST_TIMEOUT_S = 300.0
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    return JSONResponse(error_body(message, type_=kind), status_code=status)
+class _Refused(KVBridgeError):
+    """A request this instance refuses with HTTP `status` (4xx)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+def _failure(exc: Exception) -> JSONResponse:
+    """The answer to a request that raised `exc` before its stream began."""
+    if isinstance(exc, _Refused):
+        return error_response(exc.status, str(exc), code=exc.code)
+    if isinstance(exc, EngineFailedError | WorkerError):
+        return error_response(503, str(exc), code="engine_failed")
+    if isinstance(exc, KVBridgeError):  # the engine refused the request (RequestError, ...)
+        return error_response(400, str(exc))
+    raise exc  # a bug: the app's handler answers an OpenAI-shaped 500
 
 
 def prompt_ids(engine: LLMEngine, gen: GenerateRequest) -> list[int]:
-    if gen.prompt_token_ids is not None:
-        return list(gen.prompt_token_ids)
-    if gen.messages is not None:
-        text = engine.tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True)
-        return engine.tokenizer.encode(text)
-    return engine.tokenizer.encode(gen.prompt or "")
+    try:
+        if gen.prompt_token_ids is not None:
+            return list(gen.prompt_token_ids)
+        if gen.messages is not None:
+            text = engine.tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True)
+            return engine.tokenizer.encode(text)
+        return engine.tokenizer.encode(gen.prompt or "")
+    except KVBridgeError:
+        raise
+    except Exception as exc:  # a template or tokenizer refusing what it was given
+        raise _Refused(400, f"cannot build the prompt: {type(exc).__name__}: {exc}") from None
 
 
 def _sampling(gen: GenerateRequest, max_tokens: int | None = None) -> Any:
@@ -60,14 +95,8 @@ def _sampling(gen: GenerateRequest, max_tokens: int | None = None) -> Any:
 
 
 async def _body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
-    size = int(request.headers.get("content-length") or 0)
-    if size > wire.MAX_BODY_BYTES:
-        raise _Refused(413, f"body of {size} bytes exceeds {wire.MAX_BODY_BYTES}")
-    raw = await request.body()
-    if len(raw) > wire.MAX_BODY_BYTES:
-        raise _Refused(413, f"body of {len(raw)} bytes exceeds {wire.MAX_BODY_BYTES}")
     try:
-        obj = decoder.decode(raw)
+        obj = decoder.decode(await request.body())
     except msgspec.DecodeError as exc:
         raise _Refused(400, f"malformed request: {exc}") from None
     gen = obj if isinstance(obj, GenerateRequest) else obj.request
@@ -78,14 +107,9 @@ async def _body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
     return obj
 
 
-class _Refused(KVBridgeError):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class Instance:
-    """The HTTP face of one engine. Owns the `EngineLoop` (and so the engine)."""
+    """The HTTP face of one engine. Owns the `EngineLoop` (and so the engine); its
+    request callbacks run in the loop thread."""
 
     def __init__(
         self,
@@ -94,39 +118,44 @@ class Instance:
         instance_id: str,
         model_name: str,
         kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE,
+        max_body_bytes: int = mib_to_bytes(DEFAULT_MAX_BODY_MB),
     ) -> None:
         self.loop = loop
         self.role = role
         self.instance_id = instance_id
         self.model_name = model_name
         self.kv_load_failure = kv_load_failure
+        self.max_body_bytes = max_body_bytes
         self.endpoint = ""
-        self.metrics = Metrics()
-        self.metrics.describe("blocks_in_use", "gauge", "KV blocks allocated on this instance.")
-        self.metrics.describe("blocks_total", "gauge", "KV blocks of this instance.")
-        self.metrics.describe(
-            "kv_pinned_blocks",
-            "gauge",
-            "Blocks held by the transfer runtime (exposed or being pulled).",
-        )
-        self.metrics.describe(
-            "kv_instance_load_failures_total", "counter", "KV pulls that failed here."
-        )
-        self.metrics.describe("kv_instance_bytes_total", "counter", "KV bytes pulled here.")
-        self._aborted: set[str] = set()
+        self.metrics = InstanceMetrics(instance_id, role.value)
 
     # -- engine-thread callbacks -----------------------------------------------------------
+    def _claim(self, rid: str) -> None:
+        """Refuse an id this instance still holds (see the module docstring)."""
+        loop = self.loop
+        if rid in loop.streams or rid in loop.prefills or rid in loop.tracker.transfers:
+            raise _Refused(
+                409,
+                f"request_id={rid!r} is in use on this instance (its request is running or "
+                "still holds KV blocks); send a fresh id, or reuse it once that request ended",
+                code="request_id_in_use",
+            )
+
     def _start_prefill(
         self, engine: LLMEngine, gen: GenerateRequest
     ) -> concurrent.futures.Future[wire.PrefillResult]:
+        rid = gen.request_id
+        self._claim(rid)
         ids = prompt_ids(engine, gen)
         params = _sampling(gen)
-        rid = gen.request_id
         fut: concurrent.futures.Future[wire.PrefillResult] = concurrent.futures.Future()
         started = time.perf_counter()
 
         def on_prefilled(_: RequestOutput) -> None:
             comp = engine.pop(rid)
+            if fut.cancelled():  # the caller gave up waiting: nobody will pull this KV
+                engine.release_blocks(comp.block_ids)
+                return
             first, text = comp.token_ids[0], comp.text
             finish = None
             hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
@@ -138,7 +167,11 @@ class Instance:
                 finish = "length"
             kv = None
             if finish is None and self.loop.has_connector:
-                engine.connector_call(Expose(rid, comp.block_ids, len(ids)))
+                try:
+                    engine.connector_call(Expose(rid, comp.block_ids, len(ids)))
+                except Exception:
+                    engine.release_blocks(comp.block_ids)
+                    raise
                 self.loop.tracker.track(
                     rid,
                     comp.block_ids,
@@ -148,101 +181,130 @@ class Instance:
                 kv = wire.KVParams(self.instance_id, self.endpoint, comp.block_ids, len(ids))
             else:
                 engine.release_blocks(comp.block_ids)
-            fut.set_result(
-                wire.PrefillResult(
-                    rid, ids, first, text, finish, kv, (time.perf_counter() - started) * 1e3
-                )
-            )
+            elapsed_ms = (time.perf_counter() - started) * 1e3
+            settle(fut, wire.PrefillResult(rid, ids, first, text, finish, kv, elapsed_ms))
 
-        self.loop.on_prefilled[rid] = on_prefilled
-        try:
-            engine.add_request(ids, params, request_id=rid, prefill_only=True)
-        except Exception:
-            self.loop.on_prefilled.pop(rid, None)
-            raise
+        engine.add_request(ids, params, request_id=rid, prefill_only=True)
+        self.loop.prefills[rid] = PendingPrefill(fut, on_prefilled)
         return fut
 
-    def _start_generate(
-        self,
-        engine: LLMEngine,
-        req: wire.DecodeRequest,
-        aloop: asyncio.AbstractEventLoop,
-        aq: asyncio.Queue[GenerateEvent],
-    ) -> None:
+    def _start_generate(self, engine: LLMEngine, req: wire.DecodeRequest, stream: Stream) -> None:
         gen, pf = req.request, req.prefill
         rid = gen.request_id
+        self._claim(rid)
         if pf is None:  # colocated: the whole request here
             ids = prompt_ids(engine, gen)
             engine.add_request(ids, _sampling(gen), request_id=rid)
-            self.loop.streams[rid] = _Stream(aloop, aq, len(ids))
+            stream.prompt_tokens = len(ids)
+            self.loop.streams[rid] = stream
             return
         ids = pf.prompt_token_ids
-        # the proxy already sent the first token
-        stream = _Stream(
-            aloop, aq, len(ids), completion_tokens=1, stages={"prefill_ms": pf.prefill_ms}
-        )
-
-        def recompute(reason: str) -> None:
-            self.metrics.inc("kv_instance_load_failures_total")
-            stream.stages["kv_load_failed"] = 1.0
-            if self.kv_load_failure is KVLoadFailure.FAIL:
-                stream.put(GenerateEvent(error=f"KV cache load failed: {reason}"))
-                return
-            engine.add_request(
-                [*ids, pf.first_token_id],
-                _sampling(gen, gen.sampling.max_tokens - 1),
-                request_id=rid,
-            )
-            self.loop.streams[rid] = stream
-
+        stream.prompt_tokens = len(ids)
+        stream.completion_tokens = 1  # the proxy already sent the first token
+        stream.stages["prefill_ms"] = pf.prefill_ms
+        self.loop.streams[rid] = stream  # held from here on: its id is refused (409)
         if pf.kv is None or not self.loop.has_connector:
-            recompute("no KV to pull" if pf.kv is None else "this instance has no KV connector")
+            reason = "no KV to pull" if pf.kv is None else "this instance has no KV connector"
+            self._recompute(engine, req, stream, reason)
             return
         kv = pf.kv
-        blocks = engine.allocate_blocks(len(ids))
+        try:
+            blocks = engine.allocate_blocks(len(ids))
+        except OutOfBlocksError as exc:
+            self._recompute(engine, req, stream, f"no free blocks to receive the KV: {exc}")
+            return
         try:
             engine.connector_call(Pull(rid, kv.endpoint, kv.block_ids, blocks, kv.num_tokens))
         except Exception as exc:
             engine.release_blocks(blocks)
-            recompute(str(exc))
+            self._recompute(engine, req, stream, str(exc))
             return
+        self.loop.tracker.track(
+            rid,
+            blocks,
+            self.loop.world_size,
+            on_done=lambda tr: self._pulled(engine, req, stream, tr),
+        )
 
-        def done(tr: TrackedTransfer) -> None:
-            stream.stages["transfer_ms"] = (time.perf_counter() - tr.started) * 1e3
-            stream.stages["kv_bytes"] = float(tr.nbytes)
-            self.metrics.inc("kv_instance_bytes_total", tr.nbytes)
-            if rid in self._aborted:
-                self._aborted.discard(rid)
-                engine.release_blocks(tr.block_ids)
-            elif tr.failures:
-                engine.release_blocks(tr.block_ids)
-                recompute("; ".join(sorted(set(tr.failures))))
-            else:
-                engine.add_prefilled_request(
-                    ids, pf.first_token_id, tr.block_ids, _sampling(gen), request_id=rid
-                )
-                self.loop.streams[rid] = stream
+    def _pulled(
+        self, engine: LLMEngine, req: wire.DecodeRequest, stream: Stream, tr: TrackedTransfer
+    ) -> None:
+        """A pull ended (every worker reported): decode, or handle the failure. Runs in
+        the loop thread inside a connector poll, so it never raises."""
+        gen, pf = req.request, req.prefill
+        assert pf is not None
+        rid = gen.request_id
+        stream.stages["transfer_ms"] = (time.perf_counter() - tr.started) * 1e3
+        stream.stages["kv_bytes"] = float(tr.nbytes)
+        self.metrics.kv_bytes.inc(tr.nbytes)
+        if self.loop.streams.get(rid) is not stream:  # aborted while pulling
+            engine.release_blocks(tr.block_ids)
+            return
+        if tr.failures:
+            engine.release_blocks(tr.block_ids)
+            self._recompute(engine, req, stream, "; ".join(sorted(set(tr.failures))))
+            return
+        try:
+            engine.add_prefilled_request(
+                pf.prompt_token_ids, pf.first_token_id, tr.block_ids, _sampling(gen), request_id=rid
+            )
+        except Exception as exc:
+            engine.release_blocks(tr.block_ids)
+            self._end(rid, stream, f"decoding could not start: {exc}")
+            return
+        if engine.is_finished(rid):  # the first token filled the context: no step will come
+            reason = engine.completion(rid).finish_reason
+            self.loop.deliver(RequestOutput(rid, [], "", True, reason))
 
-        self.loop.tracker.track(rid, blocks, self.loop.world_size, on_done=done)
+    def _recompute(
+        self, engine: LLMEngine, req: wire.DecodeRequest, stream: Stream, reason: str
+    ) -> None:
+        """The KV pull failed: compute the prompt here, or fail the request (policy)."""
+        gen, pf = req.request, req.prefill
+        assert pf is not None
+        self.metrics.load_failures.inc()
+        stream.stages["kv_load_failed"] = 1.0
+        stream.kv_load_error = reason
+        if self.kv_load_failure is KVLoadFailure.FAIL:
+            self._end(gen.request_id, stream, f"KV cache load failed: {reason}")
+            return
+        try:
+            engine.add_request(
+                [*pf.prompt_token_ids, pf.first_token_id],
+                _sampling(gen, gen.sampling.max_tokens - 1),
+                request_id=gen.request_id,
+            )
+        except Exception as exc:
+            self._end(gen.request_id, stream, f"KV cache load failed ({reason}); recompute: {exc}")
 
-    def _abort(self, engine: LLMEngine, rid: str) -> None:
+    def _end(self, rid: str, stream: Stream, error: str) -> None:
+        """End a request that is not in the engine with `error` (frees its id)."""
+        if self.loop.streams.get(rid) is stream:
+            del self.loop.streams[rid]
+        stream.put(GenerateEvent(error=error, kv_load_error=stream.kv_load_error))
+
+    def _abort(self, engine: LLMEngine, rid: str, stream: Stream) -> None:
+        """The reader of `stream` went away: stop its request and free its blocks."""
+        if self.loop.streams.get(rid) is not stream:
+            return  # it ended already
+        del self.loop.streams[rid]
         if rid in self.loop.tracker.transfers:
-            self._aborted.add(rid)
-        if self.loop.streams.pop(rid, None) is not None:
-            engine.abort(rid)
-            engine.pop(rid)
+            return  # pulling: `_pulled` frees the blocks once the pull ends
+        engine.abort(rid)
+        engine.pop(rid)
 
     # -- HTTP ---------------------------------------------------------------------------
     def app(self) -> FastAPI:
         app = FastAPI(title=f"kvbridge {self.role.value} instance")
+        app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
+        install_error_handlers(app)
 
         @app.get("/health")
         async def health() -> Response:
+            state = {"role": self.role.value, "instance_id": self.instance_id}
             if self.loop.fatal:
-                return JSONResponse({"status": "failed", "reason": self.loop.fatal}, 503)
-            return JSONResponse(
-                {"status": "ok", "role": self.role.value, "instance_id": self.instance_id}
-            )
+                return JSONResponse({"status": "failed", "reason": self.loop.fatal, **state}, 503)
+            return JSONResponse({"status": "ok", **state})
 
         @app.get("/internal/info")
         async def info() -> dict[str, Any]:
@@ -256,62 +318,69 @@ class Instance:
             }
 
         @app.get("/metrics")
-        async def metrics() -> PlainTextResponse:
+        async def metrics() -> Response:
             def snapshot(engine: LLMEngine) -> tuple[int, int]:
                 bm = engine.block_manager
                 return bm.num_blocks - bm.num_free_blocks, bm.num_blocks
 
-            used, total = await self.loop.acall(snapshot)
-            labels = {"instance": self.instance_id, "role": self.role.value}
-            self.metrics.set("blocks_in_use", used, **labels)
-            self.metrics.set("blocks_total", total, **labels)
-            self.metrics.set("kv_pinned_blocks", self.loop.tracker.pinned_blocks, **labels)
-            return PlainTextResponse(self.metrics.render())
+            try:
+                used, total = await self.loop.acall(snapshot, timeout=10.0)
+                self.metrics.blocks_in_use.set(used)
+                self.metrics.blocks_total.set(total)
+            except (EngineFailedError, TimeoutError):
+                pass  # the figures last seen stay
+            self.metrics.pinned_blocks.set(self.loop.tracker.pinned_blocks)
+            return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
         @app.post("/internal/prefill")
         async def prefill(request: Request) -> Response:
             if self.role is not Role.PREFILL:
-                return _error(404, "this is a decode instance; POST /internal/generate")
+                return error_response(404, "this is a decode instance; POST /internal/generate")
             try:
                 gen = await _body(request, wire.generate_request_decoder)
                 started = await self.loop.acall(lambda e: self._start_prefill(e, gen))
                 result = await asyncio.wait_for(asyncio.wrap_future(started), REQUEST_TIMEOUT_S)
-            except _Refused as exc:
-                return _error(exc.status, str(exc))
-            except KVBridgeError as exc:
-                return _error(400, str(exc))
             except TimeoutError:
-                return _error(503, f"prefill did not finish within {REQUEST_TIMEOUT_S:.0f} s")
+                return error_response(
+                    503, f"the engine did not answer within {REQUEST_TIMEOUT_S:.0f} s"
+                )
+            except Exception as exc:
+                return _failure(exc)
             return Response(msgspec.json.encode(result), media_type="application/json")
 
         @app.post("/internal/generate")
         async def generate(request: Request) -> Response:
             try:
                 req = await _body(request, wire.decode_request_decoder)
-                aq: asyncio.Queue[GenerateEvent] = asyncio.Queue()
-                aloop = asyncio.get_running_loop()
-                await self.loop.acall(lambda e: self._start_generate(e, req, aloop, aq))
-            except _Refused as exc:
-                return _error(exc.status, str(exc))
-            except KVBridgeError as exc:
-                return _error(400, str(exc))
+                stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), 0)
+                await self.loop.acall(lambda e: self._start_generate(e, req, stream))
+            except TimeoutError:
+                return error_response(
+                    503, f"the engine did not answer within {REQUEST_TIMEOUT_S:.0f} s"
+                )
+            except Exception as exc:
+                return _failure(exc)
             rid = req.request.request_id
-            return StreamingResponse(self._events(rid, aq), media_type="application/x-ndjson")
+            return StreamingResponse(self._events(rid, stream), media_type="application/x-ndjson")
 
         return app
 
-    async def _events(self, rid: str, aq: asyncio.Queue[GenerateEvent]) -> AsyncIterator[bytes]:
-        finished = False
+    async def _events(self, rid: str, stream: Stream) -> AsyncIterator[bytes]:
+        ended = False  # by the loop: a last event (finish or error) came
         try:
             while True:
                 try:
-                    ev = await asyncio.wait_for(aq.get(), REQUEST_TIMEOUT_S)
+                    ev = await asyncio.wait_for(stream.queue.get(), REQUEST_TIMEOUT_S)
                 except TimeoutError:
-                    ev = GenerateEvent(error=f"no token within {REQUEST_TIMEOUT_S:.0f} s")
+                    message = f"no token within {REQUEST_TIMEOUT_S:.0f} s"
+                    yield (
+                        msgspec.json.encode(GenerateEvent(error=message, error_status=503)) + b"\n"
+                    )
+                    return
                 yield msgspec.json.encode(ev) + b"\n"
                 if ev.finish_reason or ev.error:
-                    finished = True
+                    ended = True
                     return
         finally:
-            if not finished:  # the proxy went away: stop generating, free the blocks
-                self.loop.call(lambda e: self._abort(e, rid))
+            if not ended:  # the proxy went away or gave up: stop generating, free the blocks
+                self.loop.call(lambda e: self._abort(e, rid, stream))

@@ -51,7 +51,9 @@ def run_instance(cfg: InstanceConfig) -> int:
     if role is Role.PREFILL:
         engine.connector_call(SetEndpoints(endpoints))
     loop = EngineLoop(engine, world_size=cfg.tp_size).start()
-    inst = Instance(loop, role, instance_id, cfg.model, cfg.kv_load_failure)
+    inst = Instance(
+        loop, role, instance_id, cfg.model, cfg.kv_load_failure, max_body_bytes=cfg.max_body_bytes
+    )
     inst.endpoint = endpoints[0] if role is Role.PREFILL else ""
     print(
         f"[{instance_id}] serving on http://{cfg.host}:{port}"

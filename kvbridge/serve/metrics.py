@@ -1,91 +1,126 @@
-"""A small Prometheus text-format registry (counters, gauges, histograms).
+"""The Prometheus metrics of the proxy and of an instance (prometheus_client).
 
-Owned by one process (the proxy or an instance) and updated from its event loop;
-`render()` produces the text `/metrics` serves.
+Each app owns one `CollectorRegistry` of its own (never the library's global one), so
+several apps in one process (tests, the demo) keep separate figures. The proxy's
+`/metrics` serves its own registry followed by every instance's exposition, merged so
+each metric family appears once (`merge_expositions`).
+
+Names and labels (dashboards depend on them):
+
+    proxy     kvbridge_requests_total{endpoint,status}  kvbridge_requests_running
+              kvbridge_ttft_ms  kvbridge_tpot_ms  kvbridge_kv_transfer_ms  (histograms, ms)
+              kvbridge_kv_bytes_total  kvbridge_failures_total{reason}
+              kvbridge_kv_load_failures_total  kvbridge_instance_up{url}
+    instance  kvbridge_blocks_in_use{instance,role}  kvbridge_blocks_total{instance,role}
+              kvbridge_kv_pinned_blocks{instance,role}
+              kvbridge_kv_instance_load_failures_total{instance,role}
+              kvbridge_kv_instance_bytes_total{instance,role}
 """
 
 from __future__ import annotations
 
-import bisect
-import threading
 from collections import defaultdict
 
-Labels = tuple[tuple[str, str], ...]
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-_MS_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+__all__ = ["CONTENT_TYPE_LATEST", "InstanceMetrics", "ProxyMetrics", "merge_expositions"]
+
+#: Histogram buckets of the millisecond figures (TTFT, TPOT, transfer time).
+MS_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 
 
-def _fmt_labels(labels: Labels, extra: tuple[tuple[str, str], ...] = ()) -> str:
-    items = labels + extra
-    if not items:
-        return ""
-    return "{" + ",".join(f'{k}="{v}"' for k, v in items) + "}"
+class ProxyMetrics:
+    """The proxy's figures. Owned by one proxy app; updated from its event loop."""
 
-
-class Metrics:
-    """Thread-safe named metrics with optional labels."""
-
-    def __init__(self, prefix: str = "kvbridge") -> None:
-        self.prefix = prefix
-        self._lock = threading.Lock()
-        self._help: dict[str, tuple[str, str]] = {}
-        self._values: dict[str, dict[Labels, float]] = defaultdict(dict)
-        self._hist: dict[str, dict[Labels, list[float]]] = defaultdict(dict)
-        self._buckets: dict[str, tuple[float, ...]] = {}
-
-    def describe(
-        self, name: str, kind: str, help_: str, buckets: tuple[float, ...] = _MS_BUCKETS
-    ) -> None:
-        self._help[name] = (kind, help_)
-        if kind == "histogram":
-            self._buckets[name] = buckets
-
-    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        with self._lock:
-            self._values[name][key] = self._values[name].get(key, 0.0) + value
-
-    def set(self, name: str, value: float, **labels: str) -> None:
-        with self._lock:
-            self._values[name][tuple(sorted(labels.items()))] = value
-
-    def observe(self, name: str, value: float, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
-        buckets = self._buckets[name]
-        with self._lock:
-            # [count per bucket..., +Inf count, sum]
-            h = self._hist[name].setdefault(key, [0.0] * (len(buckets) + 2))
-            h[bisect.bisect_left(buckets, value)] += 1
-            h[-1] += value
-
-    def value(self, name: str, **labels: str) -> float:
-        with self._lock:
-            return self._values[name].get(tuple(sorted(labels.items())), 0.0)
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvbridge_requests_total",
+            "Requests by endpoint and HTTP status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.running = Gauge(
+            "kvbridge_requests_running", "Requests being generated now.", registry=r
+        )
+        self.ttft_ms = Histogram(
+            "kvbridge_ttft_ms", "Time to first token, milliseconds.", buckets=MS_BUCKETS, registry=r
+        )
+        self.tpot_ms = Histogram(
+            "kvbridge_tpot_ms",
+            "Time per output token after the first, milliseconds.",
+            buckets=MS_BUCKETS,
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            "kvbridge_kv_bytes_total", "KV-cache bytes moved from prefill to decode.", registry=r
+        )
+        self.kv_transfer_ms = Histogram(
+            "kvbridge_kv_transfer_ms",
+            "KV transfer time per request, milliseconds.",
+            buckets=MS_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter(
+            "kvbridge_failures_total", "Requests that failed, by reason.", ["reason"], registry=r
+        )
+        self.kv_load_failures = Counter(
+            "kvbridge_kv_load_failures_total",
+            "KV pulls that failed (then recomputed or refused).",
+            registry=r,
+        )
+        self.instance_up = Gauge(
+            "kvbridge_instance_up",
+            "Whether an instance answered its last /metrics scrape (1) or not (0).",
+            ["url"],
+            registry=r,
+        )
 
     def render(self) -> str:
-        lines: list[str] = []
-        with self._lock:
-            for name, (kind, help_) in self._help.items():
-                full = f"{self.prefix}_{name}"
-                lines.append(f"# HELP {full} {help_}")
-                lines.append(f"# TYPE {full} {kind}")
-                if kind == "histogram":
-                    buckets = self._buckets[name]
-                    for labels, h in self._hist[name].items():
-                        cum = 0.0
-                        for bound, n in zip(buckets, h[: len(buckets)], strict=True):
-                            cum += n
-                            le = (("le", f"{bound:g}"),)
-                            lines.append(f"{full}_bucket{_fmt_labels(labels, le)} {cum:g}")
-                        cum += h[len(buckets)]
-                        inf = (("le", "+Inf"),)
-                        lines.append(f"{full}_bucket{_fmt_labels(labels, inf)} {cum:g}")
-                        lines.append(f"{full}_sum{_fmt_labels(labels)} {h[-1]:g}")
-                        lines.append(f"{full}_count{_fmt_labels(labels)} {cum:g}")
-                else:
-                    for labels, v in self._values[name].items():
-                        lines.append(f"{full}{_fmt_labels(labels)} {v:g}")
-        return "\n".join(lines) + "\n"
+        return generate_latest(self.registry).decode()
+
+
+class InstanceMetrics:
+    """One prefill or decode instance's figures, every series labelled with the
+    instance id and role (several instances' expositions are merged by the proxy)."""
+
+    def __init__(self, instance_id: str, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        names = ["instance", "role"]
+        labels = {"instance": instance_id, "role": role}
+        self.blocks_in_use = Gauge(
+            "kvbridge_blocks_in_use", "KV blocks allocated on this instance.", names, registry=r
+        ).labels(**labels)
+        self.blocks_total = Gauge(
+            "kvbridge_blocks_total", "KV blocks of this instance.", names, registry=r
+        ).labels(**labels)
+        self.pinned_blocks = Gauge(
+            "kvbridge_kv_pinned_blocks",
+            "Blocks held by the transfer runtime (exposed or being pulled).",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.load_failures = Counter(
+            "kvbridge_kv_instance_load_failures_total",
+            "KV pulls that failed here.",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.kv_bytes = Counter(
+            "kvbridge_kv_instance_bytes_total", "KV bytes pulled here.", names, registry=r
+        ).labels(**labels)
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
 
 
 def merge_expositions(texts: list[str]) -> str:

@@ -3,21 +3,25 @@
 
 `make_app(backend)` builds the FastAPI app; the backend decides where tokens come from
 (a disaggregated prefill -> decode pair, or a test double). Errors are OpenAI-shaped:
-``{"error": {"message", "type", "param", "code"}}``.
+``{"error": {"message", "type", "param", "code"}}``. Whatever a client sends is answered
+with 200 or a 4xx naming what is wrong (`openai_protocol.parse_request`; 413 for a body
+over the limit, `BodyLimit`); a 5xx means the backend failed (503: no instance can
+serve the request now), and the app keeps serving after any of them.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvbridge.serve import openai_protocol as oai
+from kvbridge.serve import openai_responses as resp
 from kvbridge.serve.backend import (
     Backend,
     BackendError,
@@ -25,77 +29,54 @@ from kvbridge.serve.backend import (
     GenerateRequest,
     SamplingParams,
 )
-from kvbridge.serve.metrics import Metrics, merge_expositions
+from kvbridge.serve.body_limit import (
+    BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_MB,
+    BodyLimit,
+    mib_to_bytes,
+)
+from kvbridge.serve.http_errors import error_response, install_error_handlers
+from kvbridge.serve.metrics import CONTENT_TYPE_LATEST, ProxyMetrics, merge_expositions
 
-
-def proxy_metrics() -> Metrics:
-    m = Metrics()
-    m.describe("requests_total", "counter", "Requests by endpoint and HTTP status.")
-    m.describe("requests_running", "gauge", "Requests being generated now.")
-    m.describe("ttft_ms", "histogram", "Time to first token, milliseconds.")
-    m.describe("tpot_ms", "histogram", "Time per output token after the first, milliseconds.")
-    m.describe("kv_bytes_total", "counter", "KV-cache bytes moved from prefill to decode.")
-    m.describe("kv_transfer_ms", "histogram", "KV transfer time per request, milliseconds.")
-    m.describe("failures_total", "counter", "Requests that failed, by reason.")
-    m.describe(
-        "kv_load_failures_total", "counter", "KV pulls that failed (then recomputed or refused)."
-    )
-    return m
-
-
-def _error(
-    status: int,
-    message: str,
-    param: str | None = None,
-    type_: str = "invalid_request_error",
-    code: str | None = None,
-) -> JSONResponse:
-    return JSONResponse(
-        oai.error_body(message, type_=type_, param=param, code=code), status_code=status
-    )
+log = logging.getLogger("kvbridge.serve")
 
 
 def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-class JSONBodies:
-    """ASGI middleware: every POST body is JSON, whatever Content-Type it declares.
-
-    `curl URL -d '{"prompt": ...}'` sends application/x-www-form-urlencoded, and FastAPI
-    would then refuse the body as not a JSON object; the OpenAI endpoints take nothing but
-    JSON, so the declared type is replaced rather than trusted.
-    """
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = dict(scope, headers=[*headers, (b"content-type", b"application/json")])
-        await self.app(scope, receive, send)
-
-
-def make_app(backend: Backend, metrics: Metrics | None = None) -> FastAPI:
+def make_app(
+    backend: Backend,
+    metrics: ProxyMetrics | None = None,
+    *,
+    max_body_bytes: int = mib_to_bytes(DEFAULT_MAX_BODY_MB),
+    body_timeout_s: float = BODY_TIMEOUT_S,
+) -> FastAPI:
+    """The proxy's app over `backend`. Request bodies over `max_body_bytes` are refused
+    with 413 before they are read whole, and bodies not complete after `body_timeout_s`
+    with 408 (`BodyLimit`); a body is JSON whatever Content-Type it declares
+    (`curl URL -d '{...}'` declares a form)."""
     app = FastAPI(title="kvbridge", version="0.1.0")
-    app.add_middleware(JSONBodies)
-    m = metrics or proxy_metrics()
+    m = metrics or ProxyMetrics()
+
+    def count_refused(status: int) -> None:
+        m.requests.labels("invalid", str(status)).inc()
+
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=max_body_bytes,
+        on_refused=count_refused,
+        body_timeout_s=body_timeout_s,
+    )
+    install_error_handlers(app)
     app.state.metrics = m
     app.state.backend = backend
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        m.inc("requests_total", endpoint="invalid", status="400")
-        return _error(400, f"{param or 'body'}: {first.get('msg', 'invalid request')}", param)
 
     @app.get("/health")
     async def health() -> Response:
         state = await backend.health()
-        return JSONResponse(state, status_code=200 if state.get("status") == "ok" else 503)
+        serving = state.get("status") in ("ok", "degraded")
+        return JSONResponse(state, status_code=200 if serving else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -107,68 +88,76 @@ def make_app(backend: Backend, metrics: Metrics | None = None) -> FastAPI:
         }
 
     @app.get("/metrics")
-    async def metrics_text() -> PlainTextResponse:
-        text = merge_expositions([m.render(), await backend.instance_metrics()])
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    async def metrics_text() -> Response:
+        texts = []
+        for url, text in (await backend.instance_metrics()).items():
+            m.instance_up.labels(url).set(0 if text is None else 1)
+            texts.append(text or "")
+        return Response(merge_expositions([m.render(), *texts]), media_type=CONTENT_TYPE_LATEST)
 
-    def _check(req: oai.CompletionRequest | oai.ChatCompletionRequest) -> JSONResponse | None:
+    def _refuse(exc: oai.ProtocolError) -> JSONResponse:
+        count_refused(exc.status)
+        return error_response(exc.status, str(exc), exc.param, exc.code)
+
+    def _check_model(req: oai.CompletionRequest | oai.ChatCompletionRequest) -> None:
         if req.model is not None and req.model != backend.model_name:
-            return _error(
-                404,
+            raise oai.ProtocolError(
                 f"model={req.model!r} is not served here; use "
                 f"{backend.model_name!r} (see GET /v1/models)",
                 "model",
+                status=404,
                 code="model_not_found",
             )
-        if req.n != 1:
-            return _error(400, f"n={req.n} is not supported; use n=1", "n")
-        if req.logprobs:
-            return _error(400, "logprobs are not supported; leave logprobs unset", "logprobs")
-        return None
 
     def _sampling(
         req: oai.CompletionRequest | oai.ChatCompletionRequest, max_tokens: int | None
     ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens or 16,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
             seed=req.seed,
             stop=req.stop_list(),
         )
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(req: oai.CompletionRequest) -> Response:
-        if (bad := _check(req)) is not None:
-            return bad
-        if req.echo:
-            return _error(400, "echo=true is not supported; leave echo unset", "echo")
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                return _error(
-                    400, f"prompt holds {len(prompt)} prompts; send one per request", "prompt"
-                )
-            prompt = prompt[0]
+    async def completions(request: Request) -> Response:
+        try:
+            req = oai.parse_request(await request.body(), oai.CompletionRequest)
+            _check_model(req)
+            prompt = req.prompt
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                if len(prompt) != 1:
+                    raise oai.ProtocolError(
+                        f"prompt holds {len(prompt)} prompts; send one per request", "prompt"
+                    )
+                prompt = prompt[0]
+        except oai.ProtocolError as exc:
+            return _refuse(exc)
         gen = GenerateRequest(
-            request_id=oai.new_id("cmpl"),
+            request_id=resp.new_id("cmpl"),
             sampling=_sampling(req, req.max_tokens),
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=[int(t) for t in prompt] if isinstance(prompt, list) else None,
         )
-        return await _run(gen, req.stream, req.stream_options, chat=False, endpoint="completions")
+        return await _run(
+            gen, bool(req.stream), req.stream_options, chat=False, endpoint="completions"
+        )
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: oai.ChatCompletionRequest) -> Response:
-        if (bad := _check(req)) is not None:
-            return bad
+    async def chat(request: Request) -> Response:
+        try:
+            req = oai.parse_request(await request.body(), oai.ChatCompletionRequest)
+            _check_model(req)
+        except oai.ProtocolError as exc:
+            return _refuse(exc)
         gen = GenerateRequest(
-            request_id=oai.new_id("chatcmpl"),
+            request_id=resp.new_id("chatcmpl"),
             sampling=_sampling(req, req.max_completion_tokens or req.max_tokens),
             messages=[{"role": msg.role, "content": msg.text()} for msg in req.messages],
         )
-        return await _run(gen, req.stream, req.stream_options, chat=True, endpoint="chat")
+        return await _run(gen, bool(req.stream), req.stream_options, chat=True, endpoint="chat")
 
     async def _run(
         gen: GenerateRequest,
@@ -183,25 +172,27 @@ def make_app(backend: Backend, metrics: Metrics | None = None) -> FastAPI:
         try:
             first = await anext(events)
         except BackendError as exc:
-            m.inc("requests_total", endpoint=endpoint, status=str(exc.status))
-            m.inc("failures_total", reason="refused" if exc.status < 500 else "backend")
+            m.requests.labels(endpoint, str(exc.status)).inc()
+            m.failures.labels("refused" if exc.status < 500 else "backend").inc()
             await events.aclose()
-            return _error(
-                exc.status,
-                str(exc),
-                exc.param,
-                "invalid_request_error" if exc.status < 500 else "server_error",
-            )
+            return error_response(exc.status, str(exc), exc.param)
         except StopAsyncIteration:
-            m.inc("failures_total", reason="empty")
-            return _error(500, "the backend produced no output", type_="server_error")
-        m.inc("requests_running", 1)
+            m.requests.labels(endpoint, "500").inc()
+            m.failures.labels("empty").inc()
+            return error_response(500, "the backend produced no output")
+        except Exception as exc:  # a bug, not the client's doing: say so, keep serving
+            log.exception("request %s failed", gen.request_id)
+            m.requests.labels(endpoint, "500").inc()
+            m.failures.labels("backend").inc()
+            await events.aclose()
+            return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        m.running.inc()
         tracker = _Tracker(m, start)
         if not stream:
             try:
                 return await _collect(first, events, tracker, gen, chat, endpoint)
             finally:
-                m.inc("requests_running", -1)
+                m.running.dec()
         include_usage = bool(options and options.include_usage)
         return StreamingResponse(
             _stream(first, events, tracker, gen, chat, endpoint, include_usage),
@@ -218,24 +209,32 @@ def make_app(backend: Backend, metrics: Metrics | None = None) -> FastAPI:
     ) -> Response:
         parts = []
         last = first
-        async for ev in _chain(first, events):
-            tracker.see(ev)
-            parts.append(ev.text)
-            last = ev
+        try:
+            async for ev in _chain(first, events):
+                tracker.see(ev)
+                parts.append(ev.text)
+                last = ev
+        except Exception as exc:
+            log.exception("request %s failed", gen.request_id)
+            last = GenerateEvent(error=f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            await events.aclose()
         if last.error:
-            tracker.finish(endpoint, "500", failed=True)
-            return _error(500, last.error, type_="server_error")
+            tracker.finish(endpoint, str(last.error_status), failed=True)
+            return error_response(last.error_status, last.error)
         tracker.finish(endpoint, "200")
-        use = oai.usage(last.prompt_tokens, last.completion_tokens)
+        use = resp.usage(last.prompt_tokens, last.completion_tokens)
         text = "".join(parts)
         if chat:
-            body = oai.chat_body(gen.request_id, backend.model_name, text, last.finish_reason, use)
+            body = resp.chat_body(gen.request_id, backend.model_name, text, last.finish_reason, use)
         else:
-            body = oai.completion_body(
+            body = resp.completion_body(
                 gen.request_id, backend.model_name, text, last.finish_reason, use
             )
         if tracker.stages:  # an extra field (OpenAI clients ignore it): where time went
             body["kvbridge_stages"] = tracker.stages
+        if last.kv_load_error:  # and why the KV pull failed, when it did
+            body["kvbridge_kv_load_error"] = last.kv_load_error
         return JSONResponse(body)
 
     async def _stream(
@@ -251,39 +250,44 @@ def make_app(backend: Backend, metrics: Metrics | None = None) -> FastAPI:
         status = "200"
         try:
             if chat:
-                yield _sse(oai.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
+                yield _sse(resp.chat_chunk(rid, model, {"role": "assistant", "content": ""}, None))
             async for ev in _chain(first, events):
                 tracker.see(ev)
                 if ev.error:
-                    status = "500"
-                    yield _sse(oai.error_body(ev.error, type_="server_error"))
+                    status = str(ev.error_status)
+                    yield _sse(resp.error_body(ev.error, type_="server_error"))
                     break
                 if ev.text or ev.finish_reason:
                     if chat:
                         delta = {"content": ev.text} if ev.text else {}
-                        yield _sse(oai.chat_chunk(rid, model, delta, ev.finish_reason))
+                        yield _sse(resp.chat_chunk(rid, model, delta, ev.finish_reason))
                     else:
                         yield _sse(
-                            oai.completion_body(
+                            resp.completion_body(
                                 rid, model, ev.text, ev.finish_reason, None, chunk=True
                             )
                         )
                 if ev.finish_reason and include_usage:
-                    use = oai.usage(ev.prompt_tokens, ev.completion_tokens)
+                    use = resp.usage(ev.prompt_tokens, ev.completion_tokens)
                     body = (
-                        oai.chat_chunk(rid, model, {}, None, use)
+                        resp.chat_chunk(rid, model, {}, None, use)
                         if chat
                         else {
-                            **oai.completion_body(rid, model, "", None, use, chunk=True),
+                            **resp.completion_body(rid, model, "", None, use, chunk=True),
                             "choices": [],
                         }
                     )
                     yield _sse(body)
             yield "data: [DONE]\n\n"
+        except Exception as exc:  # the stream already began: the error goes in it
+            log.exception("request %s failed", rid)
+            status = "500"
+            message = f"internal error: {type(exc).__name__}: {exc}"
+            yield _sse(resp.error_body(message, type_="server_error"))
         finally:
             await events.aclose()  # aborts the request if the client went away
             tracker.finish(endpoint, status, failed=status != "200")
-            m.inc("requests_running", -1)
+            m.running.dec()
 
     return app
 
@@ -299,7 +303,7 @@ async def _chain(
 class _Tracker:
     """TTFT / TPOT / KV figures of one request, recorded once it ends."""
 
-    def __init__(self, metrics: Metrics, start: float) -> None:
+    def __init__(self, metrics: ProxyMetrics, start: float) -> None:
         self.m = metrics
         self.start = start
         self.first_token: float | None = None
@@ -322,18 +326,17 @@ class _Tracker:
         if self.done:
             return
         self.done = True
-        self.m.inc("requests_total", endpoint=endpoint, status=status)
+        self.m.requests.labels(endpoint, status).inc()
         if failed:
-            self.m.inc("failures_total", reason="generation")
+            self.m.failures.labels("generation").inc()
         if self.first_token is not None:
-            self.m.observe("ttft_ms", (self.first_token - self.start) * 1e3)
+            self.m.ttft_ms.observe((self.first_token - self.start) * 1e3)
             if self.tokens > 1:
-                self.m.observe(
-                    "tpot_ms", (self.last_token - self.first_token) * 1e3 / (self.tokens - 1)
-                )
+                tpot = (self.last_token - self.first_token) * 1e3 / (self.tokens - 1)
+                self.m.tpot_ms.observe(tpot)
         if "kv_bytes" in self.stages:
-            self.m.inc("kv_bytes_total", self.stages["kv_bytes"])
+            self.m.kv_bytes.inc(self.stages["kv_bytes"])
         if "transfer_ms" in self.stages:
-            self.m.observe("kv_transfer_ms", self.stages["transfer_ms"])
+            self.m.kv_transfer_ms.observe(self.stages["transfer_ms"])
         if self.stages.get("kv_load_failed"):
-            self.m.inc("kv_load_failures_total")
+            self.m.kv_load_failures.inc()

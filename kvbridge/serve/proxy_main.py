@@ -24,5 +24,6 @@ def run_proxy(cfg: ProxyConfig) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uvicorn.run(make_app(backend), host=cfg.host, port=cfg.port, log_level="warning")
+    app = make_app(backend, max_body_bytes=cfg.max_body_bytes)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
     return 0

@@ -1,7 +1,8 @@
 """Messages between the proxy and the prefill/decode instances (msgspec JSON over HTTP).
 
-Versioned (`backend.PROTOCOL_VERSION`) and size-limited by the instance server; the
-decode stream is newline-delimited JSON `GenerateEvent`s.
+Versioned (`backend.PROTOCOL_VERSION`) and size-limited by the instance server
+(`--max-body-mb`, `body_limit.BodyLimit`); the decode stream is newline-delimited JSON
+`GenerateEvent`s.
 """
 
 from __future__ import annotations
@@ -9,9 +10,6 @@ from __future__ import annotations
 import msgspec
 
 from kvbridge.serve.backend import GenerateEvent, GenerateRequest
-
-#: Largest request body an instance accepts (a 4k-token prompt is ~40 KiB of JSON).
-MAX_BODY_BYTES = 4 << 20
 
 
 class KVParams(msgspec.Struct, frozen=True):

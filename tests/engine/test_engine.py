@@ -84,6 +84,15 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(engine_tp1: LLMEn
 
 
 @pytest.mark.slow
+def test_tiny_temperatures_sample_greedily(engine_tp1: LLMEngine) -> None:
+    """logits / 1e-300 would be inf and the probabilities NaN (a failed step)."""
+    greedy = engine_tp1.generate(["Once upon a time"], GREEDY8)[0]
+    for t in (1e-300, 5e-324, 1e-6):
+        out = engine_tp1.generate(["Once upon a time"], SamplingParams(max_tokens=8, temperature=t))
+        assert out[0].token_ids == greedy.token_ids
+
+
+@pytest.mark.slow
 def test_stream_deltas_add_up_to_the_completion(engine_tp1: LLMEngine) -> None:
     deltas = list(engine_tp1.stream("Once upon a time", SamplingParams(max_tokens=12)))
     whole = engine_tp1.generate(["Once upon a time"], SamplingParams(max_tokens=12))[0]
@@ -153,6 +162,9 @@ def test_tp_size_invalid_for_the_model_is_refused(tp: int) -> None:
         ({"temperature": -1.0}, "temperature=-1.0"),
         ({"top_p": 0.0}, "top_p=0.0"),
         ({"top_k": -2}, "top_k=-2"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+        ({"seed": 2**64}, r"seed=18446744073709551616 is outside \[-9223372036854775808, "),
+        ({"seed": -(2**63) - 1}, "use a 64-bit seed"),
     ],
 )
 def test_bad_sampling_params_are_refused(kwargs: dict[str, float], words: str) -> None:

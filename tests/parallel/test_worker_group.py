@@ -121,6 +121,21 @@ def test_worker_killed_between_calls_fails_the_next_call() -> None:
     assert_gone(pids)
 
 
+def test_check_alive_notices_a_death_without_a_call() -> None:
+    """An idle driver (a server between requests) learns of a death by `check_alive`."""
+    with WorkerGroup(2, ECHO) as group:
+        group.check_alive()
+        os.kill(group.pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        with pytest.raises(WorkerDiedError) as info:
+            while time.monotonic() < deadline:
+                group.check_alive()
+                time.sleep(0.01)
+        assert info.value.rank == 1 and info.value.exitcode == -signal.SIGKILL
+        with pytest.raises(WorkerGroupClosedError, match="rank 1"):
+            group.check_alive()
+
+
 def test_start_failure_reports_rank_and_traceback_and_cleans_up() -> None:
     before = our_segments()
     with pytest.raises(WorkerStartError) as info:

@@ -18,6 +18,8 @@ class FakeBackend(Backend):
         self.aborted: list[str] = []
         self.fail_after: int | None = None
         self.delay = 0.0
+        self.max_output: int | None = None  # stop at this many tokens ("length")
+        self.kv_load_error: str | None = None  # report a failed KV pull (recomputed)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         self.seen.append(request)
@@ -32,6 +34,8 @@ class FakeBackend(Backend):
         finished = False
         try:
             n = request.sampling.max_tokens
+            if self.max_output is not None:
+                n = min(n, self.max_output)
             for i in range(n):
                 await asyncio.sleep(self.delay)
                 if self.fail_after is not None and i == self.fail_after:
@@ -46,13 +50,17 @@ class FakeBackend(Backend):
                     finished = True
                     return
                 last = i == n - 1
+                stages = {"kv_bytes": 1000.0, "transfer_ms": 2.0}
+                if self.kv_load_error is not None:
+                    stages = {"kv_load_failed": 1.0}
                 yield GenerateEvent(
                     text=word,
                     token_ids=[100 + i],
                     finish_reason="length" if last else None,
                     prompt_tokens=n_prompt,
                     completion_tokens=i + 1,
-                    stages={"kv_bytes": 1000.0, "transfer_ms": 2.0} if last else {},
+                    stages=stages if last else {},
+                    kv_load_error=self.kv_load_error if last else None,
                 )
             finished = True
         finally:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import select
+import socket
+import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -49,3 +53,22 @@ def metric(text: str, name: str, **labels: str) -> float:
         ):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def raw_post(url: str, path: str, headers: bytes, chunks: list[bytes]) -> tuple[int, bytes]:
+    """POST by hand: the request line and `headers`, then `chunks` until the server
+    answers (or they run out); (bytes of body sent, the whole answer)."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n".encode() + headers + b"\r\n")
+        sent = 0
+        for chunk in chunks:
+            if select.select([sock], [], [], 0)[0]:
+                break  # answered before the body ended
+            sock.sendall(chunk)
+            sent += len(chunk)
+            time.sleep(0.001)
+        answer = b""
+        while data := sock.recv(65536):
+            answer += data
+    return sent, answer

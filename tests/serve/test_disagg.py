@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 import time
 
@@ -18,7 +19,7 @@ from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import KVLoadFailure
 from kvbridge.serve.demo import colocated_text
 from kvbridge.serve.launcher import Deployment
-from tests.serve.helpers import complete, instance_args, metric, proxy_for
+from tests.serve.helpers import complete, instance_args, metric, proxy_for, raw_post
 
 pytestmark = pytest.mark.slow
 
@@ -107,10 +108,93 @@ def test_openai_client_against_disaggregated_serve(instances):
         proxy.stop()
 
 
+def test_bad_input_is_refused_by_real_instances(instances):
+    """The seed and surrogate cases end to end: the proxy refuses them naming the
+    parameter, and so do the instances when called directly (400, never 500); an
+    oversized body is refused with 413; everything keeps serving."""
+    prefill, decode = instances[("prefill", 1)], instances[("decode", 1)]
+    proxy = proxy_for([prefill], [decode])
+    try:
+        url = f"{proxy.url}/v1/completions"
+        r = httpx.post(url, json={"prompt": "x", "seed": 2**70}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "seed", r.text
+        r = httpx.post(url, content=b'{"prompt": "\\ud800x"}', timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "lone surrogate" in r.json()["error"]["message"]
+        body = {"prompt": "x", "seed": 2**64 - 1, "temperature": 0.7, "max_tokens": 3}
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+        body = {"prompt": "x", "temperature": 1e-300, "max_tokens": 3}  # greedy, not NaN
+        assert httpx.post(url, json=body, timeout=60).status_code == 200
+    finally:
+        proxy.stop()
+    gen = GenerateRequest("r-big-seed", SamplingParams(max_tokens=3, seed=2**70), prompt="x")
+    r = httpx.post(f"{prefill}/internal/prefill", content=msgspec.json.encode(gen), timeout=60)
+    assert r.status_code == 400 and "seed=1180591620717411303424 is outside" in r.text
+    body = msgspec.json.encode(wire.DecodeRequest(gen))
+    r = httpx.post(f"{decode}/internal/generate", content=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    raw = b'{"request_id": "r-sur", "sampling": {}, "prompt": "\\ud800x"}'
+    r = httpx.post(f"{prefill}/internal/prefill", content=raw, timeout=60)
+    assert r.status_code == 400 and "malformed request" in r.json()["error"]["message"]
+    for instance in (prefill, decode):
+        _, answer = raw_post(instance, "/internal/generate", b"Content-Length: 17000000\r\n", [])
+        assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer
+        assert httpx.get(f"{instance}/health", timeout=10).status_code == 200
+
+
+def test_duplicate_request_ids_are_refused_while_in_use(instances):
+    """A request id an instance still holds is refused with 409 and the request that
+    holds it is left alone; once it has finished and freed its blocks the id is free."""
+    prefill, decode = instances[("prefill", 1)], instances[("decode", 1)]
+    gen = GenerateRequest(
+        "r-dup", SamplingParams(max_tokens=48, temperature=0.0), prompt=PROMPTS[2]
+    )
+
+    def prefill_it() -> httpx.Response:
+        return httpx.post(
+            f"{prefill}/internal/prefill", content=msgspec.json.encode(gen), timeout=120
+        )
+
+    def decode_it(pf: wire.PrefillResult | None) -> list[wire.GenerateEvent]:
+        body = msgspec.json.encode(wire.DecodeRequest(gen, pf))
+        with httpx.stream("POST", f"{decode}/internal/generate", content=body, timeout=120) as r:
+            return [wire.event_decoder.decode(line) for line in r.iter_lines() if line]
+
+    r = prefill_it()
+    assert r.status_code == 200, r.text
+    pf = wire.prefill_result_decoder.decode(r.content)
+    assert pf.kv is not None  # its blocks stay exposed until the decode instance pulls them
+    again = prefill_it()
+    assert again.status_code == 409 and again.json()["error"]["code"] == "request_id_in_use"
+    body = msgspec.json.encode(wire.DecodeRequest(gen, pf))
+    with httpx.stream("POST", f"{decode}/internal/generate", content=body, timeout=120) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)  # decoding runs
+        colocated = msgspec.json.encode(wire.DecodeRequest(gen))
+        dup = httpx.post(f"{decode}/internal/generate", content=colocated, timeout=60)
+        assert dup.status_code == 409, dup.text
+        events = [wire.event_decoder.decode(first)]
+        events += [wire.event_decoder.decode(line) for line in lines if line]
+    assert events[-1].finish_reason and not events[-1].error
+    assert events[-1].completion_tokens == 48
+    text = pf.first_text + "".join(e.text for e in events)
+    # the pull notified the prefill instance, which frees the blocks and the id
+    deadline = time.monotonic() + 30
+    while (r := prefill_it()).status_code == 409 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
+    pf = wire.prefill_result_decoder.decode(r.content)
+    events = decode_it(pf)  # the same id again, end to end
+    assert pf.first_text + "".join(e.text for e in events) == text
+    for instance in (prefill, decode):
+        assert httpx.get(f"{instance}/health", timeout=10).status_code == 200
+
+
 @pytest.fixture(scope="module")
 def fault_setup():
     """Two prefill instances to kill and two decode instances, one per failure policy,
-    with a short transfer timeout (all tp 1)."""
+    with a short transfer timeout (all tp 1 but `fail`, tp 3: its tp workers are
+    killed last)."""
     dep = Deployment()
     try:
         procs = {
@@ -131,7 +215,7 @@ def fault_setup():
                 "fail",
                 instance_args(
                     "decode",
-                    1,
+                    3,
                     16,
                     "HND",
                     kv_load_failure=KVLoadFailure.FAIL,
@@ -226,6 +310,56 @@ def test_prefill_instance_killed(fault_setup, policy):
             assert "prefill instance" in err["message"] and err["type"] == "server_error"
     finally:
         proxy.stop()
+
+
+def test_tp_worker_dies(fault_setup):
+    """A tp worker of a decode instance (tp 3) is killed while a request streams: the
+    stream ends at once with the cause, later requests are refused with it (503),
+    /health answers 503 with it, and a proxy sends requests to the other decode
+    instance, or answers an OpenAI-shaped 503 naming the cause when it has no other."""
+    dead, other = fault_setup["fail"], fault_setup["recompute"]
+    workers = _tp_workers(dead.proc.pid)
+    assert len(workers) == 3, workers
+    gen = GenerateRequest(
+        "r-worker-dies", SamplingParams(max_tokens=400, temperature=0.0), prompt=PROMPTS[2]
+    )
+    body = msgspec.json.encode(wire.DecodeRequest(gen))
+    with httpx.stream("POST", f"{dead.url}/internal/generate", content=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line)  # decoding runs
+        os.kill(workers[1], signal.SIGKILL)
+        events = [wire.event_decoder.decode(line) for line in lines if line]
+    cause = events[-1].error
+    assert cause and cause.startswith("engine failed:") and "worker" in cause, events[-1]
+    assert len(events) < 300  # it ended at the death, not at max_tokens
+    health = httpx.get(f"{dead.url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["reason"] == cause
+    r = httpx.post(f"{dead.url}/internal/generate", content=body, timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["message"] == cause
+    request = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    proxy = proxy_for([], [dead.url, other.url])
+    try:
+        for _ in range(2):
+            r = httpx.post(f"{proxy.url}/v1/completions", json=request, timeout=120)
+            assert r.status_code == 200, r.text
+    finally:
+        proxy.stop()
+    proxy = proxy_for([], [dead.url])
+    try:
+        r = httpx.post(f"{proxy.url}/v1/completions", json=request, timeout=120)
+        assert r.status_code == 503 and cause in r.json()["error"]["message"], r.text
+    finally:
+        proxy.stop()
+
+
+def _tp_workers(pid: int) -> list[int]:
+    """The tp worker processes an instance spawned (multiprocessing's spawn_main)."""
+    import subprocess
+
+    out = subprocess.run(
+        ["pgrep", "-P", str(pid), "-f", "spawn_main"], capture_output=True, text=True
+    ).stdout
+    return sorted(int(p) for p in out.split())
 
 
 def test_sigterm_to_serve_stops_its_instances(tmp_path):

@@ -13,10 +13,21 @@ import pytest
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.proxy import make_app
 from tests.serve.fake_backend import FakeBackend
+from tests.serve.helpers import metric, raw_post
 
 
 @pytest.fixture
 def server():
+    backend = FakeBackend()
+    srv = ServerThread(make_app(backend)).start()
+    yield srv, backend
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def refusing():
+    """One proxy for the tests of refused requests (they leave nothing behind); they
+    check that nothing reached the backend."""
     backend = FakeBackend()
     srv = ServerThread(make_app(backend)).start()
     yield srv, backend
@@ -97,12 +108,176 @@ def test_streaming_sse_events(server):
         ({"prompt": ["a", "b"]}, 400, "prompt", "holds 2 prompts"),
     ],
 )
-def test_openai_shaped_errors(server, body, status, param, words):
-    srv, _ = server
+def test_openai_shaped_errors(refusing, body, status, param, words):
+    srv, _ = refusing
     r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=10)
     assert r.status_code == status
     err = r.json()["error"]
     assert words in err["message"] and err["param"] == param and err["type"]
+
+
+UNIMPLEMENTED = [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("response_format", {"type": "json_object"}),
+    ("logit_bias", {"50256": -100}),
+    ("n", 2),
+    ("best_of", 2),
+    ("echo", True),
+    ("logprobs", True),
+    ("top_logprobs", 3),
+    ("presence_penalty", 0.5),
+    ("frequency_penalty", 1),
+    ("suffix", "!"),
+]
+
+
+@pytest.mark.parametrize("param, value", UNIMPLEMENTED, ids=[p for p, _ in UNIMPLEMENTED])
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_unimplemented_parameters_are_refused(refusing, endpoint, param, value):
+    """A parameter kvbridge does not implement is refused naming it, not ignored."""
+    srv, backend = refusing
+    seen = len(backend.seen)
+    base = {"prompt": "x"} if endpoint == "completions" else _CHAT
+    r = httpx.post(f"{srv.url}/v1/{endpoint}", json={**base, param: value}, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(f"{param}=") and "is not supported" in err["message"]
+    assert len(backend.seen) == seen
+
+
+_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_neutral_values_of_unimplemented_parameters_are_accepted(server):
+    """What clients send by default (n=1, echo=false, tools=[], nulls) changes nothing."""
+    srv, _ = server
+    neutral = {"n": 1, "echo": False, "logprobs": None, "best_of": 1, "suffix": None}
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", **neutral}, timeout=10)
+    assert r.status_code == 200, r.text
+    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
+    neutral |= {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False}
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json={**_CHAT, **neutral}, timeout=10)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "raw, param, words",
+    [
+        (b'{"prompt": "x", "temprature": 0.5}', "temprature", "unrecognized parameter"),
+        (b'{"prompt": "x", "seed": 1180591620717411303424}', "seed", "seed: Input should be"),
+        (b'{"prompt": "\\ud800x"}', "prompt", "lone surrogate \\ud800 at character 0"),
+        (b'{"prompt": "x", "stop": ["\\udfff"]}', "stop", "stop.0: lone surrogate"),
+        (b'{"prompt": "x", "temperature": NaN}', "temperature", "finite number"),
+        (b'{"prompt": "x", "max_tokens": 1e400}', "max_tokens", "valid integer"),
+        (b'{"prompt": "x", "max_tokens": -5}', "max_tokens", "greater than or equal to 1"),
+        (b'{"prompt": "x", "max_tokens": true}', "max_tokens", "valid integer"),
+        (b'{"prompt": [1, -2]}', "prompt", "token ids"),
+        (b'{"prompt": "x", "stream": "yes"}', "stream", "valid boolean"),
+        (b'{"prompt": "caf\xe9"}', None, "not valid JSON"),
+        (b"[" * 100000 + b"]" * 100000, None, "nested too deeply"),
+        (b'["prompt"]', None, "must be a JSON object, not an array"),
+        (b"", None, "not valid JSON"),
+    ],
+)
+def test_bad_input_is_a_4xx_naming_it(refusing, raw, param, words):
+    srv, backend = refusing
+    seen = len(backend.seen)
+    r = httpx.post(f"{srv.url}/v1/completions", content=raw, timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["param"] == param, err
+    assert len(backend.seen) == seen
+
+
+def test_chat_content_parts_must_be_text(server):
+    srv, _ = server
+    parts = [{"type": "text", "text": "hi "}, {"type": "image_url", "image_url": {"url": "x"}}]
+    body = {"messages": [{"role": "user", "content": parts}]}
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages" and "part 1 must be" in err["message"]
+
+
+def test_unknown_paths_and_methods_are_openai_shaped(server):
+    srv, _ = server
+    r = httpx.get(f"{srv.url}/v1/nothing")
+    assert (
+        r.status_code == 404 and "no such endpoint: GET /v1/nothing" in r.json()["error"]["message"]
+    )
+    r = httpx.get(f"{srv.url}/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.fixture
+def small_server():
+    """A proxy that takes request bodies of at most 64 KiB."""
+    srv = ServerThread(make_app(FakeBackend(), max_body_bytes=64 * 1024)).start()
+    yield srv
+    srv.stop()
+
+
+def test_body_over_the_limit_is_refused_before_it_is_read(small_server):
+    """A declared length over the limit is refused before any byte of the body; a
+    chunked body is refused once the bytes that came exceed the limit, while the client
+    is still sending (so it was never held whole); the server keeps serving."""
+    srv = small_server
+    sent, answer = raw_post(srv.url, "/v1/completions", b"Content-Length: 1000000000\r\n", [])
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head.lower()
+    err = json.loads(body)["error"]
+    assert err["code"] == "request_too_large" and "1000000000 bytes exceeds" in err["message"]
+
+    chunk = b"4000\r\n" + b" " * 0x4000 + b"\r\n"  # 16 KiB per chunk, never a last one
+    sent, answer = raw_post(
+        srv.url, "/v1/completions", b"Transfer-Encoding: chunked\r\n", [chunk] * 1000
+    )
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert sent < 1000 * len(chunk) // 4  # refused long before the client was done
+    assert b"exceeds the limit of 65536 bytes" in answer
+
+    r = httpx.post(f"{srv.url}/v1/completions", content=b" " * 100_000, timeout=10)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x" * 60_000}, timeout=10)
+    assert r.status_code == 200
+    text = httpx.get(f"{srv.url}/metrics").text
+    assert metric(text, "requests_total", endpoint="invalid", status="413") == 3
+
+
+def test_a_stalled_body_is_refused_after_the_body_timeout():
+    srv = ServerThread(make_app(FakeBackend(), body_timeout_s=0.5)).start()
+    try:
+        _, answer = raw_post(srv.url, "/v1/completions", b"Content-Length: 100\r\n", [b"{"])
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"request body not complete within 0.5 s (1 bytes arrived)" in answer
+        assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_kv_load_error_reaches_the_body(server):
+    srv, backend = server
+    backend.kv_load_error = "handshake with tcp://h:5555 refused"
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    body = r.json()
+    assert body["kvbridge_stages"]["kv_load_failed"] == 1.0
+    assert body["kvbridge_kv_load_error"] == "handshake with tcp://h:5555 refused"
+
+
+def test_demo_fails_when_the_kv_pull_failed(server, capsys):
+    """`kvbridge demo` exits 1 with the reason when the decode instance had to recompute
+    (the colocated check is never reached: its URL here answers nothing)."""
+    from kvbridge.serve.demo import ask
+
+    srv, backend = server
+    backend.kv_load_error = "lease expired before the pull"
+    assert ask(srv.url, "http://127.0.0.1:9", "fake-model", "The capital", 3) == 1
+    out = capsys.readouterr().out
+    assert "FAILED: the KV pull failed (lease expired before the pull)" in out
 
 
 def test_failure_mid_stream_reaches_client(server):
@@ -118,9 +293,10 @@ def test_models_health_metrics(server):
     assert httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"] == "fake-model"
     httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a b", "max_tokens": 3}, timeout=10)
     text = httpx.get(f"{srv.url}/metrics").text
-    assert 'kvbridge_requests_total{endpoint="completions",status="200"} 1' in text
-    assert "kvbridge_ttft_ms_count 1" in text and "kvbridge_kv_bytes_total 1000" in text
-    assert "kvbridge_requests_running 0" in text
+    assert metric(text, "requests_total", endpoint="completions", status="200") == 1
+    assert metric(text, "ttft_ms_count") == 1 and metric(text, "kv_bytes_total") == 1000
+    assert "kvbridge_requests_running 0.0" in text
+    assert "# TYPE kvbridge_ttft_ms histogram" in text
 
 
 def test_openai_client_completions_and_chat(server):
@@ -161,7 +337,7 @@ def test_client_disconnect_aborts_the_request(server):
         time.sleep(0.02)
     assert backend.aborted == [backend.seen[-1].request_id]
     text = httpx.get(f"{srv.url}/metrics").text
-    assert "kvbridge_requests_running 0" in text
+    assert "kvbridge_requests_running 0.0" in text
 
 
 def test_merged_metrics_keep_one_family_block():

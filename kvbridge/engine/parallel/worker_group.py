@@ -277,6 +277,15 @@ class WorkerGroup:
         del self._answers[handle.seq]
         return [answers.replies[r] for r in handle.ranks]
 
+    def check_alive(self) -> None:
+        """Raise WorkerDiedError if a worker process has exited (without waiting), or
+        WorkerGroupClosedError if the group is already broken. For a driver that is
+        idle between calls and still wants to notice a death."""
+        self._check_usable()
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                self._on_death(rank)
+
     def close(self) -> None:
         """Stop every worker (kill stragglers after a grace period) and remove the
         shared-memory segment. Idempotent."""
