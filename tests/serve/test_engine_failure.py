@@ -131,10 +131,22 @@ def test_engine_failure_fails_every_waiter_at_once(pair):
     assert httpx.get(f"{doomed.url}/metrics", timeout=20).status_code == 200
 
 
+def _break(served: _Served) -> None:
+    """Make `served`'s engine fail on its next step (if the test above did not)."""
+    if served.loop.fatal is not None:
+        return
+
+    def broken_step() -> list:
+        raise WorkerError(CAUSE, rank=1)
+
+    served.engine.step = broken_step
+    assert _prefill(served.url, "breaker").status_code == 503
+    assert served.loop.fatal and CAUSE in served.loop.fatal
+
+
 def test_proxy_routes_around_a_failed_instance(pair):
     doomed, healthy = pair
-    if doomed.loop.fatal is None:
-        pytest.skip("needs the failed instance of the test above")
+    _break(doomed)  # runs alone too
     request = {"prompt": "1, 2, 3, 4,", "max_tokens": 4, "temperature": 0}
     # two decode instances, the first one failed: every request is served
     proxy = proxy_for([], [doomed.url, healthy.url])
