@@ -9,7 +9,12 @@ kvbridge serve --role proxy --prefill http://h1:8301 --decode http://h2:8302
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import secrets
 import sys
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from kvbridge.cli.plan_cmd import layout_arg
@@ -64,9 +69,33 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         help="a first contact with a prefill instance not answered after this long fails",
     )
     p.add_argument(
+        "--auth-token-file",
         "--kv-token-file",
+        dest="kv_token_file",
         default=None,
-        help="shared secret authenticating side-channel peers (or set KVBRIDGE_TRANSFER_TOKEN)",
+        metavar="FILE",
+        help="shared secret of the deployment (or set KVBRIDGE_TRANSFER_TOKEN): encrypts and "
+        "authenticates the KV side channel, signs pull capabilities and every proxy -> "
+        "instance call. Needed for any address other than loopback. `kvbridge serve` "
+        "(all roles) makes one up for its run when none is given",
+    )
+    p.add_argument(
+        "--kv-advertise-host",
+        default=None,
+        metavar="HOST",
+        help="the address other hosts reach the KV side channel at (needed when --kv-host "
+        "is 0.0.0.0); UCX is kept to the interface carrying it",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow an HTTP --host other hosts can reach without a shared token",
+    )
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on the OpenAI API (/v1/...), like vLLM's "
+        "--api-key (or set KVBRIDGE_API_KEY)",
     )
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache per worker (MiB)")
     p.add_argument(
@@ -191,6 +220,8 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         kv_host=args.kv_host,
         kv_port=args.kv_port,
         kv_token_file=args.kv_token_file,
+        kv_advertise_host=args.kv_advertise_host,
+        insecure=args.insecure,
         kv_load_failure=KVLoadFailure(args.kv_load_failure),
         lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s,
@@ -209,7 +240,32 @@ def deployment_config(args: argparse.Namespace) -> Any:
         args.host,
         args.port,
         args.start_timeout_s,
+        api_key(args),
     )
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get("KVBRIDGE_API_KEY") or None
+
+
+@contextlib.contextmanager
+def deployment_token(args: argparse.Namespace) -> Iterator[None]:
+    """A whole deployment authenticates its KV plane and internal calls even when the
+    user gave no secret: make one up for this run, in a file only we can read (0600),
+    for the instances we start; remove it at the end."""
+    if args.kv_token_file or os.environ.get("KVBRIDGE_TRANSFER_TOKEN"):
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="kvbridge-") as tmp:
+        path = os.path.join(tmp, "token")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        args.kv_token_file = path
+        try:
+            yield
+        finally:
+            args.kv_token_file = None
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -235,8 +291,16 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.port,
                 KVLoadFailure(args.kv_load_failure),
                 args.max_body_mb,
+                args.kv_token_file,
+                api_key(args),
+                args.insecure,
             )
         )
+    with deployment_token(args):
+        return _run_deployment(args, run_proxy)
+
+
+def _run_deployment(args: argparse.Namespace, run_proxy: Any) -> int:
     cfg = deployment_config(args)
     from kvbridge.serve.launcher import Deployment
 
@@ -258,4 +322,5 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from kvbridge.serve.demo import demo
 
-    return demo(deployment_config(args), args.prompt, args.max_tokens)
+    with deployment_token(args):
+        return demo(deployment_config(args), args.prompt, args.max_tokens)

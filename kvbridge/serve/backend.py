@@ -16,7 +16,7 @@ import msgspec
 from kvbridge.errors import KVBridgeError
 
 #: Version of the proxy <-> instance messages; bumped on any incompatible change.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -38,6 +38,8 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     messages: list[dict[str, str]] | None = (
         None  # chat: {"role", "content"}; template applied by the instance
     )
+    #: prefill only: the decode instance that will pull its KV (its capability's reader)
+    kv_reader: str | None = None
     version: int = PROTOCOL_VERSION
 
 

@@ -16,7 +16,7 @@ from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
-from kvbridge.transfer.config import TransferConfig, load_token
+from kvbridge.transfer.config import TransferConfig, is_loopback, load_token
 
 
 class Role(enum.Enum):
@@ -34,6 +34,16 @@ def _check_body_limit(max_body_mb: float) -> None:
         raise ConfigError(
             f"--max-body-mb {max_body_mb} must be a finite size of at least 1 KiB "
             f"(0.001); the default is {DEFAULT_MAX_BODY_MB:g}"
+        )
+
+
+def _check_exposure(host: str, token: bytes | None, insecure: bool) -> None:
+    """Refuse an HTTP server other hosts can reach that nobody authenticates."""
+    if token is None and not insecure and not is_loopback(host):
+        raise ConfigError(
+            f"--host {host} is reachable from other hosts, and without a shared token "
+            "anyone there could call the internal API: set --kv-token-file (or "
+            "KVBRIDGE_TRANSFER_TOKEN), or pass --insecure to accept that"
         )
 
 
@@ -58,12 +68,19 @@ class InstanceConfig:
     transfer_timeout_s: float = 30.0
     handshake_timeout_s: float = 15.0
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
+    kv_advertise_host: str | None = None  # the address peers reach the KV side channel at
+    insecure: bool = False  # allow a non-loopback HTTP host without a shared token
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port {self.port} must be in [0, 65536); 0 picks a free port")
         _check_body_limit(self.max_body_mb)
+        _check_exposure(self.host, self.token(), self.insecure)
+
+    def token(self) -> bytes | None:
+        """The shared secret (--kv-token-file, else the environment), or None."""
+        return load_token(path=self.kv_token_file)
 
     @property
     def max_body_bytes(self) -> int:
@@ -81,8 +98,9 @@ class InstanceConfig:
         """The KV runtime's settings; reads the shared secret (file or environment)."""
         return TransferConfig(
             host=self.kv_host or self.host,
+            advertise_host=self.kv_advertise_host,
             base_port=self.kv_port,
-            token=load_token(path=self.kv_token_file),
+            token=self.token(),
             lease_s=self.lease_s,
             transfer_timeout_s=self.transfer_timeout_s,
             handshake_timeout_s=self.handshake_timeout_s,
@@ -119,8 +137,12 @@ class InstanceConfig:
         ]
         if self.kv_host:
             out += ["--kv-host", self.kv_host]
+        if self.kv_advertise_host:
+            out += ["--kv-advertise-host", self.kv_advertise_host]
         if self.kv_token_file:
             out += ["--kv-token-file", self.kv_token_file]
+        if self.insecure:
+            out += ["--insecure"]
         return out
 
 
@@ -135,9 +157,16 @@ class ProxyConfig:
     port: int = 8300
     kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
+    kv_token_file: str | None = None  # signs calls to the instances (else the environment)
+    api_key: str | None = None  # required on /v1/... when set
+    insecure: bool = False  # allow a non-loopback host without a shared token
 
     def __post_init__(self) -> None:
         _check_body_limit(self.max_body_mb)
+        _check_exposure(self.host, self.token(), self.insecure)
+
+    def token(self) -> bytes | None:
+        return load_token(path=self.kv_token_file)
 
     @property
     def recompute_on_failure(self) -> bool:
@@ -158,6 +187,7 @@ class DeploymentConfig:
     host: str = "127.0.0.1"
     port: int = 8300
     start_timeout_s: float = 900.0
+    api_key: str | None = None
 
     def proxy(self, prefill_url: str, decode_url: str) -> ProxyConfig:
         return ProxyConfig(
@@ -168,4 +198,7 @@ class DeploymentConfig:
             self.port,
             self.decode.kv_load_failure,
             self.decode.max_body_mb,
+            self.decode.kv_token_file,
+            self.api_key,
+            self.decode.insecure,
         )

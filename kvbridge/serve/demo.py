@@ -20,13 +20,17 @@ from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import DeploymentConfig
 from kvbridge.serve.disagg_backend import DisaggBackend
+from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment, LaunchError, free_port
 from kvbridge.serve.proxy import make_app
 
 
-def colocated_text(decode_url: str, prompt: str, max_tokens: int) -> str:
-    """The same greedy request computed entirely on one instance."""
+def colocated_text(
+    decode_url: str, prompt: str, max_tokens: int, token: bytes | None = None
+) -> str:
+    """The same greedy request computed entirely on one instance (signed with `token`
+    when the instance has one)."""
     req = wire.DecodeRequest(
         GenerateRequest(
             request_id=f"colocated-{time.time_ns()}",
@@ -41,7 +45,11 @@ def colocated_text(decode_url: str, prompt: str, max_tokens: int) -> str:
         content=msgspec.json.encode(req),
         headers={"content-type": "application/json"},
         timeout=300,
+        auth=SignedRequests(token) if token is not None else None,
     ) as r:
+        if r.status_code != 200:
+            r.read()
+            raise LaunchError(f"colocated generation failed: HTTP {r.status_code}: {r.text}")
         for line in r.iter_lines():
             if line:
                 ev = wire.event_decoder.decode(line)
@@ -66,14 +74,23 @@ def kv_failure(out: dict[str, Any]) -> str | None:
     return None
 
 
-def ask(proxy_url: str, decode_url: str, model: str, prompt: str, max_tokens: int) -> int:
+def ask(
+    proxy_url: str,
+    decode_url: str,
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    token: bytes | None = None,
+    api_key: str | None = None,
+) -> int:
     """Send the prompt through the proxy, print the completion and its stages, and check
     it: 0 if the KV came over and the text equals colocated generation, else 1."""
     say = print
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     say(f"$ curl {proxy_url}/v1/completions -d '{msgspec.json.encode(body).decode()}'")
     t0 = time.perf_counter()
-    r = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=300)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=300, headers=headers)
     elapsed = time.perf_counter() - t0
     if r.status_code != 200:
         say(f"request failed: HTTP {r.status_code}: {r.text}")
@@ -95,7 +112,7 @@ def ask(proxy_url: str, decode_url: str, model: str, prompt: str, max_tokens: in
     if failure is not None:
         say(f"FAILED: {failure}")
         return 1
-    reference = colocated_text(decode_url, prompt, max_tokens)
+    reference = colocated_text(decode_url, prompt, max_tokens, token)
     if reference != text:
         say(f"MISMATCH: colocated generation gives {reference!r}")
         return 1
@@ -121,8 +138,9 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
             list(proxy_cfg.decode_urls),
             proxy_cfg.model,
             recompute_on_failure=proxy_cfg.recompute_on_failure,
+            token=proxy_cfg.token(),
         )
-        app = make_app(backend, max_body_bytes=proxy_cfg.max_body_bytes)
+        app = make_app(backend, max_body_bytes=proxy_cfg.max_body_bytes, api_key=proxy_cfg.api_key)
         port = cfg.port
         try:
             proxy = ServerThread(app, cfg.host, port).start()
@@ -130,7 +148,15 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
             port = free_port(cfg.host)
             say(f"port {cfg.port} is busy; the proxy uses {port}")
             proxy = ServerThread(app, cfg.host, port).start()
-        return ask(proxy.url, decode.url, cfg.prefill.model, prompt, max_tokens)
+        return ask(
+            proxy.url,
+            decode.url,
+            cfg.prefill.model,
+            prompt,
+            max_tokens,
+            proxy_cfg.token(),
+            proxy_cfg.api_key,
+        )
     except LaunchError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)
         return 1

@@ -27,6 +27,7 @@ import msgspec
 
 from kvbridge.serve import wire
 from kvbridge.serve.backend import Backend, BackendError, GenerateEvent, GenerateRequest
+from kvbridge.serve.http_auth import SignedRequests
 
 log = logging.getLogger("kvbridge.serve")
 
@@ -99,6 +100,7 @@ class DisaggBackend(Backend):
         recompute_on_failure: bool = True,
         timeout_s: float = 300.0,
         down_s: float = DOWN_S,
+        token: bytes | None = None,
     ) -> None:
         if not decode_urls:
             raise BackendError("at least one decode instance is needed", 500)
@@ -106,8 +108,13 @@ class DisaggBackend(Backend):
         self.decode = InstancePool("decode", decode_urls, down_s)
         self.model_name = model_name
         self.recompute_on_failure = recompute_on_failure
-        # every read waits at most timeout_s (a decode stream: between two tokens)
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        # every read waits at most timeout_s (a decode stream: between two tokens); with
+        # a shared token every call is signed (the instances require it)
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            auth=SignedRequests(token) if token is not None else None,
+        )
+        self._instance_ids: dict[str, str] = {}  # decode url -> its instance id
 
     async def _prefill(self, url: str, request: GenerateRequest) -> wire.PrefillResult:
         try:
@@ -146,11 +153,26 @@ class DisaggBackend(Backend):
         log.warning("%s; the decode instance computes the prompt instead", message)
         return None
 
+    async def _instance_id(self, url: str) -> str | None:
+        """A decode instance's id (it names the reader of a pull capability), cached."""
+        if url not in self._instance_ids:
+            try:
+                resp = await self._client.get(f"{url}/internal/info", timeout=PROBE_TIMEOUT_S)
+                resp.raise_for_status()
+                self._instance_ids[url] = str(resp.json()["instance_id"])
+            except (httpx.HTTPError, KeyError, ValueError) as exc:
+                log.warning("decode instance %s did not tell its id: %r", url, exc)
+                return None
+        return self._instance_ids[url]
+
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
         decode_urls = self.decode.candidates()
         if not decode_urls:
             raise BackendError(self.decode.unavailable(), 503)
-        prefill = await self._prefill_any(request) if self.prefill.members else None
+        prefill = None
+        if self.prefill.members:  # the KV goes to the first decode candidate (its reader)
+            reader = await self._instance_id(decode_urls[0])
+            prefill = await self._prefill_any(msgspec.structs.replace(request, kv_reader=reader))
         if prefill is not None:
             done = prefill.finish_reason is not None
             yield GenerateEvent(
@@ -165,7 +187,12 @@ class DisaggBackend(Backend):
                 return
         body = msgspec.json.encode(wire.DecodeRequest(request, prefill))
         errors = []
-        for url in decode_urls:
+        for i, url in enumerate(decode_urls):
+            if i == 1 and prefill is not None and prefill.kv is not None:
+                # the capability names the first instance: another one computes the prompt
+                body = msgspec.json.encode(
+                    wire.DecodeRequest(request, msgspec.structs.replace(prefill, kv=None))
+                )
             began = False  # whether this instance's stream yielded an event
             try:
                 async with self._client.stream(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -44,9 +45,13 @@ from kvbridge.serve.engine_loop import (
     engine_sampling,
     settle,
 )
+from kvbridge.serve.http_auth import RequireSignature
 from kvbridge.serve.http_errors import error_response, install_error_handlers
 from kvbridge.serve.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
-from kvbridge.transfer.connector import Expose, Pull, TrackedTransfer
+from kvbridge.transfer.capability import Capability, issue
+from kvbridge.transfer.capability import check as check_capability
+from kvbridge.transfer.connector import Expose, Poll, Pull, TrackedTransfer
+from kvbridge.transfer.errors import AuthError
 
 #: Longest a handler waits for the engine before answering 503 (a prefill of a long
 #: prompt on 2 cores takes seconds; a stuck engine must not hold clients forever).
@@ -119,6 +124,8 @@ class Instance:
         model_name: str,
         kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE,
         max_body_bytes: int = mib_to_bytes(DEFAULT_MAX_BODY_MB),
+        token: bytes | None = None,
+        capability_ttl_s: float = 120.0,
     ) -> None:
         self.loop = loop
         self.role = role
@@ -126,6 +133,8 @@ class Instance:
         self.model_name = model_name
         self.kv_load_failure = kv_load_failure
         self.max_body_bytes = max_body_bytes
+        self.token = token  # signs capabilities and requires signed calls (http_auth)
+        self.capability_ttl_s = capability_ttl_s
         self.endpoint = ""
         self.metrics = InstanceMetrics(instance_id, role.value)
 
@@ -168,7 +177,9 @@ class Instance:
             kv = None
             if finish is None and self.loop.has_connector:
                 try:
-                    engine.connector_call(Expose(rid, comp.block_ids, len(ids)))
+                    engine.connector_call(
+                        Expose(rid, comp.block_ids, len(ids), reader=gen.kv_reader)
+                    )
                 except Exception:
                     engine.release_blocks(comp.block_ids)
                     raise
@@ -178,7 +189,16 @@ class Instance:
                     self.loop.world_size,
                     on_done=lambda tr: engine.release_blocks(tr.block_ids),
                 )
-                kv = wire.KVParams(self.instance_id, self.endpoint, comp.block_ids, len(ids))
+                cap = Capability(
+                    rid,
+                    self.instance_id,
+                    self.endpoint,
+                    list(comp.block_ids),
+                    len(ids),
+                    gen.kv_reader or "",
+                    time.time() + self.capability_ttl_s,
+                )
+                kv = wire.KVParams(self.instance_id, issue(cap, self.token))
             else:
                 engine.release_blocks(comp.block_ids)
             elapsed_ms = (time.perf_counter() - started) * 1e3
@@ -199,6 +219,7 @@ class Instance:
             self.loop.streams[rid] = stream
             return
         ids = pf.prompt_token_ids
+        cap = self._capability(pf) if pf.kv is not None else None
         stream.prompt_tokens = len(ids)
         stream.completion_tokens = 1  # the proxy already sent the first token
         stream.stages["prefill_ms"] = pf.prefill_ms
@@ -207,14 +228,14 @@ class Instance:
             reason = "no KV to pull" if pf.kv is None else "this instance has no KV connector"
             self._recompute(engine, req, stream, reason)
             return
-        kv = pf.kv
+        assert cap is not None
         try:
             blocks = engine.allocate_blocks(len(ids))
         except OutOfBlocksError as exc:
             self._recompute(engine, req, stream, f"no free blocks to receive the KV: {exc}")
             return
         try:
-            engine.connector_call(Pull(rid, kv.endpoint, kv.block_ids, blocks, kv.num_tokens))
+            engine.connector_call(Pull(rid, cap.endpoint, cap.block_ids, blocks, cap.num_tokens))
         except Exception as exc:
             engine.release_blocks(blocks)
             self._recompute(engine, req, stream, str(exc))
@@ -225,6 +246,27 @@ class Instance:
             self.loop.world_size,
             on_done=lambda tr: self._pulled(engine, req, stream, tr),
         )
+
+    def _capability(self, pf: wire.PrefillResult) -> Capability:
+        """The pull capability of a prefill result, checked: signed with our token, issued
+        to this instance, unexpired, for this request's prompt. 403 otherwise: this
+        instance pulls nothing its caller names on its own."""
+        assert pf.kv is not None
+        try:
+            cap = check_capability(pf.kv.capability, self.token, self.instance_id)
+        except AuthError as exc:
+            raise _Refused(
+                403, f"KV capability refused: {exc}", code="capability_refused"
+            ) from None
+        if cap.request_id != pf.request_id or cap.num_tokens != len(pf.prompt_token_ids):
+            raise _Refused(
+                403,
+                f"KV capability refused: it covers request {cap.request_id!r} with "
+                f"{cap.num_tokens} tokens, not {pf.request_id!r} with "
+                f"{len(pf.prompt_token_ids)}",
+                code="capability_refused",
+            )
+        return cap
 
     def _pulled(
         self, engine: LLMEngine, req: wire.DecodeRequest, stream: Stream, tr: TrackedTransfer
@@ -296,6 +338,8 @@ class Instance:
     # -- HTTP ---------------------------------------------------------------------------
     def app(self) -> FastAPI:
         app = FastAPI(title=f"kvbridge {self.role.value} instance")
+        if self.token is not None:  # inside the body limit: the body it buffers is bounded
+            app.add_middleware(RequireSignature, token=self.token)
         app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
         install_error_handlers(app)
 
@@ -314,12 +358,15 @@ class Instance:
                 "model": self.model_name,
                 "endpoint": self.endpoint,
                 "tp": self.loop.world_size,
+                "pid": os.getpid(),
                 "version": PROTOCOL_VERSION,
             }
 
         @app.get("/metrics")
         async def metrics() -> Response:
             def snapshot(engine: LLMEngine) -> tuple[int, int]:
+                if self.loop.has_connector:  # fresh transfer figures (events are handled)
+                    self.loop.tracker.feed(engine.connector_call(Poll()))
                 bm = engine.block_manager
                 return bm.num_blocks - bm.num_free_blocks, bm.num_blocks
 
@@ -330,6 +377,7 @@ class Instance:
             except (EngineFailedError, TimeoutError):
                 pass  # the figures last seen stay
             self.metrics.pinned_blocks.set(self.loop.tracker.pinned_blocks)
+            self.metrics.replays_refused.set(self.loop.tracker.replays_refused)
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
         @app.post("/internal/prefill")

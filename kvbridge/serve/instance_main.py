@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import uuid
@@ -15,6 +16,7 @@ from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.engine_loop import EngineLoop
 from kvbridge.serve.instance import Instance
 from kvbridge.transfer.connector import ConnectorRole, ConnectorSpec, GetEndpoint, SetEndpoints
+from kvbridge.transfer.netdev import device_of
 
 
 def _progress(stage: str, done: int, total: int) -> None:
@@ -51,13 +53,28 @@ def run_instance(cfg: InstanceConfig) -> int:
     if role is Role.PREFILL:
         engine.connector_call(SetEndpoints(endpoints))
     loop = EngineLoop(engine, world_size=cfg.tp_size).start()
+    transfer = spec.transfer
     inst = Instance(
-        loop, role, instance_id, cfg.model, cfg.kv_load_failure, max_body_bytes=cfg.max_body_bytes
+        loop,
+        role,
+        instance_id,
+        cfg.model,
+        cfg.kv_load_failure,
+        max_body_bytes=cfg.max_body_bytes,
+        token=transfer.token,
+        capability_ttl_s=cfg.lease_s,
     )
     inst.endpoint = endpoints[0] if role is Role.PREFILL else ""
+    devices = os.environ.get("UCX_NET_DEVICES") or device_of(transfer.reachable_host) or "all"
+    security = (
+        "shared token: encrypted, authenticated KV plane and signed internal calls"
+        if transfer.token is not None
+        else "NO shared token: anyone on this host may handshake and call the internal API"
+    )
     print(
         f"[{instance_id}] serving on http://{cfg.host}:{port}"
-        + (f", KV side channel {inst.endpoint}" if inst.endpoint else ""),
+        + (f", KV side channel {inst.endpoint}" if inst.endpoint else "")
+        + f"; UCX devices {devices}; {security}",
         file=sys.stderr,
         flush=True,
     )

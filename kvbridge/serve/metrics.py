@@ -118,6 +118,13 @@ class InstanceMetrics:
         self.kv_bytes = Counter(
             "kvbridge_kv_instance_bytes_total", "KV bytes pulled here.", names, registry=r
         ).labels(**labels)
+        self.replays_refused = Gauge(
+            "kvbridge_kv_replays_refused",
+            "KV-plane messages this prefill instance refused as forged, replayed or "
+            "misdirected (handshakes and completion notifications), since start.",
+            names,
+            registry=r,
+        ).labels(**labels)
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

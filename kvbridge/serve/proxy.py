@@ -35,6 +35,7 @@ from kvbridge.serve.body_limit import (
     BodyLimit,
     mib_to_bytes,
 )
+from kvbridge.serve.http_auth import RequireApiKey
 from kvbridge.serve.http_errors import error_response, install_error_handlers
 from kvbridge.serve.metrics import CONTENT_TYPE_LATEST, ProxyMetrics, merge_expositions
 
@@ -51,16 +52,21 @@ def make_app(
     *,
     max_body_bytes: int = mib_to_bytes(DEFAULT_MAX_BODY_MB),
     body_timeout_s: float = BODY_TIMEOUT_S,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The proxy's app over `backend`. Request bodies over `max_body_bytes` are refused
     with 413 before they are read whole, and bodies not complete after `body_timeout_s`
     with 408 (`BodyLimit`); a body is JSON whatever Content-Type it declares
-    (`curl URL -d '{...}'` declares a form)."""
+    (`curl URL -d '{...}'` declares a form). With `api_key`, /v1/... answers 401 unless
+    the request carries 'Authorization: Bearer <api_key>'."""
     app = FastAPI(title="kvbridge", version="0.1.0")
     m = metrics or ProxyMetrics()
 
     def count_refused(status: int) -> None:
         m.requests.labels("invalid", str(status)).inc()
+
+    if api_key:
+        app.add_middleware(RequireApiKey, api_key=api_key)
 
     app.add_middleware(
         BodyLimit,

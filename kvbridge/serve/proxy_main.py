@@ -17,6 +17,7 @@ def run_proxy(cfg: ProxyConfig) -> int:
         list(cfg.decode_urls),
         cfg.model,
         recompute_on_failure=cfg.recompute_on_failure,
+        token=cfg.token(),
     )
     print(
         f"kvbridge proxy on http://{cfg.host}:{cfg.port}/v1 (prefill {list(cfg.prefill_urls)}, "
@@ -24,6 +25,6 @@ def run_proxy(cfg: ProxyConfig) -> int:
         file=sys.stderr,
         flush=True,
     )
-    app = make_app(backend, max_body_bytes=cfg.max_body_bytes)
+    app = make_app(backend, max_body_bytes=cfg.max_body_bytes, api_key=cfg.api_key)
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
     return 0

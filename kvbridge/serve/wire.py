@@ -13,12 +13,13 @@ from kvbridge.serve.backend import GenerateEvent, GenerateRequest
 
 
 class KVParams(msgspec.Struct, frozen=True):
-    """Where a decode instance finds a prefilled request's KV cache."""
+    """Where a decode instance finds a prefilled request's KV cache: the prefill
+    instance's signed pull capability (`kvbridge.transfer.capability`: its side channel,
+    the blocks, the token count, the decode instance it is issued to, an expiry). The
+    decode instance takes all of it from the capability, nothing from the caller."""
 
-    instance_id: str
-    endpoint: str  # the prefill instance's worker-0 side channel
-    block_ids: list[int]
-    num_tokens: int
+    instance_id: str  # the prefill instance (for reports)
+    capability: bytes
 
 
 class PrefillResult(msgspec.Struct, frozen=True):

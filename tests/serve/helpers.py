@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import select
 import socket
+import tempfile
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -11,9 +14,33 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvbridge.serve.config import InstanceConfig, Role
+from kvbridge.serve.demo import colocated_text
 from kvbridge.serve.disagg_backend import DisaggBackend
+from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.proxy import make_app
+
+#: The test instances' shared secret, as a deployment has one (`kvbridge serve` makes
+#: one up): their KV plane is encrypted and authenticated, and every call to them is
+#: signed (AUTH), as the proxy's are.
+TOKEN = secrets.token_hex(32).encode()
+_TOKEN_DIR = tempfile.mkdtemp(prefix="kvbridge-test-")
+TOKEN_FILE = os.path.join(_TOKEN_DIR, "token")
+with open(os.open(TOKEN_FILE, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as _f:
+    _f.write(TOKEN)
+AUTH = SignedRequests(TOKEN)
+
+
+def instance_id(url: str) -> str:
+    """A test instance's id (the reader a pull capability names)."""
+    r = httpx.get(f"{url}/internal/info", auth=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return str(r.json()["instance_id"])
+
+
+def colocated(url: str, prompt: str, max_tokens: int) -> str:
+    """The request computed entirely on instance `url`."""
+    return colocated_text(url, prompt, max_tokens, TOKEN)
 
 
 def instance_args(
@@ -22,7 +49,11 @@ def instance_args(
     """A test instance's command line: a small cache, and timeouts generous enough for a
     2-core machine running two dozen processes (the fault tests pass shorter ones)."""
     fields: dict[str, Any] = dict(
-        kv_cache_mb=32, lease_s=120, transfer_timeout_s=60, handshake_timeout_s=30
+        kv_cache_mb=32,
+        lease_s=120,
+        transfer_timeout_s=60,
+        handshake_timeout_s=30,
+        kv_token_file=TOKEN_FILE,
     )
     fields.update(overrides)
     return InstanceConfig(
@@ -30,8 +61,12 @@ def instance_args(
     ).to_args()
 
 
-def proxy_for(prefill: list[str], decode: list[str], recompute: bool = True) -> ServerThread:
-    backend = DisaggBackend(prefill, decode, "smollm2-135m", recompute_on_failure=recompute)
+def proxy_for(
+    prefill: list[str], decode: list[str], recompute: bool = True, token: bytes | None = TOKEN
+) -> ServerThread:
+    backend = DisaggBackend(
+        prefill, decode, "smollm2-135m", recompute_on_failure=recompute, token=token
+    )
     return ServerThread(make_app(backend)).start()
 
 

@@ -17,9 +17,17 @@ import pytest
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import KVLoadFailure
-from kvbridge.serve.demo import colocated_text
 from kvbridge.serve.launcher import Deployment
-from tests.serve.helpers import complete, instance_args, metric, proxy_for, raw_post
+from tests.serve.helpers import (
+    AUTH,
+    colocated,
+    complete,
+    instance_args,
+    instance_id,
+    metric,
+    proxy_for,
+    raw_post,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +46,7 @@ def test_greedy_equals_colocated(instances, decode):
     try:
         for prompt in PROMPTS:
             out = complete(proxy.url, prompt)
-            assert out["choices"][0]["text"] == colocated_text(instances[decode], prompt, 12)
+            assert out["choices"][0]["text"] == colocated(instances[decode], prompt, 12)
             stages = out["kvbridge_stages"]
             assert stages["kv_bytes"] > 0 and "kv_load_failed" not in stages
         first = complete(proxy.url, "The capital of France is", 10)["choices"][0]["text"]
@@ -69,7 +77,7 @@ def test_concurrent_streams_complete_and_free_blocks(instances):
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             got = list(pool.map(stream, prompts))
         for prompt, text in zip(prompts, got, strict=True):
-            assert text == colocated_text(urls["decode"], prompt, 8)
+            assert text == colocated(urls["decode"], prompt, 8)
         deadline = time.monotonic() + 30
         while True:
             text = httpx.get(f"{proxy.url}/metrics").text
@@ -128,13 +136,15 @@ def test_bad_input_is_refused_by_real_instances(instances):
     finally:
         proxy.stop()
     gen = GenerateRequest("r-big-seed", SamplingParams(max_tokens=3, seed=2**70), prompt="x")
-    r = httpx.post(f"{prefill}/internal/prefill", content=msgspec.json.encode(gen), timeout=60)
+    r = httpx.post(
+        f"{prefill}/internal/prefill", content=msgspec.json.encode(gen), timeout=60, auth=AUTH
+    )
     assert r.status_code == 400 and "seed=1180591620717411303424 is outside" in r.text
     body = msgspec.json.encode(wire.DecodeRequest(gen))
-    r = httpx.post(f"{decode}/internal/generate", content=body, timeout=60)
+    r = httpx.post(f"{decode}/internal/generate", content=body, timeout=60, auth=AUTH)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     raw = b'{"request_id": "r-sur", "sampling": {}, "prompt": "\\ud800x"}'
-    r = httpx.post(f"{prefill}/internal/prefill", content=raw, timeout=60)
+    r = httpx.post(f"{prefill}/internal/prefill", content=raw, timeout=60, auth=AUTH)
     assert r.status_code == 400 and "malformed request" in r.json()["error"]["message"]
     for instance in (prefill, decode):
         _, answer = raw_post(instance, "/internal/generate", b"Content-Length: 17000000\r\n", [])
@@ -147,17 +157,22 @@ def test_duplicate_request_ids_are_refused_while_in_use(instances):
     holds it is left alone; once it has finished and freed its blocks the id is free."""
     prefill, decode = instances[("prefill", 1)], instances[("decode", 1)]
     gen = GenerateRequest(
-        "r-dup", SamplingParams(max_tokens=48, temperature=0.0), prompt=PROMPTS[2]
+        "r-dup",
+        SamplingParams(max_tokens=48, temperature=0.0),
+        prompt=PROMPTS[2],
+        kv_reader=instance_id(decode),
     )
 
     def prefill_it() -> httpx.Response:
         return httpx.post(
-            f"{prefill}/internal/prefill", content=msgspec.json.encode(gen), timeout=120
+            f"{prefill}/internal/prefill", content=msgspec.json.encode(gen), timeout=120, auth=AUTH
         )
 
     def decode_it(pf: wire.PrefillResult | None) -> list[wire.GenerateEvent]:
         body = msgspec.json.encode(wire.DecodeRequest(gen, pf))
-        with httpx.stream("POST", f"{decode}/internal/generate", content=body, timeout=120) as r:
+        with httpx.stream(
+            "POST", f"{decode}/internal/generate", content=body, timeout=120, auth=AUTH
+        ) as r:
             return [wire.event_decoder.decode(line) for line in r.iter_lines() if line]
 
     r = prefill_it()
@@ -167,11 +182,13 @@ def test_duplicate_request_ids_are_refused_while_in_use(instances):
     again = prefill_it()
     assert again.status_code == 409 and again.json()["error"]["code"] == "request_id_in_use"
     body = msgspec.json.encode(wire.DecodeRequest(gen, pf))
-    with httpx.stream("POST", f"{decode}/internal/generate", content=body, timeout=120) as r:
+    with httpx.stream(
+        "POST", f"{decode}/internal/generate", content=body, timeout=120, auth=AUTH
+    ) as r:
         lines = r.iter_lines()
         first = next(line for line in lines if line)  # decoding runs
         colocated = msgspec.json.encode(wire.DecodeRequest(gen))
-        dup = httpx.post(f"{decode}/internal/generate", content=colocated, timeout=60)
+        dup = httpx.post(f"{decode}/internal/generate", content=colocated, timeout=60, auth=AUTH)
         assert dup.status_code == 409, dup.text
         events = [wire.event_decoder.decode(first)]
         events += [wire.event_decoder.decode(line) for line in lines if line]
@@ -241,19 +258,23 @@ def test_prefill_dies_between_prefill_and_pull(fault_setup):
     freed either way."""
     procs = fault_setup
     prefill, prompt = procs["prefill_b"], PROMPTS[1]
-    want = colocated_text(procs["recompute"].url, prompt, 6)
+    want = colocated(procs["recompute"].url, prompt, 6)
     results = {}
     for policy in ("recompute", "fail"):
         gen = GenerateRequest(
             request_id=f"r-kill-{policy}",
             prompt=prompt,
             sampling=SamplingParams(max_tokens=6, temperature=0.0),
+            kv_reader=instance_id(procs[policy].url),
         )
         r = httpx.post(
-            f"{prefill.url}/internal/prefill", content=msgspec.json.encode(gen), timeout=120
+            f"{prefill.url}/internal/prefill",
+            content=msgspec.json.encode(gen),
+            timeout=120,
+            auth=AUTH,
         )
         pf = wire.prefill_result_decoder.decode(r.content)
-        assert pf.kv is not None and pf.kv.block_ids
+        assert pf.kv is not None and pf.kv.capability
         results[policy] = (gen, pf)
     _kill(prefill)
     for policy, (gen, pf) in results.items():
@@ -265,6 +286,7 @@ def test_prefill_dies_between_prefill_and_pull(fault_setup):
             f"{decode.url}/internal/generate",
             content=msgspec.json.encode(wire.DecodeRequest(gen, pf)),
             timeout=120,
+            auth=AUTH,
         ) as resp:
             events = [wire.event_decoder.decode(line) for line in resp.iter_lines() if line]
         assert time.monotonic() - t0 < 30  # bounded by the 10 s transfer timeout
@@ -291,7 +313,7 @@ def test_prefill_instance_killed(fault_setup, policy):
     prefill = procs["prefill_a"]
     proxy = proxy_for([prefill.url], [procs[policy].url], recompute=policy == "recompute")
     try:
-        want = colocated_text(procs[policy].url, PROMPTS[0], 6)
+        want = colocated(procs[policy].url, PROMPTS[0], 6)
         if prefill.proc.poll() is None:
             assert complete(proxy.url, PROMPTS[0], 6)["choices"][0]["text"] == want
             _kill(prefill)
@@ -324,7 +346,9 @@ def test_tp_worker_dies(fault_setup):
         "r-worker-dies", SamplingParams(max_tokens=400, temperature=0.0), prompt=PROMPTS[2]
     )
     body = msgspec.json.encode(wire.DecodeRequest(gen))
-    with httpx.stream("POST", f"{dead.url}/internal/generate", content=body, timeout=60) as r:
+    with httpx.stream(
+        "POST", f"{dead.url}/internal/generate", content=body, timeout=60, auth=AUTH
+    ) as r:
         lines = r.iter_lines()
         next(line for line in lines if line)  # decoding runs
         os.kill(workers[1], signal.SIGKILL)
@@ -334,7 +358,7 @@ def test_tp_worker_dies(fault_setup):
     assert len(events) < 300  # it ended at the death, not at max_tokens
     health = httpx.get(f"{dead.url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["reason"] == cause
-    r = httpx.post(f"{dead.url}/internal/generate", content=body, timeout=10)
+    r = httpx.post(f"{dead.url}/internal/generate", content=body, timeout=10, auth=AUTH)
     assert r.status_code == 503 and r.json()["error"]["message"] == cause
     request = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
     proxy = proxy_for([], [dead.url, other.url])

@@ -355,3 +355,18 @@ def test_merged_metrics_keep_one_family_block():
         'kvbridge_blocks_in_use{instance="p"} 3',
         'kvbridge_blocks_in_use{instance="d"} 5',
     ]
+
+
+def test_api_key_guards_the_openai_api_but_not_health():
+    srv = ServerThread(make_app(FakeBackend(), api_key="sk-local-123")).start()
+    try:
+        r = httpx.get(f"{srv.url}/v1/models", timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        bad = {"authorization": "Bearer wrong"}
+        assert httpx.get(f"{srv.url}/v1/models", headers=bad, timeout=10).status_code == 401
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-local-123")
+        out = client.completions.create(model="fake-model", prompt="hi", max_tokens=2)
+        assert out.choices[0].text
+    finally:
+        srv.stop()

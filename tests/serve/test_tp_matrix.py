@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.serve.demo import colocated_text
+from tests.serve.helpers import colocated as colocated_on
 from tests.serve.helpers import complete, proxy_for
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ PROMPTS = ["The capital of France is", "List three colors: red,"]
 @pytest.fixture(scope="module")
 def colocated(instances):
     """Each prompt's greedy text computed colocated on the tp-1 decode instance."""
-    return {p: colocated_text(instances[("decode", 1)], p, 8) for p in PROMPTS}
+    return {p: colocated_on(instances[("decode", 1)], p, 8) for p in PROMPTS}
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", PAIRS, ids=[f"{p}to{d}" for p, d in PAIRS])
@@ -36,8 +36,7 @@ def test_disaggregated_equals_colocated(instances, colocated, prefill_tp, decode
             tokens = out["usage"]["prompt_tokens"]
             assert stages["kv_bytes"] == tokens * 30 * 2 * 64 * 4 * heads
         # the colocated answer itself matches the same request at this decode tp
-        assert (
-            colocated_text(instances[("decode", decode_tp)], PROMPTS[0], 8) == colocated[PROMPTS[0]]
-        )
+        here = colocated_on(instances[("decode", decode_tp)], PROMPTS[0], 8)
+        assert here == colocated[PROMPTS[0]]
     finally:
         proxy.stop()

@@ -1,0 +1,199 @@
+"""The serving plane lets no one in (issues #13 and #14), with the test instances' shared
+token: internal calls must be signed, a decode instance pulls only with a capability
+issued to it, replayed handshakes are counted in /metrics, every listener is on
+loopback, and a deployment refuses an unauthenticated address other hosts can reach."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from kvbridge.cli.main import main
+from kvbridge.serve import wire
+from kvbridge.serve.backend import GenerateRequest, SamplingParams
+from kvbridge.serve.http_auth import SIGNATURE_HEADER, TIME_HEADER, SignedRequests
+from kvbridge.transfer.capability import Capability, issue
+from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
+from kvbridge.transfer.side_channel import SideChannelClient
+from tests.listening import is_loopback, listening
+from tests.serve.helpers import AUTH, TOKEN, instance_id, metric
+
+pytestmark = pytest.mark.slow
+
+
+def _gen(rid: str, reader: str | None = None) -> GenerateRequest:
+    return GenerateRequest(
+        rid,
+        SamplingParams(max_tokens=4, temperature=0.0),
+        prompt="The secret code is 4812. The code is",
+        kv_reader=reader,
+    )
+
+
+def _prefill(url: str, gen: GenerateRequest) -> wire.PrefillResult:
+    r = httpx.post(
+        f"{url}/internal/prefill", content=msgspec.json.encode(gen), auth=AUTH, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    return wire.prefill_result_decoder.decode(r.content)
+
+
+def _generate(url: str, gen: GenerateRequest, pf: wire.PrefillResult | None) -> httpx.Response:
+    body = msgspec.json.encode(wire.DecodeRequest(gen, pf))
+    return httpx.post(f"{url}/internal/generate", content=body, auth=AUTH, timeout=120)
+
+
+def test_internal_calls_need_a_signature_with_the_shared_token(instances) -> None:
+    url = instances[("prefill", 1)]
+    body = msgspec.json.encode(_gen("r-unsigned"))
+    r = httpx.post(f"{url}/internal/prefill", content=body, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
+    wrong = SignedRequests(b"some-other-deployment-token")
+    r = httpx.post(f"{url}/internal/prefill", content=body, auth=wrong, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "bad_signature"
+    stale = {TIME_HEADER: str(time.time() - 600), SIGNATURE_HEADER: "00" * 32}
+    r = httpx.post(f"{url}/internal/prefill", content=body, headers=stale, timeout=30)
+    assert r.status_code == 403 and "stale" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/internal/info", timeout=30).status_code == 401
+    for open_path in ("/health", "/metrics"):
+        assert httpx.get(f"{url}{open_path}", timeout=30).status_code == 200
+
+
+def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) -> None:
+    """The attack of issue #14: /internal/generate given another request's blocks
+    continued that request's prompt. Now the decode instance takes the blocks from the
+    prefill instance's signed capability, issued to it, for this request only."""
+    prefill, decode = instances[("prefill", 1)], instances[("decode", 1)]
+    me = instance_id(decode)
+    victim = _prefill(prefill, _gen("r-victim", me))
+    assert victim.kv is not None
+    attacker = _gen("r-attacker", me)
+    ids = victim.prompt_token_ids
+
+    def result(kv: wire.KVParams) -> wire.PrefillResult:
+        return wire.PrefillResult("r-attacker", ids, victim.first_token_id, "", None, kv, 1.0)
+
+    forged = [
+        # another request's capability, replayed for the attacker's request
+        (victim.kv, "covers request 'r-victim'"),
+        # a capability made up without the token (the open key)
+        (
+            wire.KVParams(
+                victim.kv.instance_id,
+                issue(
+                    Capability("r-attacker", "p", "tcp://127.0.0.1:1", [0], len(ids), me, 1e12),
+                    None,
+                ),
+            ),
+            "signature is wrong",
+        ),
+        # signed with the token but issued to another decode instance
+        (
+            wire.KVParams(
+                victim.kv.instance_id,
+                issue(
+                    Capability("r-attacker", "p", "tcp://127.0.0.1:1", [0], len(ids), "x", 1e12),
+                    TOKEN,
+                ),
+            ),
+            "issued to decode instance 'x'",
+        ),
+        # expired
+        (
+            wire.KVParams(
+                victim.kv.instance_id,
+                issue(
+                    Capability("r-attacker", "p", "tcp://127.0.0.1:1", [0], len(ids), me, 1.0),
+                    TOKEN,
+                ),
+            ),
+            "expired",
+        ),
+    ]
+    for kv, words in forged:
+        r = _generate(decode, attacker, result(kv))
+        assert r.status_code == 403, r.text
+        err = r.json()["error"]
+        assert err["code"] == "capability_refused" and words in err["message"]
+    # the real reader with the real capability is served, and nothing stayed pinned
+    r = _generate(decode, _gen("r-victim", me), victim)
+    assert r.status_code == 200
+    events = [wire.event_decoder.decode(line) for line in r.text.splitlines() if line]
+    assert events[-1].finish_reason and not events[-1].error
+    assert events[-1].stages["kv_bytes"] > 0 and "kv_load_failed" not in events[-1].stages
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{prefill}/metrics", timeout=30).text
+        if metric(text, "kv_pinned_blocks") == 0:
+            break
+        time.sleep(0.2)
+    assert metric(text, "kv_pinned_blocks") == 0
+
+
+def test_a_replayed_handshake_is_refused_and_counted_in_metrics(instances) -> None:
+    prefill = instances[("prefill", 1)]
+    info = httpx.get(f"{prefill}/internal/info", auth=AUTH, timeout=30).json()
+    from kvbridge.plan.geometry import load_model_spec
+    from kvbridge.plan.layout import InstanceLayout
+
+    hello = Hello(
+        instance_id="someone",
+        rank=0,
+        model=ModelWire.of(load_model_spec("smollm2-135m", dtype="float32")),
+        layout=LayoutWire.of(InstanceLayout(tp_size=1)),
+        nonce=os.urandom(16),
+    )
+    before = metric(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_replays_refused")
+    replies = []
+    for _ in range(2):  # the same bytes twice, as someone who captured them would
+        client = SideChannelClient(info["endpoint"], TOKEN, 1 << 22)
+        try:
+            replies.append(client.call(hello, timeout_s=20))
+        finally:
+            client.close()
+    assert isinstance(replies[0], Welcome)
+    assert isinstance(replies[1], Refused) and replies[1].kind == "replay"
+    after = metric(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_replays_refused")
+    assert after == before + 1
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").iterdir():
+            children = (task / "children").read_text().split()
+            todo += [int(c) for c in children]
+    return out
+
+
+def test_a_default_deployment_listens_on_loopback_only(instances) -> None:
+    pids = []
+    for url in instances.values():
+        info = httpx.get(f"{url}/internal/info", auth=AUTH, timeout=30).json()
+        pids += _descendants(int(info["pid"]))
+    found = [(pid, addr) for pid in pids for addr in listening(pid)]
+    assert len({pid for pid, _ in found}) >= len(instances)  # every instance listens
+    assert all(is_loopback(addr) for _, (addr, _) in found), found
+
+
+def test_an_address_other_hosts_reach_needs_a_token_or_insecure(monkeypatch, capsys) -> None:
+    monkeypatch.delenv("KVBRIDGE_TRANSFER_TOKEN", raising=False)
+    monkeypatch.delenv("KVBRIDGE_TRANSFER_TOKEN_FILE", raising=False)
+    for args, words in (
+        (["serve", "--role", "decode", "--tp", "1", "--host", "0.0.0.0"], "--kv-token-file"),
+        (["serve", "--role", "proxy", "--decode", "http://x", "--host", "0.0.0.0"], "--insecure"),
+        (
+            ["serve", "--role", "prefill", "--tp", "1", "--kv-host", "0.0.0.0", "--insecure"],
+            "--kv-advertise-host",
+        ),
+    ):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
