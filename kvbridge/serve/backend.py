@@ -95,5 +95,8 @@ class Backend(abc.ABC):
         did not answer; the proxy appends them to its /metrics."""
         return {}
 
+    async def start(self) -> None:  # noqa: B027 - optional hook
+        """Called once the proxy serves (before its first request is answered)."""
+
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections."""

@@ -115,6 +115,7 @@ class DisaggBackend(Backend):
             auth=SignedRequests(token) if token is not None else None,
         )
         self._instance_ids: dict[str, str] = {}  # decode url -> its instance id
+        self._introduction: asyncio.Task[None] | None = None
 
     async def _prefill(self, url: str, request: GenerateRequest) -> wire.PrefillResult:
         try:
@@ -152,6 +153,39 @@ class DisaggBackend(Backend):
             raise BackendError(message, 503)
         log.warning("%s; the decode instance computes the prompt instead", message)
         return None
+
+    async def start(self) -> None:
+        """Introduce every prefill instance to every decode instance in the background,
+        so the first request pays no handshake (decode workers meet the prefill workers
+        they will read from: `/internal/connect`)."""
+        self._introduction = asyncio.create_task(self.introduce())
+
+    async def introduce(self) -> None:
+        """Tell each decode instance every prefill instance's side channel; best effort
+        (an instance not up yet meets its peers on its first request instead)."""
+        endpoints = []
+        for url in self.prefill.urls:
+            try:
+                resp = await self._client.get(f"{url}/internal/info", timeout=PROBE_TIMEOUT_S)
+                resp.raise_for_status()
+                if resp.json().get("endpoint"):
+                    endpoints.append(str(resp.json()["endpoint"]))
+            except (httpx.HTTPError, ValueError) as exc:
+                log.warning("prefill instance %s did not tell its endpoint: %r", url, exc)
+        if not endpoints:
+            return
+        body = msgspec.json.encode({"endpoints": endpoints})
+        for url in self.decode.urls:
+            try:
+                resp = await self._client.post(
+                    f"{url}/internal/connect",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                    timeout=PROBE_TIMEOUT_S,
+                )
+                resp.raise_for_status()
+            except httpx.HTTPError as exc:
+                log.warning("could not introduce the prefill instances to %s: %r", url, exc)
 
     async def _instance_id(self, url: str) -> str | None:
         """A decode instance's id (it names the reader of a pull capability), cached."""
@@ -286,6 +320,8 @@ class DisaggBackend(Backend):
         }
 
     async def close(self) -> None:
+        if self._introduction is not None and not self._introduction.done():
+            self._introduction.cancel()
         await self._client.aclose()
 
 

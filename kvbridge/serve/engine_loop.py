@@ -109,6 +109,8 @@ class EngineLoop:
         self.streams: dict[str, Stream] = {}
         self.prefills: dict[str, PendingPrefill] = {}
         self.tracker = TransferTracker()  # requests whose KV is pinned or being pulled
+        #: poll the connector at the busy cadence until then (introductions in flight)
+        self.busy_until = 0.0
         self.fatal: str | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -154,7 +156,7 @@ class EngineLoop:
                         self.deliver(out)
                     worked = True
                 now = time.monotonic()
-                busy = bool(self.tracker.transfers)
+                busy = bool(self.tracker.transfers) or now < self.busy_until
                 due = now - last_poll >= (BUSY_POLL_S if busy else IDLE_POLL_S)
                 if self.has_connector and (busy or self.poll_when_idle) and due:
                     self._poll_connector()
@@ -167,7 +169,8 @@ class EngineLoop:
                 self._fail_all(f"engine failed: {exc}")
                 return
             if not worked:
-                self._wake.wait(BUSY_POLL_S if self.tracker.transfers else IDLE_POLL_S)
+                busy = bool(self.tracker.transfers) or time.monotonic() < self.busy_until
+                self._wake.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
                 self._wake.clear()
         self._fail_all("the instance is shutting down")
 

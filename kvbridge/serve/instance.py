@@ -5,6 +5,7 @@ behind an internal HTTP API the proxy calls.
     POST /internal/generate  DecodeRequest   -> NDJSON GenerateEvents
          with `prefill` set: pull the KV from the prefill instance, then decode;
          without: compute the prompt here (colocated; also the recompute fallback)
+    POST /internal/connect   (decode) meet prefill instances before their first request
     GET  /health, /metrics, /internal/info
 
 Bodies are msgspec JSON of at most `max_body_bytes` (413 beyond it, `BodyLimit`). A
@@ -24,7 +25,7 @@ import concurrent.futures
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -50,7 +51,7 @@ from kvbridge.serve.http_errors import error_response, install_error_handlers
 from kvbridge.serve.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
 from kvbridge.transfer.capability import Capability, issue
 from kvbridge.transfer.capability import check as check_capability
-from kvbridge.transfer.connector import Expose, Poll, Pull, TrackedTransfer
+from kvbridge.transfer.connector import Connect, Expose, Poll, Pull, TrackedTransfer
 from kvbridge.transfer.errors import AuthError
 
 #: Longest a handler waits for the engine before answering 503 (a prefill of a long
@@ -97,6 +98,17 @@ def _sampling(gen: GenerateRequest, max_tokens: int | None = None) -> Any:
     return engine_sampling(
         max_tokens or s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop
     )
+
+
+class _ConnectBody(msgspec.Struct, frozen=True):
+    endpoints: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=64)
+    ]
+
+
+_connect_decoder = msgspec.json.Decoder(_ConnectBody)
+#: How long an instance polls its connector at the busy cadence after an introduction.
+CONNECT_POLL_S = 30.0
 
 
 async def _body(request: Request, decoder: msgspec.json.Decoder[Any]) -> Any:
@@ -379,6 +391,28 @@ class Instance:
             self.metrics.pinned_blocks.set(self.loop.tracker.pinned_blocks)
             self.metrics.replays_refused.set(self.loop.tracker.replays_refused)
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+        @app.post("/internal/connect")
+        async def connect(request: Request) -> Response:
+            """Meet prefill instances ahead of their first request (decode instances):
+            body {"endpoints": [side channel, ...]}; returns at once."""
+            if self.role is not Role.DECODE or not self.loop.has_connector:
+                return error_response(404, "only a decode instance with a KV connector connects")
+            try:
+                body = _connect_decoder.decode(await request.body())
+            except msgspec.DecodeError as exc:
+                return error_response(400, f"malformed request: {exc}")
+
+            def start(engine: LLMEngine) -> None:
+                for endpoint in body.endpoints:
+                    engine.connector_call(Connect(endpoint))
+                self.loop.busy_until = time.monotonic() + CONNECT_POLL_S
+
+            try:
+                await self.loop.acall(start, timeout=30.0)
+            except Exception as exc:
+                return _failure(exc)
+            return JSONResponse({"connecting": body.endpoints})
 
         @app.post("/internal/prefill")
         async def prefill(request: Request) -> Response:

@@ -11,6 +11,7 @@ serve the request now), and the app keeps serving after any of them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -59,7 +60,16 @@ def make_app(
     with 408 (`BodyLimit`); a body is JSON whatever Content-Type it declares
     (`curl URL -d '{...}'` declares a form). With `api_key`, /v1/... answers 401 unless
     the request carries 'Authorization: Bearer <api_key>'."""
-    app = FastAPI(title="kvbridge", version="0.1.0")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(title="kvbridge", version="0.1.0", lifespan=lifespan)
     m = metrics or ProxyMetrics()
 
     def count_refused(status: int) -> None:

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvbridge.transfer.agent import NixlTransport, Transport, XferState
     from kvbridge.transfer.config import TransferConfig, load_token
     from kvbridge.transfer.connector import (
+        Connect,
         ConnectorEvent,
         ConnectorReply,
         ConnectorRequest,
@@ -46,6 +47,7 @@ _EXPORTS = {
     "NixlTransport": "agent",
     "Transport": "agent",
     "XferState": "agent",
+    "Connect": "connector",
     "ConnectorEvent": "connector",
     "ConnectorReply": "connector",
     "ConnectorRequest": "connector",
@@ -77,6 +79,7 @@ _EXPORTS = {
 __all__ = [
     "AuthError",
     "CacheRegions",
+    "Connect",
     "ConnectorEvent",
     "ConnectorReply",
     "ConnectorRequest",

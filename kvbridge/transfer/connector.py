@@ -10,6 +10,8 @@ talks to all of its workers with typed requests and gets one typed reply per wor
                               (gather GetEndpoint from every worker first, rank order)
     Expose(request, blocks)   producer workers pin a prefilled request's blocks
     Pull(request, ...)        consumer workers start reading it into local blocks
+    Connect(endpoint)         consumer workers meet a producer instance ahead of its
+                              first request (handshakes, descriptor lists)
     Poll                      -> reply.events: requests finished since (released on a
                               producer, DONE/FAILED on a consumer), reply.pinned_blocks
 
@@ -101,11 +103,18 @@ class Pull(msgspec.Struct, frozen=True, tag="pull"):
     start_token: int = 0  # read tokens [start_token, num_tokens); both lists from its block
 
 
+class Connect(msgspec.Struct, frozen=True, tag="connect"):
+    """Consumer workers: meet the producer instance at `endpoint` before its first
+    request (handshakes, prepared descriptor lists); returns at once."""
+
+    endpoint: str
+
+
 class Poll(msgspec.Struct, frozen=True, tag="poll"):
     """Progress transfers now and report the requests finished since the last Poll."""
 
 
-ConnectorRequest = GetEndpoint | SetEndpoints | Expose | Pull | Poll
+ConnectorRequest = GetEndpoint | SetEndpoints | Expose | Pull | Connect | Poll
 
 
 class ConnectorEvent(msgspec.Struct, frozen=True):
@@ -205,6 +214,9 @@ class WorkerConnector:
                 request.num_tokens,
                 request.start_token,
             )
+        elif isinstance(request, Connect):
+            self._need(self.consumer, request).connect(request.endpoint)
+            self._last_poll = 0.0
         elif isinstance(request, Poll):
             self._last_poll = 0.0  # the driver asks: poll now
             self.idle_poll()
@@ -255,7 +267,7 @@ class WorkerConnector:
         nothing to progress until the next pull (a driver call, which wakes the worker)."""
         if self.producer is not None:
             return BUSY_POLL_S if self.producer.num_pinned_blocks > 0 else IDLE_POLL_S
-        if self.consumer is not None and self.consumer.num_held_blocks > 0:
+        if self.consumer is not None and self.consumer.is_busy:
             return BUSY_POLL_S
         return CONSUMER_IDLE_S
 

@@ -124,6 +124,8 @@ class KVConsumer:
         self._local_dlists: dict[int, Any] = {}
         self._orphan_dlists: list[Any] = []  # of READs that could not be cancelled
         self._results: list[TransferResult] = []
+        self._connecting: dict[str, ProducerInstance] = {}  # introductions in flight
+        self._connect_deadline: dict[str, float] = {}
         hello = Hello(
             instance_id=instance_id,
             rank=rank,
@@ -186,10 +188,45 @@ class KVConsumer:
             start_token,
         )
 
+    def connect(self, endpoint: str) -> None:
+        """Meet the producer instance at `endpoint` ahead of its first request: handshake
+        with the workers this worker will read from and prepare the descriptor lists, so
+        the first pull costs what a later one does. Returns at once; `poll` advances it,
+        and a failure is logged and forgotten (a later pull tries again)."""
+        inst = self.directory.instance(endpoint)
+        self._connecting[endpoint] = inst
+
+    @property
+    def is_busy(self) -> bool:
+        """A pull or an introduction is in flight (poll often)."""
+        return bool(self._pulls or self._connecting)
+
     def poll(self) -> list[TransferResult]:
         """Advance every handshake and pull; returns the requests that finished since."""
         now = self._clock()
         self.directory.poll(now)
+        for endpoint, inst in list(self._connecting.items()):
+            if inst.reason:
+                log.warning(
+                    "decode worker %d: meeting %s failed: %s", self.rank, endpoint, inst.reason
+                )
+                del self._connecting[endpoint]
+            elif inst.is_ready:
+                try:
+                    if not inst.prepared:
+                        self._prepare(inst)
+                except KVBridgeError as exc:
+                    log.warning(
+                        "decode worker %d: preparing %s failed: %s", self.rank, endpoint, exc
+                    )
+                del self._connecting[endpoint]
+            elif now >= self._connect_deadline.setdefault(
+                endpoint, now + self.config.handshake_timeout_s + 1
+            ):
+                del self._connecting[endpoint]  # the directory reports its own timeout
+        for endpoint in list(self._connect_deadline):
+            if endpoint not in self._connecting:
+                del self._connect_deadline[endpoint]
         for pull in list(self._pulls.values()):
             self._advance_pull(pull, now)
         # Without NIXL's progress thread, our standalone notifications (to replicas

@@ -385,3 +385,31 @@ def test_a_consumer_that_gives_up_tells_the_producer_which_releases_at_once(
     p.poll()
     assert [(r.request_id, r.cause) for r in released] == [("r1", ReleaseCause.ABORTED)]
     assert "decode rank 1: timed out" in released[0].reason
+
+
+def test_connect_meets_a_producer_before_its_first_request(producer, clock) -> None:
+    """An introduction does the handshake and prepares the descriptor lists ahead, so
+    the first pull posts its READ on its first poll."""
+    p, _ = producer
+    c = consumer(0, clock)
+    c.connect(p.endpoint)
+    assert c.is_busy
+    for _ in range(20):
+        p.poll(5)
+        c.poll()
+    assert not c.is_busy and c.transport.peers == ["prefill0"]
+    inst = c.directory.instance(p.endpoint)
+    assert inst.is_ready and inst.prepared
+    p.expose("r1", [3], 4)
+    c.pull("r1", p.endpoint, [3], [5], 4)
+    c.poll()  # no handshake to wait for
+    assert isinstance(c.transport, FakeTransport) and len(c.transport.reads) == 1
+
+
+def test_connect_to_nobody_gives_up_quietly(clock) -> None:
+    c = consumer(0, clock)
+    c.connect("tcp://127.0.0.1:9")
+    c.poll()
+    clock.now += 10
+    c.poll()
+    assert not c.is_busy and c.poll() == []
