@@ -33,6 +33,8 @@ log = logging.getLogger("kvbridge.serve")
 
 #: How long an instance that failed a request is skipped before it is tried again.
 DOWN_S = 5.0
+#: The marker `_generate` yields when the decode instance took the request (never sent).
+TAKEN = GenerateEvent()
 #: Timeout of a /health or /metrics probe of one instance.
 PROBE_TIMEOUT_S = 5.0
 
@@ -116,6 +118,7 @@ class DisaggBackend(Backend):
         )
         self._instance_ids: dict[str, str] = {}  # decode url -> its instance id
         self._introduction: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Future[None]] = set()
 
     async def _prefill(self, url: str, request: GenerateRequest) -> wire.PrefillResult:
         try:
@@ -136,13 +139,13 @@ class DisaggBackend(Backend):
                 f"prefill instance {url} sent a malformed result: {exc}", 503
             ) from None
 
-    async def _prefill_any(self, request: GenerateRequest) -> wire.PrefillResult | None:
-        """The prefill result from the first instance up that serves it; None when none
+    async def _prefill_any(self, request: GenerateRequest) -> tuple[str, wire.PrefillResult] | None:
+        """(url, result) from the first prefill instance up that serves it; None when none
         could and the decode instance is to compute the prompt."""
         errors = []
         for url in self.prefill.candidates():
             try:
-                return await self._prefill(url, request)
+                return url, await self._prefill(url, request)
             except BackendError as exc:
                 if exc.status < 500:
                     raise  # the request itself was refused
@@ -203,10 +206,34 @@ class DisaggBackend(Backend):
         decode_urls = self.decode.candidates()
         if not decode_urls:
             raise BackendError(self.decode.unavailable(), 503)
-        prefill = None
+        prefill, prefill_url = None, ""
         if self.prefill.members:  # the KV goes to the first decode candidate (its reader)
             reader = await self._instance_id(decode_urls[0])
-            prefill = await self._prefill_any(msgspec.structs.replace(request, kv_reader=reader))
+            served = await self._prefill_any(msgspec.structs.replace(request, kv_reader=reader))
+            if served is not None:
+                prefill_url, prefill = served
+        # the prefill's exposed KV is "open" until the decode instance it was issued to
+        # takes the request; if that instance refuses it or cannot be reached, or the
+        # client gives up first, the prefill instance releases it at once (not at its lease)
+        exposed = prefill is not None and prefill.kv is not None and prefill.finish_reason is None
+        try:
+            async for ev in self._generate(request, prefill, decode_urls):
+                if ev is TAKEN:
+                    exposed = False
+                    continue
+                yield ev
+        finally:
+            if exposed and prefill is not None:
+                self._cancel_soon(prefill_url, prefill.request_id, "no decode instance took it")
+
+    async def _generate(
+        self,
+        request: GenerateRequest,
+        prefill: wire.PrefillResult | None,
+        decode_urls: list[str],
+    ) -> AsyncGenerator[GenerateEvent, None]:
+        """The events of `generate`; yields `TAKEN` (never to the client) once the decode
+        instance holding the capability accepted the request, or once that is unknown."""
         if prefill is not None:
             done = prefill.finish_reason is not None
             yield GenerateEvent(
@@ -246,6 +273,8 @@ class DisaggBackend(Backend):
                             raise BackendError(message, r.status_code)
                         yield GenerateEvent(error=message, error_status=r.status_code)
                         return
+                    if i == 0:
+                        yield TAKEN
                     async for line in r.aiter_lines():
                         if not line:
                             continue
@@ -264,6 +293,8 @@ class DisaggBackend(Backend):
                 yield GenerateEvent(error=message, error_status=503)
                 return
             except httpx.HTTPError as exc:
+                if i == 0 and not isinstance(exc, httpx.ConnectError):
+                    yield TAKEN  # it may have started pulling: never release under a read
                 message = f"decode instance {url} failed: {exc!r}"
                 self.decode.mark_down(url, message)
                 if began:
@@ -274,6 +305,24 @@ class DisaggBackend(Backend):
         if prefill is None:
             raise BackendError(message, 503)
         yield GenerateEvent(error=message, error_status=503)
+
+    def _cancel_soon(self, prefill_url: str, request_id: str, reason: str) -> None:
+        """Ask the prefill instance to release `request_id` now (in the background)."""
+
+        async def cancel() -> None:
+            try:
+                await self._client.post(
+                    f"{prefill_url}/internal/cancel",
+                    content=msgspec.json.encode({"request_id": request_id, "reason": reason}),
+                    headers={"content-type": "application/json"},
+                    timeout=PROBE_TIMEOUT_S,
+                )
+            except httpx.HTTPError as exc:
+                log.warning("cancelling %s on %s failed: %r", request_id, prefill_url, exc)
+
+        task = asyncio.ensure_future(cancel())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _probe(self, url: str, path: str) -> httpx.Response | str:
         try:

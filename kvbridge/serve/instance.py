@@ -6,6 +6,7 @@ behind an internal HTTP API the proxy calls.
          with `prefill` set: pull the KV from the prefill instance, then decode;
          without: compute the prompt here (colocated; also the recompute fallback)
     POST /internal/connect   (decode) meet prefill instances before their first request
+    POST /internal/cancel    (prefill) release a request no decode instance took
     GET  /health, /metrics, /internal/info
 
 Bodies are msgspec JSON of at most `max_body_bytes` (413 beyond it, `BodyLimit`). A
@@ -51,7 +52,15 @@ from kvbridge.serve.http_errors import error_response, install_error_handlers
 from kvbridge.serve.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
 from kvbridge.transfer.capability import Capability, issue
 from kvbridge.transfer.capability import check as check_capability
-from kvbridge.transfer.connector import Connect, Expose, Poll, Pull, TrackedTransfer
+from kvbridge.transfer.connector import (
+    Cancel,
+    Connect,
+    Decline,
+    Expose,
+    Poll,
+    Pull,
+    TrackedTransfer,
+)
 from kvbridge.transfer.errors import AuthError
 
 #: Longest a handler waits for the engine before answering 503 (a prefill of a long
@@ -107,6 +116,14 @@ class _ConnectBody(msgspec.Struct, frozen=True):
 
 
 _connect_decoder = msgspec.json.Decoder(_ConnectBody)
+
+
+class _CancelBody(msgspec.Struct, frozen=True):
+    request_id: Annotated[str, msgspec.Meta(max_length=256)]
+    reason: Annotated[str, msgspec.Meta(max_length=4000)] = ""
+
+
+_cancel_decoder = msgspec.json.Decoder(_CancelBody)
 #: How long an instance polls its connector at the busy cadence after an introduction.
 CONNECT_POLL_S = 30.0
 
@@ -244,7 +261,11 @@ class Instance:
         try:
             blocks = engine.allocate_blocks(len(ids))
         except OutOfBlocksError as exc:
-            self._recompute(engine, req, stream, f"no free blocks to receive the KV: {exc}")
+            reason = f"no free blocks to receive the KV: {exc}"
+            # the prefill instance frees its blocks now, not at its lease
+            engine.connector_call(Decline(rid, cap.endpoint, reason))
+            self.loop.busy_until = time.monotonic() + CONNECT_POLL_S
+            self._recompute(engine, req, stream, reason)
             return
         try:
             engine.connector_call(Pull(rid, cap.endpoint, cap.block_ids, blocks, cap.num_tokens))
@@ -391,6 +412,30 @@ class Instance:
             self.metrics.pinned_blocks.set(self.loop.tracker.pinned_blocks)
             self.metrics.replays_refused.set(self.loop.tracker.replays_refused)
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+        @app.post("/internal/cancel")
+        async def cancel(request: Request) -> Response:
+            """Release a prefilled request's KV now (prefill instances): body
+            {"request_id", "reason"}. The proxy sends it when no decode instance took the
+            request, so nobody will read the blocks."""
+            if self.role is not Role.PREFILL or not self.loop.has_connector:
+                return error_response(404, "only a prefill instance with a KV connector cancels")
+            try:
+                body = _cancel_decoder.decode(await request.body())
+            except msgspec.DecodeError as exc:
+                return error_response(400, f"malformed request: {exc}")
+            if body.request_id not in self.loop.tracker.transfers:
+                return JSONResponse({"cancelled": False})
+
+            def run(engine: LLMEngine) -> None:
+                engine.connector_call(Cancel(body.request_id, body.reason))
+                self.loop.tracker.feed(engine.connector_call(Poll()))  # release the blocks now
+
+            try:
+                await self.loop.acall(run, timeout=30.0)
+            except Exception as exc:
+                return _failure(exc)
+            return JSONResponse({"cancelled": True})
 
         @app.post("/internal/connect")
         async def connect(request: Request) -> Response:

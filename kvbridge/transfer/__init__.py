@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvbridge.transfer.agent import NixlTransport, Transport, XferState
     from kvbridge.transfer.config import TransferConfig, load_token
     from kvbridge.transfer.connector import (
+        Cancel,
         Connect,
         ConnectorEvent,
         ConnectorReply,
@@ -47,6 +48,8 @@ _EXPORTS = {
     "NixlTransport": "agent",
     "Transport": "agent",
     "XferState": "agent",
+    "Cancel": "connector",
+    "Decline": "connector",
     "Connect": "connector",
     "ConnectorEvent": "connector",
     "ConnectorReply": "connector",
@@ -79,12 +82,14 @@ _EXPORTS = {
 __all__ = [
     "AuthError",
     "CacheRegions",
+    "Cancel",
     "Connect",
     "ConnectorEvent",
     "ConnectorReply",
     "ConnectorRequest",
     "ConnectorRole",
     "ConnectorSpec",
+    "Decline",
     "Expose",
     "GetEndpoint",
     "HandshakeError",

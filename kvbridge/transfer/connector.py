@@ -10,6 +10,8 @@ talks to all of its workers with typed requests and gets one typed reply per wor
                               (gather GetEndpoint from every worker first, rank order)
     Expose(request, blocks)   producer workers pin a prefilled request's blocks
     Pull(request, ...)        consumer workers start reading it into local blocks
+    Cancel(request)           producer workers release a request nobody took
+    Decline(request, ...)     consumer workers tell a producer they will not read it
     Connect(endpoint)         consumer workers meet a producer instance ahead of its
                               first request (handshakes, descriptor lists)
     Poll                      -> reply.events: requests finished since (released on a
@@ -103,6 +105,23 @@ class Pull(msgspec.Struct, frozen=True, tag="pull"):
     start_token: int = 0  # read tokens [start_token, num_tokens); both lists from its block
 
 
+class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
+    """Producer workers: release `request_id` now; no decode instance will read it.
+    Only for a request no decode instance took (the router knows)."""
+
+    request_id: str
+    reason: str
+
+
+class Decline(msgspec.Struct, frozen=True, tag="decline"):
+    """Consumer workers: tell the producer instance at `endpoint` we will not read
+    `request_id` (refused before pulling), so it releases at once."""
+
+    request_id: str
+    endpoint: str
+    reason: str
+
+
 class Connect(msgspec.Struct, frozen=True, tag="connect"):
     """Consumer workers: meet the producer instance at `endpoint` before its first
     request (handshakes, prepared descriptor lists); returns at once."""
@@ -114,7 +133,7 @@ class Poll(msgspec.Struct, frozen=True, tag="poll"):
     """Progress transfers now and report the requests finished since the last Poll."""
 
 
-ConnectorRequest = GetEndpoint | SetEndpoints | Expose | Pull | Connect | Poll
+ConnectorRequest = GetEndpoint | SetEndpoints | Expose | Pull | Connect | Cancel | Decline | Poll
 
 
 class ConnectorEvent(msgspec.Struct, frozen=True):
@@ -214,6 +233,13 @@ class WorkerConnector:
                 request.num_tokens,
                 request.start_token,
             )
+        elif isinstance(request, Cancel):
+            self._need(self.producer, request).cancel(request.request_id, request.reason)
+        elif isinstance(request, Decline):
+            self._need(self.consumer, request).decline(
+                request.request_id, request.endpoint, request.reason
+            )
+            self._last_poll = 0.0
         elif isinstance(request, Connect):
             self._need(self.consumer, request).connect(request.endpoint)
             self._last_poll = 0.0

@@ -88,6 +88,7 @@ class _Pull:
     num_tokens: int
     deadline: float
     start_token: int = 0  # tokens [0, start_token) are ours already: not read
+    decline: str | None = None  # not a pull: tell the producer we will not read, and why
     state: TransferState = TransferState.HANDSHAKING
     xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
     temp_dlists: list[Any] = field(default_factory=list)
@@ -188,6 +189,24 @@ class KVConsumer:
             start_token,
         )
 
+    def decline(self, request_id: str, endpoint: str, reason: str) -> None:
+        """Tell the producer instance at `endpoint` that this worker will not read
+        `request_id` (the engine refused it before pulling), so its workers release the
+        blocks now instead of at the lease. Handshakes first if needed; returns at once;
+        nothing is reported for it."""
+        if request_id in self._pulls:
+            raise TransferError(f"request_id={request_id!r} is being pulled; it cannot be declined")
+        empty = np.zeros(0, dtype=np.int64)
+        self._pulls[request_id] = _Pull(
+            request_id,
+            self.directory.instance(endpoint),
+            empty,
+            empty,
+            0,
+            self._clock() + self.config.handshake_timeout_s + 1,
+            decline=reason[:1000],
+        )
+
     def connect(self, endpoint: str) -> None:
         """Meet the producer instance at `endpoint` ahead of its first request: handshake
         with the workers this worker will read from and prepare the descriptor lists, so
@@ -261,6 +280,9 @@ class KVConsumer:
         if pull.state is TransferState.HANDSHAKING:
             if inst.reason:
                 self._finish(pull, TransferState.FAILED, inst.reason)
+                return
+            if inst.is_ready and pull.decline is not None:
+                self._finish(pull, TransferState.FAILED, f"declined: {pull.decline}")
                 return
             if inst.is_ready:
                 try:
@@ -468,11 +490,13 @@ class KVConsumer:
                 len(pull.temp_dlists),
                 pull.request_id,
             )
-        if state is TransferState.FAILED:
+        if state is TransferState.FAILED and pull.decline is None:
             log.warning(
                 "decode worker %d: pull of %r failed: %s", self.rank, pull.request_id, reason
             )
         del self._pulls[pull.request_id]
+        if pull.decline is not None:
+            return  # nobody waits for a decline's outcome
         nbytes, ndesc, nunmerged, nidx = pull.stats
         self._results.append(
             TransferResult(

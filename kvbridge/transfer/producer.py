@@ -204,6 +204,14 @@ class KVProducer:
         for _, msg, session in self._early.pop(request_id, []):
             self._apply(msg, session)
 
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """Release `request_id`'s blocks now (cause ABORTED): its router gave up on it
+        before any decode instance took it. False if it is not exposed (any more)."""
+        if request_id not in self._exposed:
+            return False
+        self._release(request_id, ReleaseCause.ABORTED, f"cancelled: {reason}")
+        return True
+
     @property
     def num_pinned_blocks(self) -> int:
         return sum(len(e.block_ids) for e in self._exposed.values())

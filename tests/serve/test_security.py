@@ -197,3 +197,40 @@ def test_an_address_other_hosts_reach_needs_a_token_or_insecure(monkeypatch, cap
         assert main(args) == 2
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_request_no_decode_instance_takes_is_released_at_once(instances) -> None:
+    """The decode instance the capability was issued to refuses the request (here: it
+    answers 503): the proxy tells the prefill instance, which frees the blocks within a
+    second instead of at its 120 s lease; the request is still answered by another."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from kvbridge.serve.http_server import ServerThread
+    from tests.serve.helpers import complete, proxy_for
+
+    stub = FastAPI()
+
+    @stub.get("/internal/info")
+    async def info() -> dict:
+        return {"instance_id": "refuser", "role": "decode"}
+
+    @stub.post("/internal/generate")
+    async def generate() -> JSONResponse:
+        return JSONResponse({"error": {"message": "out of memory", "type": "server_error"}}, 503)
+
+    refuser = ServerThread(stub).start()
+    prefill, decode = instances[("prefill", 1)], instances[("decode", 1)]
+    proxy = proxy_for([prefill], [refuser.url, decode])
+    try:
+        out = complete(proxy.url, "Once upon a time", 4)
+        assert out["choices"][0]["text"]  # the second decode instance computed it
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            if metric(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_pinned_blocks") == 0:
+                break
+            time.sleep(0.1)
+        assert metric(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_pinned_blocks") == 0
+    finally:
+        proxy.stop()
+        refuser.stop()

@@ -413,3 +413,29 @@ def test_connect_to_nobody_gives_up_quietly(clock) -> None:
     clock.now += 10
     c.poll()
     assert not c.is_busy and c.poll() == []
+
+
+def test_a_declined_request_is_released_at_once_not_at_the_lease(producer, clock) -> None:
+    """A decode worker refused the request before pulling (out of blocks): it tells the
+    producer, which releases now (ABORTED, with the reason); a producer-side cancel of a
+    request nobody took does the same."""
+    p, released = producer
+    p.expose("r1", [4], 4)
+    cs = [consumer(0, clock), consumer(1, clock)]
+    for c in cs:
+        c.decline("r1", p.endpoint, "no free blocks to receive the KV")
+    for _ in range(30):
+        p.poll(5)
+        for c in cs:
+            assert c.poll() == []  # nothing is reported for a decline
+    for c in cs:
+        t = c.transport
+        assert isinstance(t, FakeTransport) and t.reads == [] and len(t.sent) == 1
+        deliver(p, t.sent[0][1])
+    p.poll()
+    assert [(r.request_id, r.cause) for r in released] == [("r1", ReleaseCause.ABORTED)]
+    assert "no free blocks" in released[0].reason and p.num_pinned_blocks == 0
+    p.expose("r2", [5], 4)
+    assert p.cancel("r2", "the decode instance answered 503")
+    assert released[-1].cause is ReleaseCause.ABORTED and "cancelled" in released[-1].reason
+    assert not p.cancel("r2", "again")
