@@ -102,7 +102,12 @@ def _bench_engine(args: argparse.Namespace, tp: int, hf: _Transformers | None) -
     from kvbridge.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    config = engine_config(args, tp_size=tp, prefill_chunk_size=max(512, args.prompt_tokens))
+    config = engine_config(
+        args,
+        tp_size=tp,
+        prefill_chunk_size=max(512, args.prompt_tokens),
+        enable_prefix_caching=False,  # every run computes its prompt whole
+    )
     with LLMEngine(args.model, config) as engine:
         start_s = time.perf_counter() - t0
         ids = _prompt_ids(engine.tokenizer, args.prompt_tokens)
@@ -136,7 +141,12 @@ def _floor(args: argparse.Namespace, tp: int, leave_core: bool) -> float:
 
     what = "switch" if leave_core else "floor"
     print(f"running {what} tp {tp} ...", file=sys.stderr, flush=True)
-    config = engine_config(args, tp_size=tp, prefill_chunk_size=max(512, args.prompt_tokens))
+    config = engine_config(
+        args,
+        tp_size=tp,
+        prefill_chunk_size=max(512, args.prompt_tokens),
+        enable_prefix_caching=False,  # every run computes its prompt whole
+    )
     return floor_step_s(
         resolve_model(args.model), config, args.prompt_tokens, args.decode_tokens, leave_core
     )

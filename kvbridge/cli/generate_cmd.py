@@ -37,6 +37,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-cache-mb", type=int, default=256)
     p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="turn automatic prefix caching off (every prompt is computed whole)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -54,6 +60,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> Any:
         num_blocks=args.num_blocks,
         kv_cache_mb=args.kv_cache_mb,
         num_threads=args.threads,
+        enable_prefix_caching=args.prefix_caching,
     )
     kwargs.update(overrides)
     return EngineConfig(**kwargs)

@@ -99,6 +99,13 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache per worker (MiB)")
     p.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="turn automatic prefix caching off: every prompt is computed (prefill) and "
+        "pulled (decode) whole",
+    )
+    p.add_argument(
         "--max-body-mb",
         type=float,
         default=16.0,
@@ -133,6 +140,14 @@ def register(sub: argparse._SubParsersAction) -> None:
             default=DEFAULT_LAYOUT,
             metavar="LAYOUT",
             help=f"{side} cache layout (default {DEFAULT_LAYOUT}; see --layout)",
+        )
+        p.add_argument(
+            f"--{side}-instances",
+            type=int,
+            default=1,
+            metavar="N",
+            help=f"{side} instances to start (default 1); the proxy routes each request to "
+            "the one whose prefix cache holds most of its prompt, else the least loaded",
         )
     p.add_argument("--tp", type=int, default=None, help="tp of a single prefill/decode role")
     p.add_argument("--block-size", type=int, default=16, help="block size of a single role")
@@ -214,6 +229,7 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         block_size=block,
         cache_layout=layout,
         kv_cache_mb=args.kv_cache_mb,
+        enable_prefix_caching=args.prefix_caching,
         host=args.host,
         port=args.port if side is None else 0,
         port_file=getattr(args, "port_file", None) if side is None else None,
@@ -234,6 +250,10 @@ def deployment_config(args: argparse.Namespace) -> Any:
     from kvbridge.serve.config import DeploymentConfig
 
     _check_pp(args)
+    for side in ("prefill", "decode"):
+        n = getattr(args, f"{side}_instances", 1)
+        if not 1 <= n <= 16:
+            raise ConfigError(f"--{side}-instances {n} must be in [1, 16]")
     return DeploymentConfig(
         instance_config(args, "prefill"),
         instance_config(args, "decode"),
@@ -306,15 +326,22 @@ def _run_deployment(args: argparse.Namespace, run_proxy: Any) -> int:
 
     dep = Deployment()
     try:
-        prefill = dep.start_instance("prefill", cfg.prefill.to_args(), cfg.host)
-        decode = dep.start_instance("decode", cfg.decode.to_args(), cfg.host)
+        urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for side, inst, count in (
+            ("prefill", cfg.prefill, args.prefill_instances),
+            ("decode", cfg.decode, args.decode_instances),
+        ):
+            for i in range(count):
+                name = side if count == 1 else f"{side}{i}"
+                urls[side].append(dep.start_instance(name, inst.to_args(), cfg.host).url)
         print(
-            f"loading {cfg.prefill.model}: prefill tp {cfg.prefill.tp_size}, "
-            f"decode tp {cfg.decode.tp_size} ...",
+            f"loading {cfg.prefill.model}: {args.prefill_instances} x prefill tp "
+            f"{cfg.prefill.tp_size}, {args.decode_instances} x decode tp "
+            f"{cfg.decode.tp_size} ...",
             file=sys.stderr,
         )
         dep.wait_healthy(cfg.start_timeout_s, say=lambda s: print(s, file=sys.stderr))
-        return run_proxy(cfg.proxy(prefill.url, decode.url))
+        return run_proxy(cfg.proxy(urls["prefill"], urls["decode"]))
     finally:
         dep.stop()
 

@@ -161,6 +161,7 @@ class EngineConfig:
     num_threads: int | None = None  # None: 2 for tp 1 in-process, 1 per worker otherwise
     kv_cache_mb: int = 256
     worker_timeout_s: float = 300.0
+    enable_prefix_caching: bool = True  # reuse the K/V of prompts' common full blocks
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))

@@ -8,9 +8,16 @@ Disaggregation seams (used by kvbridge.serve; the KV transfer itself is not here
   * prefill side: `add_request(..., prefill_only=True)` (or `prefill()`) runs the prompt,
     samples the first token and finishes with FinishReason.PREFILLED, keeping the blocks
     allocated (`Completion.block_ids`) until `release_blocks(block_ids)`.
-  * decode side: `allocate_blocks(num_tokens)` reserves blocks for an incoming prompt KV;
-    once it has been written into them, `add_prefilled_request(prompt_ids, first_token,
-    block_ids, params)` continues decoding from there (the request owns the blocks).
+  * decode side: `allocate_blocks(num_tokens)` reserves blocks for an incoming prompt KV
+    (`allocate_for_prompt(prompt_ids)` also takes the prompt's cached prefix, whose K/V
+    need not come); once it has been written into them, `add_prefilled_request(
+    prompt_ids, first_token, block_ids, params)` continues decoding from there (the
+    request owns the blocks).
+
+Prefix caching (`EngineConfig.enable_prefix_caching`, on by default): the full blocks of
+every prompt and output are registered in the block manager's prefix cache as they are
+computed, and a new request computes only what follows its longest cached prefix
+(`Completion.num_cached_tokens`). Outputs are the same with and without it.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ class Completion:
     ttft_s: float
     total_s: float
     block_ids: list[int]  # non-empty only for a prefill-only request (blocks kept)
+    num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
 
 
 class LLMEngine:
@@ -96,13 +104,27 @@ class LLMEngine:
             )
         else:
             self.executor = executor_factory(self.model_path, self.config, progress)
-        self.block_manager = BlockManager(self.executor.info.num_blocks, self.config.block_size)
+        self.block_manager = BlockManager(
+            self.executor.info.num_blocks,
+            self.config.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            salt=self._cache_salt(),
+        )
         self.scheduler = Scheduler(
             self.block_manager, self.config.max_num_seqs, self.config.prefill_chunk_size
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+
+    def _cache_salt(self) -> bytes:
+        """What besides the tokens makes a block's bytes: the model file, the layout
+        (tp, block size, axis order) and the dtype."""
+        c = self.config
+        return (
+            f"{self.model_path.name}|{self.model_path.stat().st_size}|{c.layout().describe()}"
+            f"|{c.kv_dtype}"
+        ).encode()
 
     # ---- requests ----
     def add_request(
@@ -125,9 +147,11 @@ class LLMEngine:
         block_ids: list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        num_cached_tokens: int = 0,
     ) -> str:
         """Decode a request whose prompt K/V already sits in `block_ids` (from
-        `allocate_blocks`); its first token was sampled by the prefill instance."""
+        `allocate_blocks` or `allocate_for_prompt`, whose cached tokens `num_cached_tokens`
+        reports); its first token was sampled by the prefill instance."""
         params = params or SamplingParams()
         need = self.block_manager.blocks_for(len(prompt_ids))
         if len(block_ids) != need:
@@ -138,6 +162,8 @@ class LLMEngine:
         seq = self._new_seq(list(prompt_ids), params, request_id, False)
         seq.block_ids = list(block_ids)
         seq.num_computed = len(prompt_ids)
+        seq.num_cached_tokens = num_cached_tokens
+        self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids)
         seq.status = SequenceStatus.RUNNING
         seq.first_token_time = time.perf_counter()
         self._append_token(seq, first_token)
@@ -148,6 +174,25 @@ class LLMEngine:
     def allocate_blocks(self, num_tokens: int) -> list[int]:
         """Blocks to receive a `num_tokens`-token prompt's K/V (OutOfBlocksError if full)."""
         return self.block_manager.allocate(self.block_manager.blocks_for(num_tokens))
+
+    def allocate_for_prompt(
+        self, prompt_ids: list[int], max_cached: int | None = None
+    ) -> tuple[list[int], int]:
+        """Blocks to receive a prompt's K/V, the first ones taken from the prefix cache:
+        (block ids, number of leading tokens they hold already: a multiple of block_size,
+        at most `max_cached`). OutOfBlocksError (nothing taken) if full."""
+        bm = self.block_manager
+        hit = bm.match_prefix(prompt_ids, max_cached)
+        need = bm.blocks_for(len(prompt_ids)) - len(hit)
+        if not bm.can_allocate(need + bm.num_to_acquire(hit)):
+            bm.allocate(need + bm.num_to_acquire(hit))  # raises, naming the numbers
+        bm.acquire(hit)
+        return hit + bm.allocate(need), len(hit) * bm.block_size
+
+    def cached_prefix_len(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of `prompt_ids` the prefix cache holds now (whole
+        blocks); a hint for routing, nothing is held."""
+        return len(self.block_manager.match_prefix(prompt_ids)) * self.block_manager.block_size
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Give back blocks kept by a prefill-only request or from `allocate_blocks`."""
@@ -284,6 +329,7 @@ class LLMEngine:
             first - seq.arrival_time,
             end - seq.arrival_time,
             list(kept),
+            seq.num_cached_tokens,
         )
 
     def generate(

@@ -78,9 +78,14 @@ class Scheduler:
         """The next step, or None if nothing can run (nothing queued)."""
         if self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            qlen = min(seq.num_tokens - seq.num_computed, self.chunk)
-            need = self.blocks.blocks_for(seq.num_computed + qlen) - len(seq.block_ids)
-            if self.blocks.can_allocate(need):
+            hit, start, qlen, need = self._next_chunk(seq)
+            if self.blocks.can_allocate(need + self.blocks.num_to_acquire(hit)):
+                if hit:
+                    self.blocks.acquire(hit)
+                    seq.block_ids += hit
+                    seq.num_computed = start
+                    if not seq.output_ids:  # (not a preempted sequence coming back)
+                        seq.num_cached_tokens = start
                 seq.block_ids += self.blocks.allocate(need)
                 return ScheduledStep([seq], [qlen], is_prefill=True)
             # Otherwise it waits: decodes below may finish, or blocks kept for prefill-only
@@ -105,15 +110,26 @@ class Scheduler:
             return self.schedule() if self.waiting else None
         return ScheduledStep(scheduled, [1] * len(scheduled), is_prefill=False)
 
+    def _next_chunk(self, seq: Sequence) -> tuple[list[int], int, int, int]:
+        """A waiting sequence's next prefill chunk: (cached blocks it starts with, first
+        token to compute, tokens to compute, blocks to allocate). Only a sequence not yet
+        begun looks in the prefix cache, and its last token is always computed (its
+        logits give the next token)."""
+        hit = []
+        if not seq.num_computed and not seq.block_ids:
+            hit = self.blocks.match_prefix(seq.tokens(0, seq.num_tokens), seq.num_tokens - 1)
+        start = seq.num_computed + len(hit) * self.blocks.block_size
+        qlen = min(seq.num_tokens - start, self.chunk)
+        need = self.blocks.blocks_for(start + qlen) - len(seq.block_ids) - len(hit)
+        return hit, start, qlen, need
+
     def schedule_would_idle(self) -> bool:
         """True if requests wait but none can run: nothing running, and the first waiting
         one's next chunk does not fit the free blocks. (Decodes always make progress.)"""
         if self.running or not self.waiting:
             return False
-        seq = self.waiting[0]
-        qlen = min(seq.num_tokens - seq.num_computed, self.chunk)
-        need = self.blocks.blocks_for(seq.num_computed + qlen) - len(seq.block_ids)
-        return not self.blocks.can_allocate(need)
+        hit, _, _, need = self._next_chunk(self.waiting[0])
+        return not self.blocks.can_allocate(need + self.blocks.num_to_acquire(hit))
 
     def preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s cache; it will be recomputed from its prompt and outputs so far."""
@@ -128,6 +144,9 @@ class Scheduler:
         """Advance num_computed; a sequence whose prompt is now cached starts decoding."""
         for seq, qlen in zip(step.seqs, step.query_lens, strict=True):
             seq.num_computed += qlen
+            bs = self.blocks.block_size
+            if seq.num_computed // bs > (seq.num_computed - qlen) // bs:  # a block filled
+                self.blocks.cache_blocks(seq.block_ids, seq.tokens(0, seq.num_computed))
             if step.is_prefill and seq.num_computed == seq.num_tokens:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING

@@ -38,6 +38,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_cached_tokens: int = 0  # of the prompt, taken from the prefix cache (not computed)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

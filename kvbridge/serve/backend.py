@@ -16,7 +16,7 @@ import msgspec
 from kvbridge.errors import KVBridgeError
 
 #: Version of the proxy <-> instance messages; bumped on any incompatible change.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -40,6 +40,9 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     )
     #: prefill only: the decode instance that will pull its KV (its capability's reader)
     kv_reader: str | None = None
+    #: prefill only: that reader holds the prompt's first tokens already (its prefix
+    #: cache), so only the KV from this token on is exposed
+    kv_start_token: int = 0
     version: int = PROTOCOL_VERSION
 
 
@@ -60,6 +63,11 @@ class GenerateEvent(msgspec.Struct):
     error_status: int = 500
     #: why the KV pull failed, when it did (then `stages["kv_load_failed"]` is 1.0)
     kv_load_error: str | None = None
+    #: prompt tokens whose KV this request did not compute (prefix caches; usage's
+    #: prompt_tokens_details.cached_tokens)
+    cached_tokens: int = 0
+    #: which instances served it ({"prefill_instance", "decode_instance"}), last event
+    route: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class BackendError(KVBridgeError):

@@ -77,13 +77,15 @@ def _one(url: str, prompt: str, max_tokens: int) -> tuple[float, float]:
 
 
 def _measure(
-    url: str, concurrency: int, rounds: int, words: int, max_tokens: int
+    url: str, concurrency: int, rounds: int, words: int, max_tokens: int, tag: str
 ) -> tuple[float, float]:
+    """Median TTFT and TPOT; prompts are new to every cache (`tag` tells the paths apart)
+    so each request computes and moves its whole prompt."""
     ttfts, tpots = [], []
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         for r in range(rounds):
             prompts = [
-                " ".join(f"w{r}_{i}_{j}" for j in range(words)) + " Summary:"
+                " ".join(f"{tag}{concurrency}_{r}_{i}_{j}" for j in range(words)) + " Summary:"
                 for i in range(concurrency)
             ]
             for ttft, tpot in pool.map(lambda p: _one(url, p, max_tokens), prompts):
@@ -101,6 +103,10 @@ def _metric(text: str, name: str) -> float:
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
+    if args.multi_turn:
+        from kvbridge.serve.bench_multiturn import run_multi_turn_bench
+
+        return run_multi_turn_bench(args)
     dep = Deployment()
     servers: list[ServerThread] = []
     common = ["--model", args.model, "--kv-cache-mb", "64"]
@@ -121,9 +127,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         print(f"{'concurrency':>11} {'path':>24} {'TTFT ms':>9} {'TPOT ms':>9}")
         for c in args.concurrency:
             before = httpx.get(f"{disagg.url}/metrics").text
-            dt, dp = _measure(disagg.url, c, args.rounds, args.prompt_words, args.max_tokens)
+            dt, dp = _measure(disagg.url, c, args.rounds, args.prompt_words, args.max_tokens, "d")
             after = httpx.get(f"{disagg.url}/metrics").text
-            ct, cp = _measure(coloc.url, c, args.rounds, args.prompt_words, args.max_tokens)
+            ct, cp = _measure(coloc.url, c, args.rounds, args.prompt_words, args.max_tokens, "c")
             n = _metric(after, "kv_transfer_ms_count") - _metric(before, "kv_transfer_ms_count")
             kv = (_metric(after, "kv_bytes_total") - _metric(before, "kv_bytes_total")) / max(n, 1)
             xfer = _metric(after, "kv_transfer_ms_sum") - _metric(before, "kv_transfer_ms_sum")

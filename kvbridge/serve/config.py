@@ -57,6 +57,7 @@ class InstanceConfig:
     block_size: int = 16
     cache_layout: CacheLayout = field(default_factory=lambda: CacheLayout.parse(DEFAULT_LAYOUT))
     kv_cache_mb: int = 256
+    enable_prefix_caching: bool = True
     host: str = "127.0.0.1"
     port: int = 0
     port_file: str | None = None  # where a launched instance reports its port
@@ -92,6 +93,7 @@ class InstanceConfig:
             block_size=self.block_size,
             cache_layout=self.cache_layout,
             kv_cache_mb=self.kv_cache_mb,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
     def transfer_config(self) -> TransferConfig:
@@ -135,6 +137,8 @@ class InstanceConfig:
             "--max-body-mb",
             str(self.max_body_mb),
         ]
+        if not self.enable_prefix_caching:
+            out += ["--no-prefix-caching"]
         if self.kv_host:
             out += ["--kv-host", self.kv_host]
         if self.kv_advertise_host:
@@ -189,11 +193,11 @@ class DeploymentConfig:
     start_timeout_s: float = 900.0
     api_key: str | None = None
 
-    def proxy(self, prefill_url: str, decode_url: str) -> ProxyConfig:
+    def proxy(self, prefill_urls: list[str], decode_urls: list[str]) -> ProxyConfig:
         return ProxyConfig(
             self.prefill.model,
-            (prefill_url,),
-            (decode_url,),
+            tuple(prefill_urls),
+            tuple(decode_urls),
             self.host,
             self.port,
             self.decode.kv_load_failure,

@@ -132,7 +132,7 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
         prefill = dep.start_instance("prefill", cfg.prefill.to_args(), cfg.host)
         decode = dep.start_instance("decode", cfg.decode.to_args(), cfg.host)
         dep.wait_healthy(cfg.start_timeout_s, say=say)
-        proxy_cfg = cfg.proxy(prefill.url, decode.url)
+        proxy_cfg = cfg.proxy([prefill.url], [decode.url])
         backend = DisaggBackend(
             list(proxy_cfg.prefill_urls),
             list(proxy_cfg.decode_urls),

@@ -5,8 +5,12 @@
           ──DecodeRequest───▶ decode instance    (pulls the KV over NIXL, decodes)
           ◀──NDJSON events───
 
-Instances of each role are chosen round-robin among those that are up (`InstancePool`).
-One that fails a request before serving it (unreachable, or a 5xx: its engine failed)
+Routing is prefix-aware: the proxy asks the instances up (`/internal/lookup`) how much of
+the prompt each one's prefix cache holds and picks, per role, the one holding the most
+(so a conversation's later turns land where its earlier turns are), the least loaded
+among equals, else round-robin (`InstancePool`). The prefill instance then exposes only
+the KV the chosen decode instance lacks; a decode instance holding every full block of
+the prompt computes the rest itself and nothing is pulled. One that fails a request before serving it (unreachable, or a 5xx: its engine failed)
 is marked down with the reason and the request goes to the next one; it is tried again
 after `down_s`, or as soon as a /health probe finds it up. With no prefill instance up,
 the decode instance computes the whole request itself (colocated) when
@@ -120,13 +124,21 @@ class DisaggBackend(Backend):
         self._introduction: asyncio.Task[None] | None = None
         self._background: set[asyncio.Future[None]] = set()
 
+    async def _post(
+        self, url: str, path: str, body: bytes, timeout: float | None = None
+    ) -> httpx.Response:
+        """POST a JSON body to an instance (signed when the deployment has a token);
+        `timeout` None: the client's (a read may take as long as a prefill)."""
+        headers = {"content-type": "application/json"}
+        if timeout is None:
+            return await self._client.post(f"{url}{path}", content=body, headers=headers)
+        return await self._client.post(
+            f"{url}{path}", content=body, headers=headers, timeout=timeout
+        )
+
     async def _prefill(self, url: str, request: GenerateRequest) -> wire.PrefillResult:
         try:
-            resp = await self._client.post(
-                f"{url}/internal/prefill",
-                content=msgspec.json.encode(request),
-                headers={"content-type": "application/json"},
-            )
+            resp = await self._post(url, "/internal/prefill", msgspec.json.encode(request))
         except httpx.HTTPError as exc:
             raise BackendError(f"prefill instance {url} is unreachable: {exc!r}", 503) from None
         if resp.status_code != 200:
@@ -143,7 +155,8 @@ class DisaggBackend(Backend):
         """(url, result) from the first prefill instance up that serves it; None when none
         could and the decode instance is to compute the prompt."""
         errors = []
-        for url in self.prefill.candidates():
+        candidates, _ = await self._rank(self.prefill.candidates(), msgspec.json.encode(request))
+        for url in candidates:
             try:
                 return url, await self._prefill(url, request)
             except BackendError as exc:
@@ -180,12 +193,7 @@ class DisaggBackend(Backend):
         body = msgspec.json.encode({"endpoints": endpoints})
         for url in self.decode.urls:
             try:
-                resp = await self._client.post(
-                    f"{url}/internal/connect",
-                    content=body,
-                    headers={"content-type": "application/json"},
-                    timeout=PROBE_TIMEOUT_S,
-                )
+                resp = await self._post(url, "/internal/connect", body, PROBE_TIMEOUT_S)
                 resp.raise_for_status()
             except httpx.HTTPError as exc:
                 log.warning("could not introduce the prefill instances to %s: %r", url, exc)
@@ -202,14 +210,51 @@ class DisaggBackend(Backend):
                 return None
         return self._instance_ids[url]
 
+    async def _lookup(self, url: str, body: bytes) -> wire.Lookup | None:
+        """An instance's prefix-cache hit and load for a prompt; None if it did not say
+        (the request itself then tells whether the instance is up)."""
+        try:
+            resp = await self._post(url, "/internal/lookup", body, PROBE_TIMEOUT_S)
+            if resp.status_code == 200:
+                return wire.lookup_decoder.decode(resp.content)
+            if resp.status_code < 500:  # the request itself is refused: say so now
+                raise BackendError(_message(resp), resp.status_code)
+        except (httpx.HTTPError, msgspec.DecodeError) as exc:
+            log.warning("prefix lookup on %s failed: %r", url, exc)
+        return None
+
+    async def _rank(
+        self, urls: list[str], body: bytes, always: bool = False
+    ) -> tuple[list[str], wire.Lookup | None]:
+        """`urls` (in turn order) reordered: the longest cached prefix first, then the
+        least loaded; and the first one's lookup. Asks nobody when there is no choice
+        unless `always`."""
+        if not urls or (len(urls) == 1 and not always):
+            return urls, None
+        answers = await asyncio.gather(*(self._lookup(url, body) for url in urls))
+
+        def key(i: int) -> tuple[int, int, int]:
+            a = answers[i]
+            return (-a.cached_tokens, a.num_requests, i) if a else (0, 1 << 30, i)
+
+        order = sorted(range(len(urls)), key=key)
+        return [urls[i] for i in order], answers[order[0]]
+
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
         decode_urls = self.decode.candidates()
         if not decode_urls:
             raise BackendError(self.decode.unavailable(), 503)
+        body = msgspec.json.encode(request)
+        # the decode instance's hit decides what the prefill instance exposes
+        decode_urls, hit = await self._rank(decode_urls, body, always=bool(self.prefill.members))
         prefill, prefill_url = None, ""
-        if self.prefill.members:  # the KV goes to the first decode candidate (its reader)
+        whole = hit is not None and 0 < hit.cached_tokens == hit.full_block_tokens
+        if self.prefill.members and not whole:  # the KV goes to the first decode candidate
             reader = await self._instance_id(decode_urls[0])
-            served = await self._prefill_any(msgspec.structs.replace(request, kv_reader=reader))
+            start = hit.pull_start_token if hit is not None else 0
+            served = await self._prefill_any(
+                msgspec.structs.replace(request, kv_reader=reader, kv_start_token=start)
+            )
             if served is not None:
                 prefill_url, prefill = served
         # the prefill's exposed KV is "open" until the decode instance it was issued to
@@ -243,6 +288,8 @@ class DisaggBackend(Backend):
                 prompt_tokens=len(prefill.prompt_token_ids),
                 completion_tokens=1,
                 stages={"prefill_ms": prefill.prefill_ms} if done else {},
+                cached_tokens=prefill.cached_tokens if done else 0,
+                route={"prefill_instance": prefill.instance_id} if done else {},
             )
             if done:
                 return
@@ -311,12 +358,8 @@ class DisaggBackend(Backend):
 
         async def cancel() -> None:
             try:
-                await self._client.post(
-                    f"{prefill_url}/internal/cancel",
-                    content=msgspec.json.encode({"request_id": request_id, "reason": reason}),
-                    headers={"content-type": "application/json"},
-                    timeout=PROBE_TIMEOUT_S,
-                )
+                body = msgspec.json.encode({"request_id": request_id, "reason": reason})
+                await self._post(prefill_url, "/internal/cancel", body, PROBE_TIMEOUT_S)
             except httpx.HTTPError as exc:
                 log.warning("cancelling %s on %s failed: %r", request_id, prefill_url, exc)
 

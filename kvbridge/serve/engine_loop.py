@@ -59,6 +59,10 @@ class Stream:
     stages: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     kv_load_error: str | None = None  # why the KV pull failed, if it did
+    #: prompt tokens whose KV was not computed: the prefill instance's prefix-cache hit
+    #: (disaggregated), else this engine's (set when the request finishes)
+    cached_tokens: int | None = None
+    route: dict[str, str] = field(default_factory=dict)  # instances that served it
 
     def put(self, ev: GenerateEvent) -> None:
         self.aloop.call_soon_threadsafe(self.queue.put_nowait, ev)
@@ -230,7 +234,10 @@ class EngineLoop:
                 finish = None
         if out.finished:
             self.streams.pop(out.request_id, None)
-            self.engine.pop(out.request_id)
+            comp = self.engine.pop(out.request_id)
+            stream.stages["cached_tokens"] = float(comp.num_cached_tokens)  # this engine's
+            if stream.cached_tokens is None:
+                stream.cached_tokens = comp.num_cached_tokens
             elapsed_ms = (time.perf_counter() - stream.started) * 1e3
             # decode only: a decode instance's stream starts before its KV load
             stream.stages["decode_ms"] = elapsed_ms - stream.stages.get("transfer_ms", 0.0)
@@ -246,6 +253,8 @@ class EngineLoop:
                 completion_tokens=stream.completion_tokens,
                 stages=dict(stream.stages) if finish else {},
                 kv_load_error=stream.kv_load_error if finish else None,
+                cached_tokens=(stream.cached_tokens or 0) if finish else 0,
+                route=dict(stream.route) if finish else {},
             )
         )
 

@@ -7,6 +7,8 @@ behind an internal HTTP API the proxy calls.
          without: compute the prompt here (colocated; also the recompute fallback)
     POST /internal/connect   (decode) meet prefill instances before their first request
     POST /internal/cancel    (prefill) release a request no decode instance took
+    POST /internal/lookup    GenerateRequest -> Lookup: how much of its prompt the
+         prefix cache holds here, and the load (for routing; nothing is held)
     GET  /health, /metrics, /internal/info
 
 Bodies are msgspec JSON of at most `max_body_bytes` (413 beyond it, `BodyLimit`). A
@@ -191,6 +193,7 @@ class Instance:
 
         def on_prefilled(_: RequestOutput) -> None:
             comp = engine.pop(rid)
+            self._count_hit(comp.num_cached_tokens)
             if fut.cancelled():  # the caller gave up waiting: nobody will pull this KV
                 engine.release_blocks(comp.block_ids)
                 return
@@ -205,9 +208,12 @@ class Instance:
                 finish = "length"
             kv = None
             if finish is None and self.loop.has_connector:
+                # the reader holds [0, start) already: only the blocks from there are exposed
+                start = min(max(gen.kv_start_token, 0), len(ids))
+                exposed = comp.block_ids[start // engine.config.block_size :]
                 try:
                     engine.connector_call(
-                        Expose(rid, comp.block_ids, len(ids), reader=gen.kv_reader)
+                        Expose(rid, exposed, len(ids), reader=gen.kv_reader, start_token=start)
                     )
                 except Exception:
                     engine.release_blocks(comp.block_ids)
@@ -222,16 +228,29 @@ class Instance:
                     rid,
                     self.instance_id,
                     self.endpoint,
-                    list(comp.block_ids),
+                    list(exposed),
                     len(ids),
                     gen.kv_reader or "",
                     time.time() + self.capability_ttl_s,
+                    start,
+                    engine.config.block_size,
                 )
                 kv = wire.KVParams(self.instance_id, issue(cap, self.token))
             else:
                 engine.release_blocks(comp.block_ids)
             elapsed_ms = (time.perf_counter() - started) * 1e3
-            settle(fut, wire.PrefillResult(rid, ids, first, text, finish, kv, elapsed_ms))
+            result = wire.PrefillResult(
+                rid,
+                ids,
+                first,
+                text,
+                finish,
+                kv,
+                elapsed_ms,
+                comp.num_cached_tokens,
+                self.instance_id,
+            )
+            settle(fut, result)
 
         engine.add_request(ids, params, request_id=rid, prefill_only=True)
         self.loop.prefills[rid] = PendingPrefill(fut, on_prefilled)
@@ -241,6 +260,7 @@ class Instance:
         gen, pf = req.request, req.prefill
         rid = gen.request_id
         self._claim(rid)
+        stream.route["decode_instance"] = self.instance_id
         if pf is None:  # colocated: the whole request here
             ids = prompt_ids(engine, gen)
             engine.add_request(ids, _sampling(gen), request_id=rid)
@@ -252,6 +272,9 @@ class Instance:
         stream.prompt_tokens = len(ids)
         stream.completion_tokens = 1  # the proxy already sent the first token
         stream.stages["prefill_ms"] = pf.prefill_ms
+        stream.stages["prefill_cached_tokens"] = float(pf.cached_tokens)
+        stream.cached_tokens = pf.cached_tokens
+        stream.route["prefill_instance"] = pf.instance_id
         self.loop.streams[rid] = stream  # held from here on: its id is refused (409)
         if pf.kv is None or not self.loop.has_connector:
             reason = "no KV to pull" if pf.kv is None else "this instance has no KV connector"
@@ -259,26 +282,67 @@ class Instance:
             return
         assert cap is not None
         try:
-            blocks = engine.allocate_blocks(len(ids))
+            # the prompt's cached prefix stays here: only tokens [cached, end) are pulled
+            # (at least the last one: a prompt held whole the proxy sends here alone)
+            blocks, cached = engine.allocate_for_prompt(ids, max_cached=len(ids) - 1)
         except OutOfBlocksError as exc:
-            reason = f"no free blocks to receive the KV: {exc}"
-            # the prefill instance frees its blocks now, not at its lease
-            engine.connector_call(Decline(rid, cap.endpoint, reason))
-            self.loop.busy_until = time.monotonic() + CONNECT_POLL_S
-            self._recompute(engine, req, stream, reason)
+            self._decline(engine, req, stream, cap, f"no free blocks to receive the KV: {exc}")
             return
+        self._count_hit(cached)
+        if cached < cap.start_token:  # evicted since the proxy asked: [cached, start) lacks
+            engine.release_blocks(blocks)
+            self._decline(
+                engine,
+                req,
+                stream,
+                cap,
+                f"the prefix cache holds {cached} tokens of the prompt, fewer than the "
+                f"{cap.start_token} the prefill instance left out",
+            )
+            return
+        bp, bd = cap.block_size, engine.config.block_size
         try:
-            engine.connector_call(Pull(rid, cap.endpoint, cap.block_ids, blocks, cap.num_tokens))
+            engine.connector_call(
+                Pull(
+                    rid,
+                    cap.endpoint,
+                    cap.block_ids[cached // bp - cap.start_token // bp :],
+                    blocks[cached // bd :],
+                    cap.num_tokens,
+                    start_token=cached,
+                )
+            )
         except Exception as exc:
             engine.release_blocks(blocks)
             self._recompute(engine, req, stream, str(exc))
             return
+        stream.stages["cached_tokens"] = float(cached)
         self.loop.tracker.track(
             rid,
             blocks,
             self.loop.world_size,
-            on_done=lambda tr: self._pulled(engine, req, stream, tr),
+            on_done=lambda tr: self._pulled(engine, req, stream, tr, cached),
         )
+
+    def _decline(
+        self,
+        engine: LLMEngine,
+        req: wire.DecodeRequest,
+        stream: Stream,
+        cap: Capability,
+        reason: str,
+    ) -> None:
+        """Pull nothing: the prefill instance frees its blocks now (not at its lease),
+        and the prompt is computed here (or the request fails, by policy)."""
+        engine.connector_call(Decline(req.request.request_id, cap.endpoint, reason))
+        self.loop.busy_until = time.monotonic() + CONNECT_POLL_S
+        self._recompute(engine, req, stream, reason)
+
+    def _count_hit(self, cached_tokens: int) -> None:
+        self.metrics.prefix_queries.inc()
+        if cached_tokens:
+            self.metrics.prefix_hits.inc()
+            self.metrics.prefix_hit_tokens.inc(cached_tokens)
 
     def _capability(self, pf: wire.PrefillResult) -> Capability:
         """The pull capability of a prefill result, checked: signed with our token, issued
@@ -291,6 +355,13 @@ class Instance:
             raise _Refused(
                 403, f"KV capability refused: {exc}", code="capability_refused"
             ) from None
+        if cap.block_size <= 0 or not 0 <= cap.start_token <= cap.num_tokens:
+            raise _Refused(
+                403,
+                f"KV capability refused: block_size={cap.block_size} and start_token="
+                f"{cap.start_token} of {cap.num_tokens} tokens do not describe blocks",
+                code="capability_refused",
+            )
         if cap.request_id != pf.request_id or cap.num_tokens != len(pf.prompt_token_ids):
             raise _Refused(
                 403,
@@ -302,7 +373,12 @@ class Instance:
         return cap
 
     def _pulled(
-        self, engine: LLMEngine, req: wire.DecodeRequest, stream: Stream, tr: TrackedTransfer
+        self,
+        engine: LLMEngine,
+        req: wire.DecodeRequest,
+        stream: Stream,
+        tr: TrackedTransfer,
+        cached: int = 0,
     ) -> None:
         """A pull ended (every worker reported): decode, or handle the failure. Runs in
         the loop thread inside a connector poll, so it never raises."""
@@ -319,9 +395,16 @@ class Instance:
             engine.release_blocks(tr.block_ids)
             self._recompute(engine, req, stream, "; ".join(sorted(set(tr.failures))))
             return
+        spec = engine.model_config.kv_spec(engine.config.kv_dtype)
+        self.metrics.kv_bytes_saved.inc(cached * spec.bytes_per_token)
         try:
             engine.add_prefilled_request(
-                pf.prompt_token_ids, pf.first_token_id, tr.block_ids, _sampling(gen), request_id=rid
+                pf.prompt_token_ids,
+                pf.first_token_id,
+                tr.block_ids,
+                _sampling(gen),
+                request_id=rid,
+                num_cached_tokens=cached,
             )
         except Exception as exc:
             engine.release_blocks(tr.block_ids)
@@ -340,6 +423,7 @@ class Instance:
         self.metrics.load_failures.inc()
         stream.stages["kv_load_failed"] = 1.0
         stream.kv_load_error = reason
+        stream.cached_tokens = None  # computed here after all: this engine's hit counts
         if self.kv_load_failure is KVLoadFailure.FAIL:
             self._end(gen.request_id, stream, f"KV cache load failed: {reason}")
             return
@@ -397,16 +481,18 @@ class Instance:
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            def snapshot(engine: LLMEngine) -> tuple[int, int]:
+            def snapshot(engine: LLMEngine) -> tuple[int, int, int]:
                 if self.loop.has_connector:  # fresh transfer figures (events are handled)
                     self.loop.tracker.feed(engine.connector_call(Poll()))
                 bm = engine.block_manager
-                return bm.num_blocks - bm.num_free_blocks, bm.num_blocks
+                used = bm.num_blocks - bm.num_free_blocks
+                return used, bm.num_blocks, bm.num_cached_free_blocks
 
             try:
-                used, total = await self.loop.acall(snapshot, timeout=10.0)
+                used, total, cached_free = await self.loop.acall(snapshot, timeout=10.0)
                 self.metrics.blocks_in_use.set(used)
                 self.metrics.blocks_total.set(total)
+                self.metrics.blocks_cached_free.set(cached_free)
             except (EngineFailedError, TimeoutError):
                 pass  # the figures last seen stay
             self.metrics.pinned_blocks.set(self.loop.tracker.pinned_blocks)
@@ -436,6 +522,25 @@ class Instance:
             except Exception as exc:
                 return _failure(exc)
             return JSONResponse({"cancelled": True})
+
+        @app.post("/internal/lookup")
+        async def lookup(request: Request) -> Response:
+            """How much of a request's prompt this instance's prefix cache holds now, and
+            how busy it is: what the proxy routes by. Holds nothing."""
+            try:
+                gen = await _body(request, wire.generate_request_decoder)
+
+                def run(engine: LLMEngine) -> wire.Lookup:
+                    ids = prompt_ids(engine, gen)
+                    busy = len(self.loop.streams) + len(self.loop.prefills)
+                    cached = engine.cached_prefix_len(ids)
+                    bs = engine.config.block_size
+                    return wire.Lookup(self.instance_id, len(ids), cached, bs, busy)
+
+                answer = await self.loop.acall(run, timeout=30.0)
+            except Exception as exc:
+                return _failure(exc)
+            return Response(msgspec.json.encode(answer), media_type="application/json")
 
         @app.post("/internal/connect")
         async def connect(request: Request) -> Response:
@@ -505,6 +610,8 @@ class Instance:
                     )
                     return
                 yield msgspec.json.encode(ev) + b"\n"
+                if ev.finish_reason and "transfer_ms" not in ev.stages:  # computed here
+                    self._count_hit(int(ev.stages.get("cached_tokens", 0)))
                 if ev.finish_reason or ev.error:
                     ended = True
                     return

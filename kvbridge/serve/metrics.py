@@ -15,6 +15,11 @@ Names and labels (dashboards depend on them):
               kvbridge_kv_pinned_blocks{instance,role}
               kvbridge_kv_instance_load_failures_total{instance,role}
               kvbridge_kv_instance_bytes_total{instance,role}
+              kvbridge_prefix_cache_queries_total{instance,role}
+              kvbridge_prefix_cache_hits_total{instance,role}
+              kvbridge_prefix_cache_hit_tokens_total{instance,role}
+              kvbridge_kv_bytes_saved_total{instance,role}
+              kvbridge_blocks_cached_free{instance,role}
 """
 
 from __future__ import annotations
@@ -117,6 +122,36 @@ class InstanceMetrics:
         ).labels(**labels)
         self.kv_bytes = Counter(
             "kvbridge_kv_instance_bytes_total", "KV bytes pulled here.", names, registry=r
+        ).labels(**labels)
+        self.prefix_queries = Counter(
+            "kvbridge_prefix_cache_queries",
+            "Requests whose prompt was looked up in the prefix cache.",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.prefix_hits = Counter(
+            "kvbridge_prefix_cache_hits",
+            "Requests that found part of their prompt in the prefix cache.",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.prefix_hit_tokens = Counter(
+            "kvbridge_prefix_cache_hit_tokens",
+            "Prompt tokens taken from the prefix cache (neither computed nor pulled).",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.kv_bytes_saved = Counter(
+            "kvbridge_kv_bytes_saved",
+            "KV bytes this decode instance did not pull because its prefix cache held them.",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.blocks_cached_free = Gauge(
+            "kvbridge_blocks_cached_free",
+            "Blocks nobody uses that keep their KV for later prompts (evicted on demand).",
+            names,
+            registry=r,
         ).labels(**labels)
         self.replays_refused = Gauge(
             "kvbridge_kv_replays_refused",

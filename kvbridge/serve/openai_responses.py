@@ -27,11 +27,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from a prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -40,7 +42,7 @@ def completion_body(
     model: str,
     text: str,
     finish: str | None,
-    use: dict[str, int] | None,
+    use: dict[str, Any] | None,
     *,
     chunk: bool = False,
 ) -> dict[str, Any]:
@@ -57,7 +59,7 @@ def completion_body(
 
 
 def chat_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None
+    rid: str, model: str, text: str, finish: str | None, use: dict[str, Any] | None
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -81,7 +83,7 @@ def chat_chunk(
     model: str,
     delta: dict[str, Any],
     finish: str | None,
-    use: dict[str, int] | None = None,
+    use: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "id": rid,

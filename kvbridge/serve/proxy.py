@@ -239,7 +239,7 @@ def make_app(
             tracker.finish(endpoint, str(last.error_status), failed=True)
             return error_response(last.error_status, last.error)
         tracker.finish(endpoint, "200")
-        use = resp.usage(last.prompt_tokens, last.completion_tokens)
+        use = resp.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
         text = "".join(parts)
         if chat:
             body = resp.chat_body(gen.request_id, backend.model_name, text, last.finish_reason, use)
@@ -247,8 +247,8 @@ def make_app(
             body = resp.completion_body(
                 gen.request_id, backend.model_name, text, last.finish_reason, use
             )
-        if tracker.stages:  # an extra field (OpenAI clients ignore it): where time went
-            body["kvbridge_stages"] = tracker.stages
+        if tracker.stages or last.route:  # an extra field (OpenAI clients ignore it)
+            body["kvbridge_stages"] = {**tracker.stages, **last.route}
         if last.kv_load_error:  # and why the KV pull failed, when it did
             body["kvbridge_kv_load_error"] = last.kv_load_error
         return JSONResponse(body)
@@ -284,7 +284,7 @@ def make_app(
                             )
                         )
                 if ev.finish_reason and include_usage:
-                    use = resp.usage(ev.prompt_tokens, ev.completion_tokens)
+                    use = resp.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
                     body = (
                         resp.chat_chunk(rid, model, {}, None, use)
                         if chat

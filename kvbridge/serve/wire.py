@@ -35,6 +35,31 @@ class PrefillResult(msgspec.Struct, frozen=True):
     finish_reason: str | None
     kv: KVParams | None
     prefill_ms: float
+    cached_tokens: int = 0  # prompt tokens taken from the prefill instance's prefix cache
+    instance_id: str = ""  # the prefill instance
+
+
+class Lookup(msgspec.Struct, frozen=True):
+    """An instance's answer to `/internal/lookup`: how much of a request's prompt its
+    prefix cache holds now (a routing hint; nothing is held), and its load."""
+
+    instance_id: str
+    prompt_tokens: int
+    cached_tokens: int  # leading tokens in whole cached blocks
+    block_size: int
+    num_requests: int  # running or waiting here
+
+    @property
+    def full_block_tokens(self) -> int:
+        """The prompt's tokens in whole blocks: a hit this long needs no pull."""
+        return self.prompt_tokens // self.block_size * self.block_size
+
+    @property
+    def pull_start_token(self) -> int:
+        """Where this decode instance's pull starts: its hit, leaving at least the last
+        token to pull (whole blocks)."""
+        last = (self.prompt_tokens - 1) // self.block_size * self.block_size
+        return min(self.cached_tokens, last)
 
 
 class DecodeRequest(msgspec.Struct, frozen=True):
@@ -45,4 +70,5 @@ class DecodeRequest(msgspec.Struct, frozen=True):
 generate_request_decoder = msgspec.json.Decoder(GenerateRequest)
 decode_request_decoder = msgspec.json.Decoder(DecodeRequest)
 prefill_result_decoder = msgspec.json.Decoder(PrefillResult)
+lookup_decoder = msgspec.json.Decoder(Lookup)
 event_decoder = msgspec.json.Decoder(GenerateEvent)

@@ -1,7 +1,7 @@
 """Pull capabilities: a prefill instance's signed permission to read one request.
 
 When a prefill instance exposes a request it issues a capability naming the request,
-itself and its side channel, the blocks and token count, the one decode instance that
+itself and its side channel, the blocks and token range, the one decode instance that
 may read it (the reader) and an expiry. The router passes it on unchanged; the decode
 instance pulls only with a valid capability addressed to itself, and takes the blocks
 from it rather than from whoever called. The producer, told the reader at `expose`,
@@ -21,7 +21,7 @@ import msgspec
 from kvbridge.transfer.auth import derive, sign, verify
 from kvbridge.transfer.errors import AuthError
 
-_VERSION = 1
+_VERSION = 2
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 
 
@@ -33,6 +33,10 @@ class Capability(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_tokens: int
     reader: Name  # the decode instance id it is issued to
     expires_at: float  # Unix seconds
+    #: the reader holds tokens [0, start_token) already (prefix cache): `block_ids` are
+    #: the blocks from the one holding token `start_token` on
+    start_token: int = 0
+    block_size: int = 0  # tokens per block of the producer (0: not said)
 
 
 class _Signed(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

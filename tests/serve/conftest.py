@@ -12,17 +12,22 @@ from tests.serve.helpers import instance_args
 
 @pytest.fixture(scope="package")
 def instances():
-    """Prefill and decode instances at tp 1, 3 and 9 (block 16, BHLNC), plus a tp-1 decode
-    instance with block size 32 and LBNHC (NHD); keys ("prefill", tp), ("decode", tp),
-    "decode32"."""
+    """Prefill and decode instances at tp 1, 3 and 9 (block 16, BHLNC), plus tp-1 prefill
+    and decode instances with block size 32 and LBNHC (NHD), and a tp-1 decode instance
+    without prefix caching whose colocated answers are the reference; keys ("prefill",
+    tp), ("decode", tp), "prefill32", "decode32", "reference"."""
     dep = Deployment()
     try:
         urls: dict[object, str] = {}
         for role in ("prefill", "decode"):
             for tp in (1, 3, 9):
                 urls[(role, tp)] = dep.start_instance(f"{role}{tp}", instance_args(role, tp)).url
-        urls["decode32"] = dep.start_instance(
-            "decode32", instance_args("decode", 1, 32, "LBNHC")
+        for role in ("prefill", "decode"):
+            urls[f"{role}32"] = dep.start_instance(
+                f"{role}32", instance_args(role, 1, 32, "LBNHC")
+            ).url
+        urls["reference"] = dep.start_instance(
+            "reference", instance_args("decode", 1, enable_prefix_caching=False)
         ).url
         dep.wait_healthy(900, say=None)
         yield urls
