@@ -28,16 +28,21 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvbridge.errors import KVBridgeError
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
 #: The private subnet of the test hosts (host i is SUBNET.{i+1}); no route leads to it
 #: from the root namespace.
 SUBNET = "10.213.0"
@@ -181,6 +186,10 @@ class TestHost:
         finally:
             os.close(own)
 
+    def worker_options(self) -> dict[str, Any]:
+        """`WorkerSpec` fields that put harness workers on this host."""
+        return {"host": self.address, "netns": self.netns, "hostname": self.name}
+
     def log_tail(self, num_chars: int = 4000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -188,10 +197,62 @@ class TestHost:
             return ""
 
 
+def become(netns: str, hostname: str) -> None:
+    """Move the calling process onto a test host, at its start (before it opens a socket
+    or starts a thread): into the host's network namespace, and into UTS and IPC
+    namespaces of its own under `hostname` (its pids stay the machine's: a process
+    cannot change pid namespace). Used by harness workers a benchmark puts on hosts."""
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        _setns(fd)
+    finally:
+        os.close(fd)
+    if _libc.unshare(CLONE_NEWUTS | CLONE_NEWIPC) != 0:
+        raise HostError(f"unshare(UTS, IPC) failed: {os.strerror(ctypes.get_errno())}")
+    socket.sethostname(hostname)
+
+
 def _setns(fd: int) -> None:
     if _libc.setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
         raise HostError(f"setns(CLONE_NEWNET) failed: {os.strerror(err)}")
+
+
+def tcp_throughput(src: TestHost, dst: TestHost, nbytes: int = 1 << 30) -> float:
+    """Seconds to send `nbytes` over one TCP stream from host `src` to host `dst` (both
+    ends in this process, each thread inside its host)."""
+    received: list[int] = []
+    with dst.inside():
+        server = socket.create_server((dst.address, 0))
+    port = server.getsockname()[1]
+
+    def sink() -> None:
+        conn, _ = server.accept()
+        with conn:
+            buf, total = bytearray(1 << 20), 0
+            while n := conn.recv_into(buf):
+                total += n
+        received.append(total)
+
+    server.settimeout(60)
+    t = threading.Thread(target=sink, daemon=True)
+    t.start()
+    chunk = memoryview(bytes(4 << 20))
+    try:
+        with src.inside():
+            client = socket.create_connection((dst.address, port), timeout=60)
+        with client:
+            t0 = time.perf_counter()
+            for start in range(0, nbytes, len(chunk)):
+                client.sendall(chunk[: min(len(chunk), nbytes - start)])
+            client.shutdown(socket.SHUT_WR)
+            t.join(120)
+            seconds = time.perf_counter() - t0
+    finally:
+        server.close()
+    if received != [nbytes]:
+        raise HostError(f"raw TCP from {src.name} to {dst.name}: received {received} bytes")
+    return seconds
 
 
 @dataclass
