@@ -55,12 +55,20 @@ class HostError(KVBridgeError):
 
 
 def missing() -> str | None:
-    """Why test hosts cannot be made here (not root, a tool missing), or None."""
+    """Why test hosts cannot be made here (not root, a tool missing, namespaces or
+    virtual links refused), or None."""
     if os.geteuid() != 0:
         return "test hosts need root (network namespaces, veth pairs, a bridge)"
     for tool in ("ip", "tc", "unshare"):
         if shutil.which(tool) is None:
             return f"test hosts need the `{tool}` command (iproute2 / util-linux)"
+    # root without the capabilities (an unprivileged container): try it all in a
+    # throwaway namespace, gone when the probe exits
+    probe = "ip link add kvbhb type bridge && ip link add kvbhv type veth peer name kvbhw"
+    cmd = ["unshare", "--net", "--uts", "--ipc", "--pid", "--fork", "--mount-proc"]
+    done = subprocess.run([*cmd, "sh", "-c", probe], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        return f"cannot make network namespaces, bridges or veths here: {done.stderr.strip()}"
     return None
 
 
