@@ -31,7 +31,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -224,43 +223,6 @@ def _setns(fd: int) -> None:
     if _libc.setns(fd, CLONE_NEWNET) != 0:
         err = ctypes.get_errno()
         raise HostError(f"setns(CLONE_NEWNET) failed: {os.strerror(err)}")
-
-
-def tcp_throughput(src: TestHost, dst: TestHost, nbytes: int = 1 << 30) -> float:
-    """Seconds to send `nbytes` over one TCP stream from host `src` to host `dst` (both
-    ends in this process, each thread inside its host)."""
-    received: list[int] = []
-    with dst.inside():
-        server = socket.create_server((dst.address, 0))
-    port = server.getsockname()[1]
-
-    def sink() -> None:
-        conn, _ = server.accept()
-        with conn:
-            buf, total = bytearray(1 << 20), 0
-            while n := conn.recv_into(buf):
-                total += n
-        received.append(total)
-
-    server.settimeout(60)
-    t = threading.Thread(target=sink, daemon=True)
-    t.start()
-    chunk = memoryview(bytes(4 << 20))
-    try:
-        with src.inside():
-            client = socket.create_connection((dst.address, port), timeout=60)
-        with client:
-            t0 = time.perf_counter()
-            for start in range(0, nbytes, len(chunk)):
-                client.sendall(chunk[: min(len(chunk), nbytes - start)])
-            client.shutdown(socket.SHUT_WR)
-            t.join(120)
-            seconds = time.perf_counter() - t0
-    finally:
-        server.close()
-    if received != [nbytes]:
-        raise HostError(f"raw TCP from {src.name} to {dst.name}: received {received} bytes")
-    return seconds
 
 
 @dataclass

@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import socket
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -188,9 +190,7 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
     )
     tcp_s = None
     if hosts is not None:
-        from kvbridge.harness.hosts import tcp_throughput
-
-        tcp_s = statistics.median(tcp_throughput(*hosts, total) for _ in range(repeat))
+        tcp_s = statistics.median(_tcp_seconds(*hosts, total) for _ in range(repeat))
     if args.json:
         out: dict[str, Any] = asdict(rows[0])
         out["rows"] = [asdict(r) for r in rows]
@@ -351,6 +351,43 @@ def _measure_pair(
         auth=args.auth,
         hosts=hosts is not None,
     )
+
+
+def _tcp_seconds(src: TestHost, dst: TestHost, nbytes: int = 1 << 30) -> float:
+    """Seconds to send `nbytes` over one TCP stream from host `src` to host `dst` (both
+    ends in this process, each thread inside its host)."""
+    received: list[int] = []
+    with dst.inside():
+        server = socket.create_server((dst.address, 0))
+    port = server.getsockname()[1]
+
+    def sink() -> None:
+        conn, _ = server.accept()
+        with conn:
+            buf, total = bytearray(1 << 20), 0
+            while n := conn.recv_into(buf):
+                total += n
+        received.append(total)
+
+    server.settimeout(60)
+    t = threading.Thread(target=sink, daemon=True)
+    t.start()
+    chunk = memoryview(bytes(4 << 20))
+    try:
+        with src.inside():
+            client = socket.create_connection((dst.address, port), timeout=60)
+        with client:
+            t0 = time.perf_counter()
+            for start in range(0, nbytes, len(chunk)):
+                client.sendall(chunk[: min(len(chunk), nbytes - start)])
+            client.shutdown(socket.SHUT_WR)
+            t.join(120)
+            seconds = time.perf_counter() - t0
+    finally:
+        server.close()
+    if received != [nbytes]:
+        raise TransferError(f"raw TCP from {src.name} to {dst.name}: received {received} bytes")
+    return seconds
 
 
 def _print_floor(floor: cma_floor.CmaFloor | None, run_bytes: int, num_runs: int) -> None:
