@@ -63,6 +63,14 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         help="a KV pull not finished after this long fails",
     )
     p.add_argument(
+        "--liveness-timeout-s",
+        type=float,
+        default=5.0,
+        help="a KV pull fails when the prefill worker's side channel answered no heartbeat "
+        "for this long (its host or the link is down; default 5); a slow link that still "
+        "answers is bounded by --transfer-timeout-s only",
+    )
+    p.add_argument(
         "--handshake-timeout-s",
         type=float,
         default=15.0,
@@ -241,6 +249,7 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         kv_load_failure=KVLoadFailure(args.kv_load_failure),
         lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s,
+        liveness_timeout_s=args.liveness_timeout_s,
         handshake_timeout_s=args.handshake_timeout_s,
         max_body_mb=args.max_body_mb,
     )

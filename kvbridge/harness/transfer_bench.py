@@ -13,6 +13,11 @@ Also prints the descriptors posted per request before and after merging, and the
 kernel's floor under the transport (kvbridge.harness.cma_floor): the plan's runs and
 the same bytes contiguous, read with bare `process_vm_readv` calls, which is what UCX
 does between processes on one host. `--json` prints exactly one object instead.
+
+With `--hosts` the prefill and decode workers run on two test hosts (network namespaces
+on a bridge, `kvbridge.harness.hosts`; needs root), so UCX moves the bytes over TCP as
+between machines, and the raw TCP throughput of one stream between the hosts is printed
+instead of the kernel's floor.
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import socket
 import statistics
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +44,7 @@ from kvbridge.transfer.errors import TransferError
 if TYPE_CHECKING:  # the worker harness needs msgspec and NIXL: imported when run
     from kvbridge.harness.cluster import Cluster
     from kvbridge.harness.commands import Span
+    from kvbridge.harness.hosts import TestHost
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run without a shared token (no CURVE, no session-signed notifications), to "
         "see what authentication costs",
     )
+    parser.add_argument(
+        "--hosts",
+        action="store_true",
+        help="run the prefill and decode workers on two test hosts (network namespaces on "
+        "a bridge; needs root): the transfer crosses a link over TCP",
+    )
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.add_argument(
         "--backend-param",
@@ -111,11 +125,28 @@ class Row:
     run_bytes: int  # mean bytes per descriptor
     first_ms: float  # the first request, handshakes included
     auth: bool  # a shared token: encrypted handshakes, session-signed notifications
+    hosts: bool = False  # prefill and decode workers on two test hosts (TCP)
 
 
 def run_transfer_bench(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise ConfigError(f"--tokens={args.tokens} must be a positive number of tokens")
+    if args.hosts:
+        from kvbridge.harness.hosts import HostNetwork, missing
+
+        if missing():
+            raise ConfigError(f"--hosts: {missing()}; run as root, or without --hosts")
+        if not args.auth:
+            raise ConfigError(
+                "--hosts with --no-auth: workers on other hosts need the shared token; "
+                "drop --no-auth"
+            )
+        with HostNetwork() as net:
+            return _run(args, (net.add("kvbh-prefill"), net.add("kvbh-decode")))
+    return _run(args, None)
+
+
+def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> int:
     model = ModelKVSpec(32, 32, 8, 128, "bfloat16", AttentionKind.GQA, "32-layer GQA")
     both = args.layout or DEFAULT_LAYOUT
     main = (
@@ -147,15 +178,25 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
         mem_s.append(time.perf_counter() - t0)
     del src_buf, dst_buf
     t_mem = statistics.median(mem_s)
-    rows = [_measure_pair(args, model, pair, repeat, params, t_mem) for pair in pairs]
+    sent = hosts[0].bytes_sent() if hosts else 0
+    rows = [_measure_pair(args, model, pair, repeat, params, t_mem, hosts) for pair in pairs]
+    # each pair moves (repeat + 1) requests through the plan and repeat single READs
+    link_bytes = hosts[0].bytes_sent() - sent if hosts else 0
 
     floor = (
-        cma_floor.measure(rows[0].run_bytes, rows[0].descriptors, repeat) if args.floor else None
+        cma_floor.measure(rows[0].run_bytes, rows[0].descriptors, repeat)
+        if args.floor and hosts is None
+        else None
     )
+    tcp_s = None
+    if hosts is not None:
+        tcp_s = statistics.median(_tcp_seconds(*hosts, total) for _ in range(repeat))
     if args.json:
         out: dict[str, Any] = asdict(rows[0])
         out["rows"] = [asdict(r) for r in rows]
         out["floor_ratio"] = floor.ratio if floor else None
+        out["tcp_ms"] = tcp_s * 1e3 if tcp_s else None
+        out["link_bytes"] = link_bytes if hosts else None
         print(json.dumps(out))
         return 0
     print(f"{'':44} {'ms':>8} {'GB/s':>7} {'vs (a)':>7} {'vs (b)':>7} {'descriptors':>12}")
@@ -171,6 +212,12 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
             f"{_gbps(total, t_raw / 1e3):7.2f} {1:7.2f} {t_mem * 1e3 / t_raw:7.2f}"
         )
     print(f"{'(b) in-process memcpy':44} {t_mem * 1e3:8.1f} {_gbps(total, t_mem):7.2f}")
+    if tcp_s is not None:
+        print(f"{'(c) raw TCP, one stream between the hosts':44} {tcp_s * 1e3:8.1f} "
+              f"{_gbps(total, tcp_s):7.2f}")  # fmt: skip
+        moved = len(rows) * (2 * repeat + 1) * total
+        print(f"the prefill host's link carried {link_bytes / 2**20:.0f} MiB for the "
+              f"{moved / 2**20:.0f} MiB read: the transfers crossed it (TCP)")  # fmt: skip
     for r in rows:
         print(
             f"{r.prefill_layout} -> {r.decode_layout}: first request (handshakes) "
@@ -184,7 +231,7 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
         f"target plan / (a) >= 0.8 for {r.prefill_layout} -> {r.decode_layout}: "
         f"{'met' if r.ratio >= 0.8 else 'NOT met'} ({r.ratio:.2f})"
     )
-    if args.floor:
+    if args.floor and hosts is None:
         _print_floor(floor, r.run_bytes, r.descriptors)
     return 0
 
@@ -202,6 +249,7 @@ def _measure_pair(
     repeat: int,
     params: dict[str, str],
     t_mem: float,
+    hosts: tuple[TestHost, TestHost] | None,
 ) -> Row:
     """Start one prefill and one decode instance of worker processes in these layouts
     and time the plan's transfer and (a), alternating, in the same processes."""
@@ -223,6 +271,7 @@ def _measure_pair(
     readers = {d.rank: plan.reads_for(d.rank)[0].prefill_rank for d in plan.decode_workers}
     per_prefill = max(per_decode) * max(len(plan.readers_of(p.rank)) for p in plan.prefill_workers)
     token = secrets.token_hex(32).encode() if args.auth else None
+    on_prefill, on_decode = (h.worker_options() for h in hosts) if hosts else ({}, {})
     with Cluster() as c:
         pre = c.start(
             "prefill",
@@ -236,6 +285,7 @@ def _measure_pair(
             backend_params=params,
             lease_s=600,
             token=token,
+            **on_prefill,
         )
         dec = c.start(
             "decode",
@@ -249,6 +299,7 @@ def _measure_pair(
             backend_params=params,
             transfer_timeout_s=120,
             token=token,
+            **on_decode,
         )
         plan_s, raw_s, descs, first_s = [], [], (0, 0, 0), 0.0
         for i in range(repeat + 1):
@@ -298,7 +349,45 @@ def _measure_pair(
         run_bytes=sum(per_decode) // max(merged, 1),
         first_ms=first_s * 1e3,
         auth=args.auth,
+        hosts=hosts is not None,
     )
+
+
+def _tcp_seconds(src: TestHost, dst: TestHost, nbytes: int = 1 << 30) -> float:
+    """Seconds to send `nbytes` over one TCP stream from host `src` to host `dst` (both
+    ends in this process, each thread inside its host)."""
+    received: list[int] = []
+    with dst.inside():
+        server = socket.create_server((dst.address, 0))
+    port = server.getsockname()[1]
+
+    def sink() -> None:
+        conn, _ = server.accept()
+        with conn:
+            buf, total = bytearray(1 << 20), 0
+            while n := conn.recv_into(buf):
+                total += n
+        received.append(total)
+
+    server.settimeout(60)
+    t = threading.Thread(target=sink, daemon=True)
+    t.start()
+    chunk = memoryview(bytes(4 << 20))
+    try:
+        with src.inside():
+            client = socket.create_connection((dst.address, port), timeout=60)
+        with client:
+            t0 = time.perf_counter()
+            for start in range(0, nbytes, len(chunk)):
+                client.sendall(chunk[: min(len(chunk), nbytes - start)])
+            client.shutdown(socket.SHUT_WR)
+            t.join(120)
+            seconds = time.perf_counter() - t0
+    finally:
+        server.close()
+    if received != [nbytes]:
+        raise TransferError(f"raw TCP from {src.name} to {dst.name}: received {received} bytes")
+    return seconds
 
 
 def _print_floor(floor: cma_floor.CmaFloor | None, run_bytes: int, num_runs: int) -> None:

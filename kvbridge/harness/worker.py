@@ -73,6 +73,10 @@ def worker_main(conn: Connection, spec_bytes: bytes) -> None:
     )
     spec = msgspec.msgpack.decode(spec_bytes, type=WorkerSpec)
     try:
+        if spec.netns:  # before any socket or agent exists
+            from kvbridge.harness.hosts import become
+
+            become(spec.netns, spec.hostname)
         _Worker(conn, spec).run()
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         pass

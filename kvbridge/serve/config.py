@@ -67,6 +67,7 @@ class InstanceConfig:
     kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
     lease_s: float = 120.0
     transfer_timeout_s: float = 30.0
+    liveness_timeout_s: float = 5.0  # a pull from a worker silent this long fails
     handshake_timeout_s: float = 15.0
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
     kv_advertise_host: str | None = None  # the address peers reach the KV side channel at
@@ -105,6 +106,7 @@ class InstanceConfig:
             token=self.token(),
             lease_s=self.lease_s,
             transfer_timeout_s=self.transfer_timeout_s,
+            liveness_timeout_s=self.liveness_timeout_s,
             handshake_timeout_s=self.handshake_timeout_s,
         )
 
@@ -128,6 +130,8 @@ class InstanceConfig:
             str(self.lease_s),
             "--transfer-timeout-s",
             str(self.transfer_timeout_s),
+            "--liveness-timeout-s",
+            str(self.liveness_timeout_s),
             "--handshake-timeout-s",
             str(self.handshake_timeout_s),
             "--kv-cache-mb",

@@ -115,9 +115,13 @@ class DisaggBackend(Backend):
         self.model_name = model_name
         self.recompute_on_failure = recompute_on_failure
         # every read waits at most timeout_s (a decode stream: between two tokens); with
-        # a shared token every call is signed (the instances require it)
+        # a shared token every call is signed (the instances require it). Idle connections
+        # are closed here before the instances' servers close them (uvicorn: after 5 s):
+        # otherwise a close crossing a request, or one lost while a link was down, fails
+        # the next request on a dead pooled connection
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
+            limits=httpx.Limits(keepalive_expiry=2.0),
             auth=SignedRequests(token) if token is not None else None,
         )
         self._instance_ids: dict[str, str] = {}  # decode url -> its instance id

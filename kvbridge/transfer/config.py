@@ -40,6 +40,11 @@ class TransferConfig:
         lease_s: a producer releases exposed blocks after this long even if the
             expected consumers never notified completion.
         transfer_timeout_s: a consumer fails a request not finished after this long.
+        liveness_timeout_s: a consumer fails a pull (and forgets the producer worker,
+            so the next pull connects afresh) when the worker's side channel answered
+            none of its heartbeats (ZMQ's, sent every fifth of this) for this long: its
+            host or the link is down. A slow link still carries them, so a slow pull
+            is bounded by `transfer_timeout_s` only.
         handshake_timeout_s: a consumer fails a handshake not answered after this long.
         max_message_bytes: side-channel messages larger than this are rejected.
         max_units: most descriptors one prepared descriptor list may hold; finer
@@ -52,6 +57,7 @@ class TransferConfig:
     token: bytes | None = None
     lease_s: float = 120.0
     transfer_timeout_s: float = 30.0
+    liveness_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_units: int = 1 << 22
@@ -61,7 +67,7 @@ class TransferConfig:
             raise ConfigError(
                 f"base_port={self.base_port} must be in [0, 65536); 0 picks a free port"
             )
-        for field in ("lease_s", "transfer_timeout_s", "handshake_timeout_s"):
+        for field in ("lease_s", "transfer_timeout_s", "liveness_timeout_s", "handshake_timeout_s"):
             value = getattr(self, field)
             if not value > 0:
                 raise ConfigError(f"{field}={value!r} must be a positive number of seconds")

@@ -12,8 +12,10 @@ read twice gets its notification from us once its last READ is done. Note that w
 UCX's cma transport a READ is copied inside `transfer()`, so a `poll` that posts a large
 READ takes its copy time.
 
-Bounded failure: a refused or unanswered handshake, a NIXL error or a request running
-past `transfer_timeout_s` fails the request with its reason; a request that gives up
+Bounded failure: a refused or unanswered handshake, a NIXL error, a producer worker
+whose side channel answered no heartbeat for `liveness_timeout_s` (its host or link is
+down) or a request running past `transfer_timeout_s` fails the request with its reason
+(a lost worker is forgotten, so the next pull reconnects); a request that gives up
 tells the producer workers still waiting (`ReadDone(ok=False)`), so they release at
 once instead of at the lease. Single-threaded: `pull`, `poll`, `close` from one thread.
 """
@@ -246,6 +248,7 @@ class KVConsumer:
         for endpoint in list(self._connect_deadline):
             if endpoint not in self._connecting:
                 del self._connect_deadline[endpoint]
+        self._abandon_lost()
         for pull in list(self._pulls.values()):
             self._advance_pull(pull, now)
         # Without NIXL's progress thread, our standalone notifications (to replicas
@@ -317,6 +320,34 @@ class KVConsumer:
                 return
         if now >= pull.deadline:
             self._finish(pull, TransferState.FAILED, self._timeout_reason(pull))
+
+    def _abandon_lost(self) -> None:
+        """Fail the pulls reading from a producer worker whose side channel is down (its
+        heartbeats went unanswered for `liveness_timeout_s`: its host or the link is down,
+        or it died), then forget those workers: their UCX endpoints and connections may
+        be stale (a TCP connection backing off after an outage), so the next pull
+        handshakes afresh instead of stalling on them. Every such pull is finished before
+        any worker is dropped (dropping releases descriptor lists its READs use)."""
+        lost: dict[str, tuple[ProducerWorker, str]] = {}
+        for pull in list(self._pulls.values()):
+            gone = [
+                (p, pull.instance.readers[p])
+                for p, _ in pull.xfers.values()
+                if not pull.instance.readers[p].client.is_connected
+            ]
+            if gone:
+                p, peer = gone[0]
+                reason = (
+                    f"lost contact with prefill worker {p} ({peer.endpoint}): its side "
+                    "channel was closed or answered no heartbeat for "
+                    f"{self.config.liveness_timeout_s:g} s (liveness_timeout_s); its host "
+                    "or the link is down, or it died"
+                )
+                lost.update((w.endpoint, (w, reason)) for _, w in gone)
+                self._finish(pull, TransferState.FAILED, reason)
+        for peer, reason in lost.values():
+            if peer.state is not PeerState.FAILED:
+                self.directory.drop(peer, reason, quiet=True)
 
     def _timeout_reason(self, pull: _Pull) -> str:
         t = f"timed out after {self.config.transfer_timeout_s:g} s"
@@ -476,7 +507,11 @@ class KVConsumer:
             # producer workers still waiting for us may release now: we will not read
             inst = pull.instance
             for p, peer in (*inst.readers.items(), *inst.unread.items()):
-                if p not in pull.notified and peer.state is PeerState.READY:
+                if (
+                    p not in pull.notified
+                    and peer.state is PeerState.READY
+                    and peer.client.is_connected
+                ):
                     self._notify(pull, p, peer, self._done(pull, peer, reason))
         if cancelled:
             for handle in pull.temp_dlists:

@@ -157,7 +157,12 @@ class ProducerDirectory:
     def _worker(self, endpoint: str) -> ProducerWorker:
         w = self._workers.get(endpoint)
         if w is None:
-            client = SideChannelClient(endpoint, self.config.token, self.config.max_message_bytes)
+            client = SideChannelClient(
+                endpoint,
+                self.config.token,
+                self.config.max_message_bytes,
+                self.config.liveness_timeout_s,
+            )
             w = ProducerWorker(endpoint, client, self._clock() + self.config.handshake_timeout_s)
             w.hello_nonce = os.urandom(16)
             client.send(msgspec.structs.replace(self._hello, nonce=w.hello_nonce))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import zmq
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from kvbridge.transfer.auth import curve_server_secret
 from kvbridge.transfer.errors import AuthError, HandshakeError, ProtocolError
@@ -130,18 +131,37 @@ class SideChannelClient:
     blocking; `call` is the blocking form with a timeout. A request that timed out
     leaves the socket unusable (a late reply could answer the next request), so
     `reset` reconnects before the next one.
+
+    With `liveness_timeout_s`, ZMQ heartbeats the connection (ZMTP PING every fifth of
+    it, answered by the peer's ZMQ I/O thread, however busy the peer's owner is) and
+    drops it when nothing came back for that long; `is_connected` says whether it is up.
     """
 
-    def __init__(self, endpoint: str, token: bytes | None, max_bytes: int) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        token: bytes | None,
+        max_bytes: int,
+        liveness_timeout_s: float | None = None,
+    ) -> None:
         self.endpoint = endpoint
         self._token = token
         self._max_bytes = max_bytes
+        self._liveness_ms = int(liveness_timeout_s * 1000) if liveness_timeout_s else 0
+        self._monitor: zmq.Socket[bytes] | None = None
         self._sock = self._connect()
 
     def _connect(self) -> zmq.Socket[bytes]:
         sock = _ctx().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
+        if self._liveness_ms:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, self._liveness_ms // 5))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._liveness_ms)
+            self._monitor = sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            )
+        self._connected = False
         if self._token is not None:
             sock.curve_serverkey = curve_server_keys(self._token)[0]
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
@@ -185,9 +205,27 @@ class SideChannelClient:
             if reply is not None:
                 return reply
 
+    @property
+    def is_connected(self) -> bool:
+        """Whether the connection is up, as far as ZMQ knows: handshaken and not dropped
+        since (its heartbeats unanswered for `liveness_timeout_s`, or closed by the
+        peer); ZMQ reconnects by itself. Always True without `liveness_timeout_s`."""
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            if event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
+                self._connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+        return self._connected or self._monitor is None
+
     def reset(self) -> None:
-        self._sock.close(linger=0)
+        self.close()
         self._sock = self._connect()
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         self._sock.close(linger=0)

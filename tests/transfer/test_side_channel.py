@@ -160,3 +160,28 @@ def test_a_failing_handler_is_answered_and_the_server_keeps_serving() -> None:
 def test_a_malformed_endpoint_is_refused_with_the_expected_form() -> None:
     with pytest.raises(HandshakeError, match="expected tcp://HOST:PORT"):
         SideChannelClient("not an endpoint", None, LIMIT)
+
+
+def test_heartbeats_keep_a_busy_peer_alive_and_report_a_gone_one() -> None:
+    """Liveness comes from ZMQ's I/O threads: a server whose owner never polls (a worker
+    busy computing) still answers heartbeats; a server that goes away is reported."""
+    srv = SideChannelServer("127.0.0.1", 0, TOKEN, LIMIT, handler)  # never polled
+    client = SideChannelClient(srv.endpoint, TOKEN, LIMIT, liveness_timeout_s=0.5)
+    try:
+        client.send(Ping(nonce=7))  # connects; the server owner never answers it
+        deadline = time.monotonic() + 30
+        while not client.is_connected:
+            assert time.monotonic() < deadline, "never connected"
+            time.sleep(0.05)
+        deadline = time.monotonic() + 2.5  # five liveness timeouts
+        while time.monotonic() < deadline:
+            assert client.is_connected
+            time.sleep(0.05)
+        srv.close()
+        deadline = time.monotonic() + 30
+        while client.is_connected:
+            assert time.monotonic() < deadline, "a closed server was never reported lost"
+            time.sleep(0.05)
+    finally:
+        client.close()
+        srv.close()

@@ -1,0 +1,115 @@
+"""A three-host deployment on test hosts, and what the multi-host tests ask of it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvbridge.harness.hosts import HostNetwork, TestHost
+from tests.serve.helpers import TOKEN_FILE, colocated, complete, instance_args, metric
+
+PORT = 8000
+#: About 1,000 tokens: ~44 MB of KV from a tp-1 prefill worker, long enough on a
+#: slowed link to cut it in the middle of the pull.
+LONG_PROMPT = "The history of the old harbour town is long and full of events. " * 65
+
+
+def serve(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "kvbridge.cli.main", "serve", *args]
+
+
+@dataclass
+class ThreeHosts:
+    """Prefill, decode and proxy hosts of one deployment; the test process talks to it
+    from the proxy host (the subnet exists only inside the namespaces)."""
+
+    prefill: TestHost
+    decode: TestHost
+    proxy: TestHost
+
+    @classmethod
+    def start(cls, net: HostNetwork, timeout_s: float = 900) -> ThreeHosts:
+        dep = cls(net.add("prefill"), net.add("decode"), net.add("proxy"))
+        # prefill blocks a cut link strands are freed by the lease: keep it short
+        dep.start_instance(dep.prefill, "prefill", 1, lease_s=60)
+        dep.start_instance(dep.decode, "decode", 3)
+        px = dep.proxy
+        upstream = ["--prefill", dep.url(dep.prefill), "--decode", dep.url(dep.decode)]
+        auth = ["--auth-token-file", TOKEN_FILE]
+        px.start(
+            serve(["--role", "proxy", "--host", px.address, "--port", str(PORT), *upstream, *auth])
+        )
+        dep.wait_healthy(timeout_s)
+        return dep
+
+    def start_instance(self, host: TestHost, role: str, tp: int, **overrides: Any) -> None:
+        args = instance_args(role, tp, kv_cache_mb=128, **overrides)
+        host.start(serve([*args, "--host", host.address, "--port", str(PORT)]))
+
+    def url(self, host: TestHost) -> str:
+        return f"http://{host.address}:{PORT}"
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Return once the proxy and every instance answer /health 200."""
+        deadline = time.monotonic() + timeout_s
+        for host in (self.prefill, self.decode, self.proxy):
+            while not self.is_healthy(host):
+                assert host.is_running, f"{host.name} exited:\n{host.log_tail()}"
+                assert time.monotonic() < deadline, f"{host.name} not up:\n{host.log_tail()}"
+                time.sleep(0.5)
+
+    def is_healthy(self, host: TestHost) -> bool:
+        with self.proxy.inside():
+            try:
+                return httpx.get(f"{self.url(host)}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+    def complete(self, prompt: str, max_tokens: int = 8) -> dict:
+        """A completion through the proxy (asserts 200)."""
+        with self.proxy.inside():
+            return complete(self.url(self.proxy), prompt, max_tokens)
+
+    def stream(self, prompt: str, max_tokens: int = 8) -> str:
+        """A streamed completion through the proxy, from any thread: its text (asserts
+        that it ended with [DONE])."""
+        parts, done = [], False
+        with (
+            self.proxy.inside(),
+            httpx.stream(
+                "POST",
+                f"{self.url(self.proxy)}/v1/completions",
+                json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+                timeout=600,
+            ) as r,
+        ):
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: {"):
+                    parts.append(json.loads(line[6:])["choices"][0]["text"])
+        assert done, parts
+        return "".join(parts)
+
+    def colocated(self, prompt: str, max_tokens: int = 8) -> str:
+        """The request computed entirely on the decode host."""
+        with self.decode.inside():
+            return colocated(self.url(self.decode), prompt, max_tokens)
+
+    def metric(self, host: TestHost, name: str) -> float:
+        with host.inside():
+            text = httpx.get(f"{self.url(host)}/metrics", timeout=30).text
+        return metric(text, name)
+
+    def wait_released(self, host: TestHost, timeout_s: float) -> None:
+        """Wait until `host`'s instance holds no KV blocks (allocated or pinned)."""
+        deadline = time.monotonic() + timeout_s
+        while used := self.metric(host, "blocks_in_use") + self.metric(host, "kv_pinned_blocks"):
+            assert time.monotonic() < deadline, f"{host.name} still holds {used} blocks"
+            time.sleep(0.5)
