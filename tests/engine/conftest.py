@@ -67,12 +67,12 @@ class Oracle:
         return self._cache[key]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def oracle() -> Oracle:
     return Oracle()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine_factory() -> Iterator[Callable[..., LLMEngine]]:
     """Engines by config, kept for the session and shut down at its end."""
     engines: dict[Any, LLMEngine] = {}
@@ -89,6 +89,6 @@ def engine_factory() -> Iterator[Callable[..., LLMEngine]]:
         e.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def engine_tp1(engine_factory: Callable[..., LLMEngine]) -> LLMEngine:
     return engine_factory(tp_size=1)
