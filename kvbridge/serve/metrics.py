@@ -11,10 +11,13 @@ Names and labels (dashboards depend on them):
               kvbridge_ttft_ms  kvbridge_tpot_ms  kvbridge_kv_transfer_ms  (histograms, ms)
               kvbridge_kv_bytes_total  kvbridge_failures_total{reason}
               kvbridge_kv_load_failures_total  kvbridge_instance_up{url}
+              kvbridge_requests_rejected_total{reason}  (refused for lack of room: 503)
     instance  kvbridge_blocks_in_use{instance,role}  kvbridge_blocks_total{instance,role}
               kvbridge_kv_pinned_blocks{instance,role}
               kvbridge_kv_instance_load_failures_total{instance,role}
               kvbridge_kv_instance_bytes_total{instance,role}
+              kvbridge_instance_rejected_total{instance,role}  (503: full)
+              kvbridge_requests_queued{instance,role}  kvbridge_max_queued_requests{instance,role}
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ class ProxyMetrics:
             "KV pulls that failed (then recomputed or refused).",
             registry=r,
         )
+        self.rejected = Counter(
+            "kvbridge_requests_rejected",
+            "Requests refused at once with 503 and Retry-After because the instances "
+            "were full (reason overloaded).",
+            ["reason"],
+            registry=r,
+        )
         self.instance_up = Gauge(
             "kvbridge_instance_up",
             "Whether an instance answered its last /metrics scrape (1) or not (0).",
@@ -117,6 +127,25 @@ class InstanceMetrics:
         ).labels(**labels)
         self.kv_bytes = Counter(
             "kvbridge_kv_instance_bytes_total", "KV bytes pulled here.", names, registry=r
+        ).labels(**labels)
+        self.rejected = Counter(
+            "kvbridge_instance_rejected",
+            "Requests and reservations this instance refused because it was full (503).",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.queued = Gauge(
+            "kvbridge_requests_queued",
+            "Requests this instance holds now (queued, running, streaming) plus "
+            "reservations waiting for theirs.",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.max_queued = Gauge(
+            "kvbridge_max_queued_requests",
+            "The most requests this instance holds at once (--max-queued-requests).",
+            names,
+            registry=r,
         ).labels(**labels)
         self.replays_refused = Gauge(
             "kvbridge_kv_replays_refused",
