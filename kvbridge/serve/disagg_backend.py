@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -122,10 +122,14 @@ class DisaggBackend(Backend):
         self.model_name = model_name
         self.recompute_on_failure = recompute_on_failure
         # every read waits at most timeout_s (a decode stream: between two tokens); with
-        # a shared token every call is signed (the instances require it)
+        # a shared token every call is signed (the instances require it). Connections
+        # are not capped: the instances bound what they hold (admission.py), and a capped
+        # pool would queue the reservations and cancels that keep them bounded behind
+        # the streams it serves
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             auth=SignedRequests(token) if token is not None else None,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self._instance_ids: dict[str, str] = {}  # decode url -> its instance id
         self._introduction: asyncio.Task[None] | None = None
@@ -218,8 +222,14 @@ class DisaggBackend(Backend):
         on; BackendError (503, with Retry-After when they are full) when none did."""
         errors, full = [], []
         for i, url in enumerate(urls):
+            body = {"request_id": request_id}
             try:
-                resp = await self._call(url, "/internal/reserve", {"request_id": request_id})
+                try:
+                    resp = await self._call(url, "/internal/reserve", body)
+                except (httpx.ReadError, httpx.RemoteProtocolError):
+                    # a kept-alive connection the instance had closed: once more on a
+                    # fresh one (a reservation of the same id only renews it)
+                    resp = await self._call(url, "/internal/reserve", body)
             except httpx.HTTPError as exc:
                 message = f"decode instance {url} is unreachable: {exc!r}"
                 self.decode.mark_down(url, message)
@@ -370,7 +380,7 @@ class DisaggBackend(Backend):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _call(self, url: str, path: str, body: dict[str, object]) -> httpx.Response:
+    async def _call(self, url: str, path: str, body: Mapping[str, object]) -> httpx.Response:
         """POST a small JSON control message to an instance (probe timeout)."""
         return await self._client.post(
             f"{url}{path}",
