@@ -532,15 +532,17 @@ class Instance:
                 return self._refuse_overloaded(exc)
             except Exception as exc:
                 return _failure(exc)
+            started: concurrent.futures.Future[wire.PrefillResult] | None = None
             try:
                 started = await self.loop.acall(lambda e: self._start_prefill(e, gen))
                 waited = asyncio.wait_for(asyncio.wrap_future(started), REQUEST_TIMEOUT_S)
                 result = await until_disconnected(request, waited)
-            except ClientGone:  # nobody will read the answer: stop computing it
-                rid = gen.request_id
-                self.loop.call(lambda e: self._drop_prefill(e, rid, started))
-                return error_response(CLIENT_GONE, "the caller went away")
-            except TimeoutError:
+            except (ClientGone, TimeoutError) as exc:  # nobody will read it: stop computing it
+                if started is not None:
+                    dropped = started
+                    self.loop.call(lambda e: self._drop_prefill(e, gen.request_id, dropped))
+                if isinstance(exc, ClientGone):
+                    return error_response(CLIENT_GONE, "the caller went away")
                 return error_response(
                     503, f"the engine did not answer within {REQUEST_TIMEOUT_S:.0f} s"
                 )
