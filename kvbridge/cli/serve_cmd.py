@@ -54,7 +54,8 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         "--lease-s",
         type=float,
         default=120.0,
-        help="prefill blocks are freed after this long if no decode pulls them",
+        help="prefill blocks are freed after this long at most if no decode pulls them "
+        "(sooner when nobody took them: see --kv-claim-s)",
     )
     p.add_argument(
         "--transfer-timeout-s",
@@ -112,6 +113,24 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="turn automatic prefix caching off: every prompt is computed (prefill) and "
         "pulled (decode) whole",
+    )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most requests an instance holds at once (queued, running, streaming, "
+        "and places reserved by the proxy); more are refused at once with 503 and "
+        "Retry-After (default: twice the engine's max_num_seqs (16), at most one per two "
+        "KV blocks)",
+    )
+    p.add_argument(
+        "--kv-claim-s",
+        type=float,
+        default=10.0,
+        help="a decode instance must take a prefilled request's KV within this long "
+        "(its pull capability expires); blocks nobody took are freed after this plus "
+        "--transfer-timeout-s and 5 s (default 10)",
     )
     p.add_argument(
         "--max-body-mb",
@@ -252,6 +271,8 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         liveness_timeout_s=args.liveness_timeout_s,
         handshake_timeout_s=args.handshake_timeout_s,
         max_body_mb=args.max_body_mb,
+        max_queued_requests=args.max_queued_requests,
+        claim_s=args.kv_claim_s,
     )
 
 

@@ -72,12 +72,21 @@ class GenerateEvent(msgspec.Struct):
 
 class BackendError(KVBridgeError):
     """A request the backend refused or could not finish; `status` is the HTTP status
-    the proxy answers with (400 bad request, 503 unavailable, 500 internal)."""
+    the proxy answers with (400 bad request, 503 unavailable, 500 internal). With
+    `retry_after_s` it was refused for lack of room (every instance full): the proxy
+    answers 503 with that `Retry-After` and the error code "overloaded"."""
 
-    def __init__(self, message: str, status: int = 500, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 500,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.param = param
+        self.retry_after_s = retry_after_s
 
 
 class Backend(abc.ABC):

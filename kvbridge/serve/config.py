@@ -24,6 +24,12 @@ class Role(enum.Enum):
     DECODE = "decode"
 
 
+#: Slack between a pull capability's expiry and the release of its unclaimed blocks:
+#: covers clocks that differ between hosts and the moment between exposing the blocks
+#: and issuing the capability.
+CLAIM_MARGIN_S = 5.0
+
+
 class KVLoadFailure(enum.Enum):
     RECOMPUTE = "recompute"  # compute the prompt locally and answer correctly
     FAIL = "fail"  # answer an error
@@ -72,11 +78,26 @@ class InstanceConfig:
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
     kv_advertise_host: str | None = None  # the address peers reach the KV side channel at
     insecure: bool = False  # allow a non-loopback HTTP host without a shared token
+    #: the most requests held at once (more are refused with 503 and Retry-After);
+    #: None: derived from the KV cache (`admission.default_max_queued`)
+    max_queued_requests: int | None = None
+    #: a decode instance must take a prefilled request's KV within this long
+    claim_s: float = 10.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port {self.port} must be in [0, 65536); 0 picks a free port")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ConfigError(
+                f"--max-queued-requests {self.max_queued_requests} must be at least 1; "
+                "leave it out to derive it from the KV cache"
+            )
+        if not (math.isfinite(self.claim_s) and 0 < self.claim_s <= self.lease_s):
+            raise ConfigError(
+                f"--kv-claim-s {self.claim_s} must be a positive number of seconds no "
+                f"longer than --lease-s {self.lease_s:g}; the default is 10"
+            )
         _check_body_limit(self.max_body_mb)
         _check_exposure(self.host, self.token(), self.insecure)
 
@@ -87,6 +108,14 @@ class InstanceConfig:
     @property
     def max_body_bytes(self) -> int:
         return mib_to_bytes(self.max_body_mb)
+
+    @property
+    def exposure_lease_s(self) -> float:
+        """How long a prefilled request's blocks stay pinned when nobody tells this
+        instance anything: a pull may begin until its capability expires (`claim_s`),
+        and a pull ends within the transfer timeout, so after both (and a margin) no
+        decode worker can still be reading them; never longer than `lease_s`."""
+        return min(self.lease_s, self.claim_s + self.transfer_timeout_s + CLAIM_MARGIN_S)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -140,9 +169,13 @@ class InstanceConfig:
             str(self.kv_port),
             "--max-body-mb",
             str(self.max_body_mb),
+            "--kv-claim-s",
+            str(self.claim_s),
         ]
         if not self.enable_prefix_caching:
             out += ["--no-prefix-caching"]
+        if self.max_queued_requests is not None:
+            out += ["--max-queued-requests", str(self.max_queued_requests)]
         if self.kv_host:
             out += ["--kv-host", self.kv_host]
         if self.kv_advertise_host:

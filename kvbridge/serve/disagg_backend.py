@@ -16,6 +16,16 @@ after `down_s`, or as soon as a /health probe finds it up. With no prefill insta
 the decode instance computes the whole request itself (colocated) when
 `recompute_on_failure` is set, so the answer is still correct; with no decode instance
 up the request is refused with 503 naming each instance's reason.
+
+Backpressure: before a prompt goes to a prefill instance, a decode instance reserves a
+place for the request (`/internal/reserve`), so no prefill is computed that no decode
+instance can take. An instance that is full answers 503 "overloaded" with Retry-After
+at once; it is not down, only full: the request goes to the next instance of that role,
+and when every one is full the client gets that 503 and Retry-After (never a recompute
+elsewhere, which would only move the load). Whatever the request leaves behind when it
+ends early (the client went away, an instance refused it) is given back at once in
+the background: the decode reservation, and the prefill's exposed KV
+(`/internal/cancel`).
 """
 
 from __future__ import annotations
@@ -23,13 +33,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
 import msgspec
 
 from kvbridge.serve import wire
+from kvbridge.serve.admission import OVERLOADED, RETRY_AFTER_S
 from kvbridge.serve.backend import Backend, BackendError, GenerateEvent, GenerateRequest
 from kvbridge.serve.http_auth import SignedRequests
 
@@ -115,14 +126,19 @@ class DisaggBackend(Backend):
         self.model_name = model_name
         self.recompute_on_failure = recompute_on_failure
         # every read waits at most timeout_s (a decode stream: between two tokens); with
-        # a shared token every call is signed (the instances require it). Idle connections
-        # are closed here before the instances' servers close them (uvicorn: after 5 s):
-        # otherwise a close crossing a request, or one lost while a link was down, fails
-        # the next request on a dead pooled connection
+        # a shared token every call is signed (the instances require it). Connections
+        # are not capped: the instances bound what they hold (admission.py), and a capped
+        # pool would queue the reservations and cancels that keep them bounded behind
+        # the streams it serves. Idle connections are closed here before the instances'
+        # servers close them (uvicorn: after 5 s): otherwise a close crossing a request,
+        # or one lost while a link was down, fails the next request on a dead pooled
+        # connection
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(keepalive_expiry=2.0),
             auth=SignedRequests(token) if token is not None else None,
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+            ),
         )
         self._instance_ids: dict[str, str] = {}  # decode url -> its instance id
         self._introduction: asyncio.Task[None] | None = None
@@ -147,7 +163,8 @@ class DisaggBackend(Backend):
             raise BackendError(f"prefill instance {url} is unreachable: {exc!r}", 503) from None
         if resp.status_code != 200:
             status = resp.status_code if resp.status_code < 500 else 503
-            raise BackendError(f"prefill instance {url}: {_message(resp)}", status)
+            message = f"prefill instance {url}: {_message(resp)}"
+            raise BackendError(message, status, retry_after_s=_retry_after(resp))
         try:
             return wire.prefill_result_decoder.decode(resp.content)
         except msgspec.DecodeError as exc:
@@ -158,7 +175,7 @@ class DisaggBackend(Backend):
     async def _prefill_any(self, request: GenerateRequest) -> tuple[str, wire.PrefillResult] | None:
         """(url, result) from the first prefill instance up that serves it; None when none
         could and the decode instance is to compute the prompt."""
-        errors = []
+        errors, full = [], []
         candidates, _ = await self._rank(self.prefill.candidates(), msgspec.json.encode(request))
         for url in candidates:
             try:
@@ -166,8 +183,13 @@ class DisaggBackend(Backend):
             except BackendError as exc:
                 if exc.status < 500:
                     raise  # the request itself was refused
+                if exc.retry_after_s is not None:  # full, not down
+                    full.append(exc)
+                    continue
                 self.prefill.mark_down(url, str(exc))
                 errors.append(str(exc))
+        if full:  # refuse, rather than move the load onto the decode instance
+            raise _all_full(full)
         message = "; ".join(errors) or self.prefill.unavailable()
         if not self.recompute_on_failure:
             raise BackendError(message, 503)
@@ -194,10 +216,9 @@ class DisaggBackend(Backend):
                 log.warning("prefill instance %s did not tell its endpoint: %r", url, exc)
         if not endpoints:
             return
-        body = msgspec.json.encode({"endpoints": endpoints})
         for url in self.decode.urls:
             try:
-                resp = await self._post(url, "/internal/connect", body, PROBE_TIMEOUT_S)
+                resp = await self._call(url, "/internal/connect", {"endpoints": endpoints})
                 resp.raise_for_status()
             except httpx.HTTPError as exc:
                 log.warning("could not introduce the prefill instances to %s: %r", url, exc)
@@ -229,12 +250,12 @@ class DisaggBackend(Backend):
 
     async def _rank(
         self, urls: list[str], body: bytes, always: bool = False
-    ) -> tuple[list[str], wire.Lookup | None]:
+    ) -> tuple[list[str], dict[str, wire.Lookup]]:
         """`urls` (in turn order) reordered: the longest cached prefix first, then the
-        least loaded; and the first one's lookup. Asks nobody when there is no choice
-        unless `always`."""
+        least loaded; and the lookups that were answered. Asks nobody when there is no
+        choice unless `always`."""
         if not urls or (len(urls) == 1 and not always):
-            return urls, None
+            return urls, {}
         answers = await asyncio.gather(*(self._lookup(url, body) for url in urls))
 
         def key(i: int) -> tuple[int, int, int]:
@@ -242,38 +263,82 @@ class DisaggBackend(Backend):
             return (-a.cached_tokens, a.num_requests, i) if a else (0, 1 << 30, i)
 
         order = sorted(range(len(urls)), key=key)
-        return [urls[i] for i in order], answers[order[0]]
+        found = {url: a for url, a in zip(urls, answers, strict=True) if a is not None}
+        return [urls[i] for i in order], found
+
+    async def _reserve(self, request_id: str, urls: list[str]) -> list[str]:
+        """`urls` from the first decode instance that reserved a place for `request_id`
+        on; BackendError (503, with Retry-After when they are full) when none did."""
+        errors, full = [], []
+        for i, url in enumerate(urls):
+            body = {"request_id": request_id}
+            try:
+                try:
+                    resp = await self._call(url, "/internal/reserve", body)
+                except (httpx.ReadError, httpx.RemoteProtocolError):
+                    # a kept-alive connection the instance had closed: once more on a
+                    # fresh one (a reservation of the same id only renews it)
+                    resp = await self._call(url, "/internal/reserve", body)
+            except httpx.HTTPError as exc:
+                message = f"decode instance {url} is unreachable: {exc!r}"
+                self.decode.mark_down(url, message)
+                errors.append(message)
+                continue
+            if resp.status_code in (200, 404):  # 404: it takes no reservations; go ahead
+                return urls[i:] + urls[:i]
+            message = f"decode instance {url}: {_message(resp)}"
+            retry_after = _retry_after(resp)
+            if retry_after is not None:
+                full.append(BackendError(message, 503, retry_after_s=retry_after))
+                continue
+            if resp.status_code >= 500:
+                self.decode.mark_down(url, message)
+            errors.append(message)
+        if full:
+            raise _all_full(full)
+        raise BackendError("no decode instance could serve the request: " + "; ".join(errors), 503)
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
         decode_urls = self.decode.candidates()
         if not decode_urls:
             raise BackendError(self.decode.unavailable(), 503)
+        rid = request.request_id
+        # the decode instance holding most of the prompt first; its hit decides what the
+        # prefill instance exposes
         body = msgspec.json.encode(request)
-        # the decode instance's hit decides what the prefill instance exposes
-        decode_urls, hit = await self._rank(decode_urls, body, always=bool(self.prefill.members))
-        prefill, prefill_url = None, ""
-        whole = hit is not None and 0 < hit.cached_tokens == hit.full_block_tokens
-        if self.prefill.members and not whole:  # the KV goes to the first decode candidate
-            reader = await self._instance_id(decode_urls[0])
-            start = hit.pull_start_token if hit is not None else 0
-            served = await self._prefill_any(
-                msgspec.structs.replace(request, kv_reader=reader, kv_start_token=start)
-            )
-            if served is not None:
-                prefill_url, prefill = served
+        decode_urls, hits = await self._rank(decode_urls, body, always=bool(self.prefill.members))
+        decode_urls = await self._reserve(rid, decode_urls)
+        hit = hits.get(decode_urls[0])
+        # the reservation is given back unless the decode instance took the request, and
         # the prefill's exposed KV is "open" until the decode instance it was issued to
-        # takes the request; if that instance refuses it or cannot be reached, or the
-        # client gives up first, the prefill instance releases it at once (not at its lease)
-        exposed = prefill is not None and prefill.kv is not None and prefill.finish_reason is None
+        # takes it: if that instance refuses it or cannot be reached, or the client gives
+        # up first, both are released at once (not at a lease)
+        reserved, prefill, prefill_url = True, None, ""
         try:
+            # a decode instance holding every full block of the prompt computes the rest
+            # itself: nothing to prefill elsewhere, nothing to pull
+            whole = hit is not None and 0 < hit.cached_tokens == hit.full_block_tokens
+            if self.prefill.members and not whole:  # the KV goes to the reserved instance
+                reader = await self._instance_id(decode_urls[0])
+                start = hit.pull_start_token if hit is not None else 0
+                served = await self._prefill_any(
+                    msgspec.structs.replace(request, kv_reader=reader, kv_start_token=start)
+                )
+                if served is not None:
+                    prefill_url, prefill = served
             async for ev in self._generate(request, prefill, decode_urls):
                 if ev is TAKEN:
-                    exposed = False
+                    reserved = False
                     continue
                 yield ev
         finally:
-            if exposed and prefill is not None:
-                self._cancel_soon(prefill_url, prefill.request_id, "no decode instance took it")
+            exposed = (
+                prefill is not None and prefill.kv is not None and prefill.finish_reason is None
+            )
+            if reserved and exposed and prefill is not None:
+                self._cancel_soon(prefill_url, rid, "no decode instance took it")
+            if reserved:
+                self._cancel_soon(decode_urls[0], rid, "the request ended before it came")
 
     async def _generate(
         self,
@@ -316,6 +381,9 @@ class DisaggBackend(Backend):
                     if r.status_code != 200:
                         await r.aread()
                         message = f"decode instance {url}: {_message(r)}"
+                        if _retry_after(r) is not None:  # full (its reservation lapsed)
+                            errors.append(message)
+                            continue
                         if r.status_code >= 500:  # it cannot serve: try the next one
                             self.decode.mark_down(url, message)
                             errors.append(message)
@@ -357,19 +425,25 @@ class DisaggBackend(Backend):
             raise BackendError(message, 503)
         yield GenerateEvent(error=message, error_status=503)
 
-    def _cancel_soon(self, prefill_url: str, request_id: str, reason: str) -> None:
-        """Ask the prefill instance to release `request_id` now (in the background)."""
+    def _cancel_soon(self, url: str, request_id: str, reason: str) -> None:
+        """Ask an instance to give back what it holds for `request_id` now (a prefill
+        instance its exposed KV, a decode instance its reservation), in the background."""
 
         async def cancel() -> None:
             try:
-                body = msgspec.json.encode({"request_id": request_id, "reason": reason})
-                await self._post(prefill_url, "/internal/cancel", body, PROBE_TIMEOUT_S)
+                await self._call(
+                    url, "/internal/cancel", {"request_id": request_id, "reason": reason}
+                )
             except httpx.HTTPError as exc:
-                log.warning("cancelling %s on %s failed: %r", request_id, prefill_url, exc)
+                log.warning("cancelling %s on %s failed: %r", request_id, url, exc)
 
         task = asyncio.ensure_future(cancel())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _call(self, url: str, path: str, body: Mapping[str, object]) -> httpx.Response:
+        """POST a small JSON control message to an instance (probe timeout)."""
+        return await self._post(url, path, msgspec.json.encode(body), PROBE_TIMEOUT_S)
 
     async def _probe(self, url: str, path: str) -> httpx.Response | str:
         try:
@@ -419,6 +493,24 @@ class DisaggBackend(Backend):
         if self._introduction is not None and not self._introduction.done():
             self._introduction.cancel()
         await self._client.aclose()
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    """The Retry-After of an instance's "overloaded" refusal; None for any other answer."""
+    if resp.status_code != 503:
+        return None
+    try:
+        if resp.json()["error"]["code"] != OVERLOADED:
+            return None
+        return float(resp.headers.get("retry-after", RETRY_AFTER_S))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _all_full(refusals: list[BackendError]) -> BackendError:
+    """The refusal when every instance of a role is full: 503, the soonest Retry-After."""
+    retry_after = min(e.retry_after_s or RETRY_AFTER_S for e in refusals)
+    return BackendError("; ".join(str(e) for e in refusals), 503, retry_after_s=retry_after)
 
 
 def _message(resp: httpx.Response) -> str:

@@ -6,10 +6,20 @@ behind an internal HTTP API the proxy calls.
          with `prefill` set: pull the KV from the prefill instance, then decode;
          without: compute the prompt here (colocated; also the recompute fallback)
     POST /internal/connect   (decode) meet prefill instances before their first request
-    POST /internal/cancel    (prefill) release a request no decode instance took
+    POST /internal/reserve   keep a place for a request about to come (the proxy, on the
+                             decode instance, before it sends the prompt to prefill)
+    POST /internal/cancel    give back a reservation; (prefill) release a request no
+                             decode instance took
     POST /internal/lookup    GenerateRequest -> Lookup: how much of its prompt the
          prefix cache holds here, and the load (for routing; nothing is held)
     GET  /health, /metrics, /internal/info
+
+At most `max_queued_requests` requests (and reservations) are held at once; one more is
+refused at once with 503 and Retry-After, without touching the engine (`admission.py`).
+A caller that goes away stops its request: a prefill still queued or running is
+dropped and its blocks freed, a stream is aborted (`disconnect.py`). A prefill's
+exposed KV must be taken within `claim_s` (the capability expires then) and is
+released once no pull begun by then can still be reading (`exposure_lease_s`).
 
 Bodies are msgspec JSON of at most `max_body_bytes` (413 beyond it, `BodyLimit`). A
 malformed body or a request the engine refuses is answered 400; a `request_id` this
@@ -32,15 +42,17 @@ from typing import Annotated, Any
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvbridge.engine.errors import OutOfBlocksError
 from kvbridge.engine.llm_engine import LLMEngine, RequestOutput
 from kvbridge.errors import KVBridgeError, WorkerError
 from kvbridge.serve import wire
+from kvbridge.serve.admission import Admission, Overloaded, default_max_queued, overloaded_response
 from kvbridge.serve.backend import PROTOCOL_VERSION, GenerateEvent, GenerateRequest
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, BodyLimit, mib_to_bytes
 from kvbridge.serve.config import KVLoadFailure, Role
+from kvbridge.serve.disconnect import ClientGone, ClosingStreamingResponse, until_disconnected
 from kvbridge.serve.engine_loop import (
     EngineFailedError,
     EngineLoop,
@@ -126,6 +138,8 @@ class _CancelBody(msgspec.Struct, frozen=True):
 
 
 _cancel_decoder = msgspec.json.Decoder(_CancelBody)
+#: The status answered to a caller that closed its connection (nobody reads it).
+CLIENT_GONE = 499
 #: How long an instance polls its connector at the busy cadence after an introduction.
 CONNECT_POLL_S = 30.0
 
@@ -156,7 +170,9 @@ class Instance:
         kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE,
         max_body_bytes: int = mib_to_bytes(DEFAULT_MAX_BODY_MB),
         token: bytes | None = None,
-        capability_ttl_s: float = 120.0,
+        claim_s: float = 10.0,
+        exposure_lease_s: float | None = None,
+        max_queued_requests: int | None = None,
     ) -> None:
         self.loop = loop
         self.role = role
@@ -165,9 +181,16 @@ class Instance:
         self.kv_load_failure = kv_load_failure
         self.max_body_bytes = max_body_bytes
         self.token = token  # signs capabilities and requires signed calls (http_auth)
-        self.capability_ttl_s = capability_ttl_s
+        self.claim_s = claim_s  # a pull capability expires this long after it is issued
+        self.exposure_lease_s = exposure_lease_s  # None: the transfer config's lease
         self.endpoint = ""
         self.metrics = InstanceMetrics(instance_id, role.value)
+        bm = loop.engine.block_manager
+        limit = max_queued_requests or default_max_queued(
+            bm.num_blocks, loop.engine.config.max_num_seqs
+        )
+        self.admission = Admission(limit, f"{role.value} instance {instance_id}")
+        self.metrics.max_queued.set(limit)
 
     # -- engine-thread callbacks -----------------------------------------------------------
     def _claim(self, rid: str) -> None:
@@ -213,7 +236,14 @@ class Instance:
                 exposed = comp.block_ids[start // engine.config.block_size :]
                 try:
                     engine.connector_call(
-                        Expose(rid, exposed, len(ids), reader=gen.kv_reader, start_token=start)
+                        Expose(
+                            rid,
+                            exposed,
+                            len(ids),
+                            reader=gen.kv_reader,
+                            start_token=start,
+                            lease_s=self.exposure_lease_s,
+                        )
                     )
                 except Exception:
                     engine.release_blocks(comp.block_ids)
@@ -231,7 +261,7 @@ class Instance:
                     list(exposed),
                     len(ids),
                     gen.kv_reader or "",
-                    time.time() + self.capability_ttl_s,
+                    time.time() + self.claim_s,
                     start,
                     engine.config.block_size,
                 )
@@ -452,6 +482,22 @@ class Instance:
         engine.abort(rid)
         engine.pop(rid)
 
+    def _drop_prefill(
+        self, engine: LLMEngine, rid: str, fut: concurrent.futures.Future[Any]
+    ) -> None:
+        """The caller of a prefill went away: drop it if it is still queued or running
+        (its blocks are freed); once prefilled, its cancelled future frees them."""
+        pending = self.loop.prefills.get(rid)
+        if pending is None or pending.future is not fut:
+            return
+        del self.loop.prefills[rid]
+        engine.abort(rid)
+        engine.pop(rid)
+
+    def _refuse_overloaded(self, exc: Overloaded) -> JSONResponse:
+        self.metrics.rejected.inc()
+        return overloaded_response(exc)
+
     # -- HTTP ---------------------------------------------------------------------------
     def app(self) -> FastAPI:
         app = FastAPI(title=f"kvbridge {self.role.value} instance")
@@ -496,21 +542,38 @@ class Instance:
             except (EngineFailedError, TimeoutError):
                 pass  # the figures last seen stay
             self.metrics.pinned_blocks.set(self.loop.tracker.pinned_blocks)
+            self.metrics.queued.set(self.admission.num_held)
             self.metrics.replays_refused.set(self.loop.tracker.replays_refused)
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+        @app.post("/internal/reserve")
+        async def reserve(request: Request) -> Response:
+            """Keep a place for a request about to come (body {"request_id"}): 200, or
+            503 with Retry-After when full. Given back when the request arrives, on
+            /internal/cancel, or after `admission.RESERVATION_S`."""
+            if self.loop.fatal:
+                return error_response(503, self.loop.fatal, code="engine_failed")
+            try:
+                body = _cancel_decoder.decode(await request.body())
+                self.admission.reserve(body.request_id)
+            except msgspec.DecodeError as exc:
+                return error_response(400, f"malformed request: {exc}")
+            except Overloaded as exc:
+                return self._refuse_overloaded(exc)
+            return JSONResponse({"reserved": True})
+
         @app.post("/internal/cancel")
         async def cancel(request: Request) -> Response:
-            """Release a prefilled request's KV now (prefill instances): body
-            {"request_id", "reason"}. The proxy sends it when no decode instance took the
-            request, so nobody will read the blocks."""
-            if self.role is not Role.PREFILL or not self.loop.has_connector:
-                return error_response(404, "only a prefill instance with a KV connector cancels")
+            """Give back a request's reservation, and release a prefilled request's KV
+            now (prefill instances): body {"request_id", "reason"}. The proxy sends it
+            when no decode instance took the request, so nobody will read the blocks."""
             try:
                 body = _cancel_decoder.decode(await request.body())
             except msgspec.DecodeError as exc:
                 return error_response(400, f"malformed request: {exc}")
-            if body.request_id not in self.loop.tracker.transfers:
+            if self.admission.cancel(body.request_id):
+                return JSONResponse({"cancelled": True})
+            if body.request_id not in self.loop.tracker.transfers or self.role is not Role.PREFILL:
                 return JSONResponse({"cancelled": False})
 
             def run(engine: LLMEngine) -> None:
@@ -570,51 +633,77 @@ class Instance:
                 return error_response(404, "this is a decode instance; POST /internal/generate")
             try:
                 gen = await _body(request, wire.generate_request_decoder)
+                ticket = self.admission.admit(gen.request_id)
+            except Overloaded as exc:
+                return self._refuse_overloaded(exc)
+            except Exception as exc:
+                return _failure(exc)
+            started: concurrent.futures.Future[wire.PrefillResult] | None = None
+            try:
                 started = await self.loop.acall(lambda e: self._start_prefill(e, gen))
-                result = await asyncio.wait_for(asyncio.wrap_future(started), REQUEST_TIMEOUT_S)
-            except TimeoutError:
+                waited = asyncio.wait_for(asyncio.wrap_future(started), REQUEST_TIMEOUT_S)
+                result = await until_disconnected(request, waited)
+            except (ClientGone, TimeoutError) as exc:  # nobody will read it: stop computing it
+                if started is not None:
+                    dropped = started
+                    self.loop.call(lambda e: self._drop_prefill(e, gen.request_id, dropped))
+                if isinstance(exc, ClientGone):
+                    return error_response(CLIENT_GONE, "the caller went away")
                 return error_response(
                     503, f"the engine did not answer within {REQUEST_TIMEOUT_S:.0f} s"
                 )
             except Exception as exc:
                 return _failure(exc)
+            finally:
+                ticket.release()
             return Response(msgspec.json.encode(result), media_type="application/json")
 
         @app.post("/internal/generate")
         async def generate(request: Request) -> Response:
             try:
                 req = await _body(request, wire.decode_request_decoder)
-                stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), 0)
+                ticket = self.admission.admit(req.request.request_id)
+            except Overloaded as exc:
+                return self._refuse_overloaded(exc)
+            except Exception as exc:
+                return _failure(exc)
+            stream = Stream(asyncio.get_running_loop(), asyncio.Queue(), 0)
+            try:
                 await self.loop.acall(lambda e: self._start_generate(e, req, stream))
             except TimeoutError:
+                ticket.release()
                 return error_response(
                     503, f"the engine did not answer within {REQUEST_TIMEOUT_S:.0f} s"
                 )
             except Exception as exc:
+                ticket.release()
                 return _failure(exc)
             rid = req.request.request_id
-            return StreamingResponse(self._events(rid, stream), media_type="application/x-ndjson")
+
+            async def close() -> None:
+                """However the stream ended: give back its place; if the proxy went
+                away or gave up, stop generating and free the blocks (a no-op for a
+                request that ended)."""
+                ticket.release()
+                self.loop.call(lambda e: self._abort(e, rid, stream))
+
+            return ClosingStreamingResponse(
+                self._events(stream), on_close=close, media_type="application/x-ndjson"
+            )
 
         return app
 
-    async def _events(self, rid: str, stream: Stream) -> AsyncIterator[bytes]:
-        ended = False  # by the loop: a last event (finish or error) came
-        try:
-            while True:
-                try:
-                    ev = await asyncio.wait_for(stream.queue.get(), REQUEST_TIMEOUT_S)
-                except TimeoutError:
-                    message = f"no token within {REQUEST_TIMEOUT_S:.0f} s"
-                    yield (
-                        msgspec.json.encode(GenerateEvent(error=message, error_status=503)) + b"\n"
-                    )
-                    return
-                yield msgspec.json.encode(ev) + b"\n"
-                if ev.finish_reason and "transfer_ms" not in ev.stages:  # computed here
-                    self._count_hit(int(ev.stages.get("cached_tokens", 0)))
-                if ev.finish_reason or ev.error:
-                    ended = True
-                    return
-        finally:
-            if not ended:  # the proxy went away or gave up: stop generating, free the blocks
-                self.loop.call(lambda e: self._abort(e, rid, stream))
+    async def _events(self, stream: Stream) -> AsyncIterator[bytes]:
+        """The stream's events as NDJSON, up to its last (finish or error)."""
+        while True:
+            try:
+                ev = await asyncio.wait_for(stream.queue.get(), REQUEST_TIMEOUT_S)
+            except TimeoutError:
+                message = f"no token within {REQUEST_TIMEOUT_S:.0f} s"
+                yield msgspec.json.encode(GenerateEvent(error=message, error_status=503)) + b"\n"
+                return
+            yield msgspec.json.encode(ev) + b"\n"
+            if ev.finish_reason and "transfer_ms" not in ev.stages:  # computed here
+                self._count_hit(int(ev.stages.get("cached_tokens", 0)))
+            if ev.finish_reason or ev.error:
+                return

@@ -62,7 +62,9 @@ def run_instance(cfg: InstanceConfig) -> int:
         cfg.kv_load_failure,
         max_body_bytes=cfg.max_body_bytes,
         token=transfer.token,
-        capability_ttl_s=cfg.lease_s,
+        claim_s=cfg.claim_s,
+        exposure_lease_s=cfg.exposure_lease_s,
+        max_queued_requests=cfg.max_queued_requests,
     )
     inst.endpoint = endpoints[0] if role is Role.PREFILL else ""
     devices = os.environ.get("UCX_NET_DEVICES") or device_of(transfer.reachable_host) or "all"

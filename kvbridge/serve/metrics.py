@@ -11,6 +11,7 @@ Names and labels (dashboards depend on them):
               kvbridge_ttft_ms  kvbridge_tpot_ms  kvbridge_kv_transfer_ms  (histograms, ms)
               kvbridge_kv_bytes_total  kvbridge_failures_total{reason}
               kvbridge_kv_load_failures_total  kvbridge_instance_up{url}
+              kvbridge_requests_rejected_total{reason}  (refused for lack of room: 503)
     instance  kvbridge_blocks_in_use{instance,role}  kvbridge_blocks_total{instance,role}
               kvbridge_kv_pinned_blocks{instance,role}
               kvbridge_kv_instance_load_failures_total{instance,role}
@@ -20,6 +21,8 @@ Names and labels (dashboards depend on them):
               kvbridge_prefix_cache_hit_tokens_total{instance,role}
               kvbridge_kv_bytes_saved_total{instance,role}
               kvbridge_blocks_cached_free{instance,role}
+              kvbridge_instance_rejected_total{instance,role}  (503: full)
+              kvbridge_requests_queued{instance,role}  kvbridge_max_queued_requests{instance,role}
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ class ProxyMetrics:
         self.kv_load_failures = Counter(
             "kvbridge_kv_load_failures_total",
             "KV pulls that failed (then recomputed or refused).",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvbridge_requests_rejected",
+            "Requests refused at once with 503 and Retry-After because the instances "
+            "were full (reason overloaded).",
+            ["reason"],
             registry=r,
         )
         self.instance_up = Gauge(
@@ -150,6 +160,25 @@ class InstanceMetrics:
         self.blocks_cached_free = Gauge(
             "kvbridge_blocks_cached_free",
             "Blocks nobody uses that keep their KV for later prompts (evicted on demand).",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.rejected = Counter(
+            "kvbridge_instance_rejected",
+            "Requests and reservations this instance refused because it was full (503).",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.queued = Gauge(
+            "kvbridge_requests_queued",
+            "Requests this instance holds now (queued, running, streaming) plus "
+            "reservations waiting for theirs.",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.max_queued = Gauge(
+            "kvbridge_max_queued_requests",
+            "The most requests this instance holds at once (--max-queued-requests).",
             names,
             registry=r,
         ).labels(**labels)

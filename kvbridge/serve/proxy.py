@@ -6,7 +6,9 @@
 ``{"error": {"message", "type", "param", "code"}}``. Whatever a client sends is answered
 with 200 or a 4xx naming what is wrong (`openai_protocol.parse_request`; 413 for a body
 over the limit, `BodyLimit`); a 5xx means the backend failed (503: no instance can
-serve the request now), and the app keeps serving after any of them.
+serve the request now; with the code "overloaded" and a `Retry-After` header when every
+instance is full), and the app keeps serving after any of them. A client that goes away
+stops its request at once, even before its first token (`disconnect.py`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvbridge.serve import openai_protocol as oai
 from kvbridge.serve import openai_responses as resp
+from kvbridge.serve.admission import OVERLOADED, retry_after_header
 from kvbridge.serve.backend import (
     Backend,
     BackendError,
@@ -36,6 +39,7 @@ from kvbridge.serve.body_limit import (
     BodyLimit,
     mib_to_bytes,
 )
+from kvbridge.serve.disconnect import ClientGone, ClosingStreamingResponse, until_disconnected
 from kvbridge.serve.http_auth import RequireApiKey
 from kvbridge.serve.http_errors import error_response, install_error_handlers
 from kvbridge.serve.metrics import CONTENT_TYPE_LATEST, ProxyMetrics, merge_expositions
@@ -158,7 +162,7 @@ def make_app(
             prompt_token_ids=[int(t) for t in prompt] if isinstance(prompt, list) else None,
         )
         return await _run(
-            gen, bool(req.stream), req.stream_options, chat=False, endpoint="completions"
+            request, gen, bool(req.stream), req.stream_options, chat=False, endpoint="completions"
         )
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -173,9 +177,12 @@ def make_app(
             sampling=_sampling(req, req.max_completion_tokens or req.max_tokens),
             messages=[{"role": msg.role, "content": msg.text()} for msg in req.messages],
         )
-        return await _run(gen, bool(req.stream), req.stream_options, chat=True, endpoint="chat")
+        return await _run(
+            request, gen, bool(req.stream), req.stream_options, chat=True, endpoint="chat"
+        )
 
     async def _run(
+        request: Request,
         gen: GenerateRequest,
         stream: bool,
         options: oai.StreamOptions | None,
@@ -186,11 +193,21 @@ def make_app(
         start = time.perf_counter()
         events = backend.generate(gen)
         try:
-            first = await anext(events)
+            first = await until_disconnected(request, anext(events))
+        except ClientGone:  # its request stopped with `anext` (the backend gave back its places)
+            m.requests.labels(endpoint, "499").inc()
+            m.failures.labels("client_gone").inc()
+            await events.aclose()
+            return error_response(499, "the client went away")
         except BackendError as exc:
             m.requests.labels(endpoint, str(exc.status)).inc()
-            m.failures.labels("refused" if exc.status < 500 else "backend").inc()
             await events.aclose()
+            if exc.retry_after_s is not None:  # every instance full: refused, not failed
+                m.rejected.labels(OVERLOADED).inc()
+                refusal = error_response(exc.status, str(exc), exc.param, OVERLOADED)
+                refusal.headers.update(retry_after_header(exc.retry_after_s))
+                return refusal
+            m.failures.labels("refused" if exc.status < 500 else "backend").inc()
             return error_response(exc.status, str(exc), exc.param)
         except StopAsyncIteration:
             m.requests.labels(endpoint, "500").inc()
@@ -206,14 +223,26 @@ def make_app(
         tracker = _Tracker(m, start)
         if not stream:
             try:
-                return await _collect(first, events, tracker, gen, chat, endpoint)
+                collect = _collect(first, events, tracker, gen, chat, endpoint)
+                return await until_disconnected(request, collect)
+            except ClientGone:
+                tracker.finish(endpoint, "499", failed=True)
+                return error_response(499, "the client went away")
             finally:
                 m.running.dec()
         include_usage = bool(options and options.include_usage)
-        return StreamingResponse(
-            _stream(first, events, tracker, gen, chat, endpoint, include_usage),
-            media_type="text/event-stream",
-        )
+        body = _stream(first, events, tracker, gen, chat, endpoint, include_usage)
+
+        async def close() -> None:
+            """However the response ended (even before its first chunk: then `body`
+            never ran), the request is stopped and counted once."""
+            await body.aclose()  # a body left at a chunk: its `finally` does both
+            if not tracker.done:
+                await events.aclose()
+                tracker.finish(endpoint, "499", failed=True)
+                m.running.dec()
+
+        return ClosingStreamingResponse(body, on_close=close, media_type="text/event-stream")
 
     async def _collect(
         first: GenerateEvent,
@@ -261,7 +290,7 @@ def make_app(
         chat: bool,
         endpoint: str,
         include_usage: bool,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         rid, model = gen.request_id, backend.model_name
         status = "200"
         try:

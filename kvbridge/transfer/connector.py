@@ -85,13 +85,15 @@ class SetEndpoints(msgspec.Struct, frozen=True, tag="set_endpoints"):
 
 class Expose(msgspec.Struct, frozen=True, tag="expose"):
     """Producer workers: pin `block_ids` holding `num_tokens` tokens of `request_id`;
-    with `reader`, only that decode instance's notifications release them."""
+    with `reader`, only that decode instance's notifications release them. `lease_s`
+    (default: the configured lease) bounds how long they stay pinned unread."""
 
     request_id: str
     block_ids: list[int]
     num_tokens: int
     reader: str | None = None
     start_token: int = 0  # a partial pull: block_ids hold tokens [start_token, num_tokens)
+    lease_s: float | None = None
 
 
 class Pull(msgspec.Struct, frozen=True, tag="pull"):
@@ -208,6 +210,7 @@ class WorkerConnector:
         self.producer = runtime if isinstance(runtime, KVProducer) else None
         self.consumer = runtime if isinstance(runtime, KVConsumer) else None
         self._events: list[ConnectorEvent] = []
+        self._num_reported = 0  # the producer's releases reported as events so far
         self._last_poll = 0.0
 
     def handle(self, request: ConnectorRequest) -> ConnectorReply:
@@ -221,6 +224,7 @@ class WorkerConnector:
                 request.request_id,
                 request.block_ids,
                 request.num_tokens,
+                lease_s=request.lease_s,
                 reader=request.reader,
                 start_token=request.start_token,
             )
@@ -235,6 +239,7 @@ class WorkerConnector:
             )
         elif isinstance(request, Cancel):
             self._need(self.producer, request).cancel(request.request_id, request.reason)
+            self._report_releases()  # made outside `poll`: the next Poll reports it
         elif isinstance(request, Decline):
             self._need(self.consumer, request).decline(
                 request.request_id, request.endpoint, request.reason
@@ -277,14 +282,22 @@ class WorkerConnector:
             return interval - (now - self._last_poll)
         self._last_poll = now
         if self.producer is not None:
-            for rel in self.producer.poll(0):
-                ok = rel.cause.value == "completed"
-                self._events.append(ConnectorEvent(rel.request_id, ok, rel.reason))
+            self.producer.poll(0)
+            self._report_releases()
         if self.consumer is not None:
             for res in self.consumer.poll():
                 ok = res.state.value == "done"
                 self._events.append(ConnectorEvent(res.request_id, ok, res.reason, res.nbytes))
         return self.poll_interval()
+
+    def _report_releases(self) -> None:
+        """Queue an event for every release of the producer not reported yet, whether
+        its `poll` made it (notifications, leases) or a `cancel` did."""
+        assert self.producer is not None
+        for rel in self.producer.releases[self._num_reported :]:
+            ok = rel.cause.value == "completed"
+            self._events.append(ConnectorEvent(rel.request_id, ok, rel.reason))
+        self._num_reported = len(self.producer.releases)
 
     def poll_interval(self) -> float:
         """BUSY_POLL_S while a transfer is pending (a read from this worker's memory

@@ -89,6 +89,7 @@ class _Exposure:
     block_ids: tuple[int, ...]
     num_tokens: int
     deadline: float
+    lease_s: float
     reader: str | None = None  # the only decode instance allowed to notify, if given
     instance_id: str | None = None  # the decode instance whose workers notified
     plan: TransferPlan | None = None  # that instance's plan with us
@@ -200,7 +201,7 @@ class KVProducer:
                 f"{span} of {request_id!r} does not fit {len(ids)} blocks of {bp} tokens"
             )
         lease = self.config.lease_s if lease_s is None else lease_s
-        self._exposed[request_id] = _Exposure(ids, num_tokens, self._clock() + lease, reader)
+        self._exposed[request_id] = _Exposure(ids, num_tokens, self._clock() + lease, lease, reader)
         for _, msg, session in self._early.pop(request_id, []):
             self._apply(msg, session)
 
@@ -264,7 +265,7 @@ class KVProducer:
 
     def _lease_reason(self, request_id: str) -> str:
         exp = self._exposed[request_id]
-        lease = f"lease expired after {self.config.lease_s:g} s"
+        lease = f"lease expired after {exp.lease_s:g} s"
         if exp.instance_id is None:
             return f"{lease}: no decode worker notified completion of {request_id!r}"
         readers = expected_notifiers(exp.plan, self.rank) if exp.plan is not None else ()

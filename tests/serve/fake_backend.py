@@ -20,6 +20,8 @@ class FakeBackend(Backend):
         self.delay = 0.0
         self.max_output: int | None = None  # stop at this many tokens ("length")
         self.kv_load_error: str | None = None  # report a failed KV pull (recomputed)
+        self.first_delay = 0.0  # before the first event (a prefill waiting its turn)
+        self.full_retry_after: float | None = None  # refuse every request: all full
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         self.seen.append(request)
@@ -30,9 +32,16 @@ class FakeBackend(Backend):
             prompt = " ".join(map(str, request.prompt_token_ids))
         if not prompt:
             raise BackendError("prompt is empty; send at least one token", 400, "prompt")
+        if self.full_retry_after is not None:
+            raise BackendError(
+                "decode instance d holds 4 requests (--max-queued-requests 4); retry after 2 s",
+                503,
+                retry_after_s=self.full_retry_after,
+            )
         n_prompt = len(prompt.split())
         finished = False
         try:
+            await asyncio.sleep(self.first_delay)
             n = request.sampling.max_tokens
             if self.max_output is not None:
                 n = min(n, self.max_output)

@@ -215,8 +215,9 @@ def fault_setup():
     dep = Deployment()
     try:
         procs = {
-            "prefill_a": dep.start_instance("prefill_a", instance_args("prefill", 1)),
-            "prefill_b": dep.start_instance("prefill_b", instance_args("prefill", 1)),
+            # a capability is used up to a transfer timeout after it was issued here
+            "prefill_a": dep.start_instance("prefill_a", instance_args("prefill", 1, claim_s=60)),
+            "prefill_b": dep.start_instance("prefill_b", instance_args("prefill", 1, claim_s=60)),
             "recompute": dep.start_instance(
                 "recompute",
                 instance_args(

@@ -340,6 +340,46 @@ def test_client_disconnect_aborts_the_request(server):
     assert "kvbridge_requests_running 0.0" in text
 
 
+def test_client_gone_before_the_first_token_stops_the_request(server):
+    """A client that gives up while its request waits for its first token (a queued
+    prefill) stops it at once: the backend's generator is closed, nothing keeps running."""
+    srv, backend = server
+    backend.first_delay = 60.0
+    for stream in (True, False):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                f"{srv.url}/v1/completions",
+                json={"prompt": "x", "max_tokens": 5, "stream": stream},
+                timeout=httpx.Timeout(10, read=0.5),
+            )
+        deadline = time.monotonic() + 10
+        while backend.seen[-1].request_id not in backend.aborted:
+            assert time.monotonic() < deadline, "the request was not stopped"
+            time.sleep(0.02)
+    text = httpx.get(f"{srv.url}/metrics").text
+    assert metric(text, "requests_running") == 0
+    assert metric(text, "failures_total", reason="client_gone") == 2
+
+
+def test_full_backend_is_a_fast_503_with_retry_after(server):
+    """Every instance full: 503 at once, OpenAI-shaped with the code "overloaded", the
+    backend's Retry-After, and counted as rejected (not as a failure)."""
+    srv, backend = server
+    backend.full_retry_after = 2.0
+    for body in ({"prompt": "x", "stream": True}, {"messages": [{"role": "user", "content": "x"}]}):
+        path = "chat/completions" if "messages" in body else "completions"
+        r = httpx.post(f"{srv.url}/v1/{path}", json=body, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+        err = r.json()["error"]
+        assert err["code"] == "overloaded" and err["type"] == "server_error"
+        assert "--max-queued-requests 4" in err["message"]
+    text = httpx.get(f"{srv.url}/metrics").text
+    assert metric(text, "requests_rejected_total", reason="overloaded") == 2
+    assert metric(text, "failures_total") == 0
+    backend.full_retry_after = None
+    assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
 def test_merged_metrics_keep_one_family_block():
     from kvbridge.serve.metrics import merge_expositions
 

@@ -11,6 +11,7 @@ import pytest
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.connector import (
     IDLE_POLL_S,
+    Cancel,
     ConnectorEvent,
     ConnectorReply,
     ConnectorRole,
@@ -55,6 +56,31 @@ def test_producer_connector_exposes_polls_and_reports_the_release() -> None:
         assert conn.handle(Poll()) == ConnectorReply()  # reported once, nothing pinned
         with pytest.raises(TransferError, match="Pull is not a request for a producer worker"):
             conn.handle(Pull("r3", endpoint, [1], [1], 4))
+    finally:
+        conn.close()
+
+
+def test_cancel_and_a_short_lease_are_reported_as_releases() -> None:
+    """A `Cancel` releases outside the producer's poll; the next Poll still reports it
+    (the driver frees the blocks then). An exposure's own `lease_s` overrides the
+    configured lease."""
+    transport = FakeTransport("prefill0")
+    spec = ConnectorSpec(ConnectorRole.PRODUCER, "P", TransferConfig(lease_s=60))
+    conn = WorkerConnector(
+        spec, MODEL, PREFILL, 0, regions(PREFILL, 0), NUM_BLOCKS, transport=transport
+    )
+    try:
+        (endpoint,) = [conn.handle(GetEndpoint()).endpoint]
+        conn.handle(SetEndpoints([endpoint]))
+        conn.handle(Expose("r1", [3, 1], 20))
+        conn.handle(Expose("r2", [2], 10, lease_s=0.2))
+        conn.handle(Cancel("r1", "the client went away"))
+        (event,) = conn.handle(Poll()).events
+        assert event.request_id == "r1" and not event.ok and "client went away" in event.reason
+        time.sleep(0.25)
+        (event,) = conn.handle(Poll()).events
+        assert event.request_id == "r2" and "lease expired after 0.2 s" in event.reason
+        assert conn.handle(Poll()) == ConnectorReply()
     finally:
         conn.close()
 
