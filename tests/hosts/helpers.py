@@ -17,6 +17,8 @@ PORT = 8000
 #: About 1,000 tokens: ~44 MB of KV from a tp-1 prefill worker, long enough on a
 #: slowed link to cut it in the middle of the pull.
 LONG_PROMPT = "The history of the old harbour town is long and full of events. " * 65
+#: The requests each test instance holds at once (--max-queued-requests).
+MAX_QUEUED = 64
 
 
 def serve(args: list[str]) -> list[str]:
@@ -35,9 +37,10 @@ class ThreeHosts:
     @classmethod
     def start(cls, net: HostNetwork, timeout_s: float = 900) -> ThreeHosts:
         dep = cls(net.add("prefill"), net.add("decode"), net.add("proxy"))
-        # prefill blocks a cut link strands are freed by the lease: keep it short
-        dep.start_instance(dep.prefill, "prefill", 1, lease_s=60)
-        dep.start_instance(dep.decode, "decode", 3)
+        # prefill blocks a cut link strands are freed by the lease: keep it short; each
+        # instance holds up to MAX_QUEUED requests (64 streams fit, a burst does not)
+        dep.start_instance(dep.prefill, "prefill", 1, lease_s=60, max_queued_requests=MAX_QUEUED)
+        dep.start_instance(dep.decode, "decode", 3, max_queued_requests=MAX_QUEUED)
         px = dep.proxy
         upstream = ["--prefill", dep.url(dep.prefill), "--decode", dep.url(dep.decode)]
         auth = ["--auth-token-file", TOKEN_FILE]

@@ -6,6 +6,7 @@ last test kills the prefill host."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 import time
 
@@ -15,7 +16,7 @@ import pytest
 
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.wire import DecodeRequest
-from tests.hosts.helpers import LONG_PROMPT, ThreeHosts
+from tests.hosts.helpers import LONG_PROMPT, MAX_QUEUED, ThreeHosts
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +72,45 @@ def test_64_concurrent_streams_across_hosts_complete_and_leak_nothing(
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         got = list(pool.map(dep.stream, [prompts[i % 4] for i in range(64)], timeout=900))
     assert got == [want[prompts[i % 4]] for i in range(64)]
+    for host in (dep.prefill, dep.decode):
+        dep.wait_released(host, 60)
+
+
+def test_an_overload_burst_is_refused_quickly_and_recovered_from(
+    three_hosts: ThreeHosts,
+) -> None:
+    """Three times what the instances hold, at once: each request completes with the
+    right text or is refused with 503 and Retry-After well before a client would give
+    up; right after, a request is served and every block comes back."""
+    dep = three_hosts
+    prompts = [f"Name a colour that starts with the letter {c}." for c in "BGRY"]
+    want = {p: dep.colocated(p, 4) for p in prompts}
+
+    def attempt(prompt: str) -> tuple[int, str | None, str, float]:
+        started = time.monotonic()
+        with dep.proxy.inside():
+            r = httpx.post(
+                f"{dep.url(dep.proxy)}/v1/completions",
+                json={"prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True},
+                timeout=300,
+            )
+        text = "".join(
+            json.loads(line[6:])["choices"][0]["text"]
+            for line in r.text.splitlines()
+            if line.startswith("data: {") and r.status_code == 200
+        )
+        return r.status_code, r.headers.get("retry-after"), text, time.monotonic() - started
+
+    burst = [prompts[i % 4] for i in range(3 * MAX_QUEUED)]
+    with concurrent.futures.ThreadPoolExecutor(len(burst)) as pool:
+        answers = list(pool.map(attempt, burst, timeout=900))
+    refused = [a for a in answers if a[0] == 503]
+    for prompt, (status, retry_after, text, _) in zip(burst, answers, strict=True):
+        assert status in (200, 503), status
+        assert text == want[prompt] if status == 200 else retry_after is not None
+    assert refused and len(refused) < len(burst)
+    assert max(a[3] for a in refused) < 60  # refused, not left to time out
+    assert dep.stream(prompts[0], 4) == want[prompts[0]]
     for host in (dep.prefill, dep.decode):
         dep.wait_released(host, 60)
 
