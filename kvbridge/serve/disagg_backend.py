@@ -242,7 +242,7 @@ class DisaggBackend(Backend):
             resp = await self._post(url, "/internal/lookup", body, PROBE_TIMEOUT_S)
             if resp.status_code == 200:
                 return wire.lookup_decoder.decode(resp.content)
-            if resp.status_code < 500:  # the request itself is refused: say so now
+            if resp.status_code in (400, 413):  # the request itself is refused: say so now
                 raise BackendError(_message(resp), resp.status_code)
         except (httpx.HTTPError, msgspec.DecodeError) as exc:
             log.warning("prefix lookup on %s failed: %r", url, exc)
@@ -259,8 +259,8 @@ class DisaggBackend(Backend):
         answers = await asyncio.gather(*(self._lookup(url, body) for url in urls))
 
         def key(i: int) -> tuple[int, int, int]:
-            a = answers[i]
-            return (-a.cached_tokens, a.num_requests, i) if a else (0, 1 << 30, i)
+            a = answers[i]  # one that did not answer: no hit, load unknown (its turn)
+            return (-a.cached_tokens, a.num_requests, i) if a else (0, 0, i)
 
         order = sorted(range(len(urls)), key=key)
         found = {url: a for url, a in zip(urls, answers, strict=True) if a is not None}

@@ -46,7 +46,12 @@ def test_completion_shape_and_usage(server):
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
     assert body["choices"][0]["text"] == " Paris. It"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert backend.seen[-1].sampling.max_tokens == 3
 
 
