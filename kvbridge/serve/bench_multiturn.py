@@ -7,8 +7,9 @@ completions, greedy), first to the caching deployment, then to the other, so bot
 the same machine. Per turn it prints TTFT, prompt tokens, cached tokens (usage's
 prompt_tokens_details), prefill tokens computed and KV bytes pulled (from the
 instances' /metrics, over the turn), and the targets of issue 11: from turn 3 on the KV
-pulled per request stays within (the turn's new tokens + one block) x bytes per token,
-and from turn 4 on TTFT is at least 2x better with caching.
+pulled per request stays within (the turn's new tokens + one block) x the bytes the
+decode instance reads per token (the plan's: every decode worker its heads, replicas
+included), and from turn 4 on TTFT is at least 2x better with caching.
 """
 
 from __future__ import annotations
@@ -141,9 +142,18 @@ def _turn(
 def run_multi_turn_bench(args: argparse.Namespace) -> int:
     from kvbridge.engine.weights import resolve_model
     from kvbridge.plan.geometry import load_model_spec
+    from kvbridge.plan.layout import InstanceLayout
+    from kvbridge.plan.planner import make_plan
 
-    bytes_per_token = load_model_spec(resolve_model(args.model)).bytes_per_token
     block = args.block_size
+    spec = load_model_spec(resolve_model(args.model))
+    plan = make_plan(
+        spec,
+        InstanceLayout(args.prefill_tp, block_size=block),
+        InstanceLayout(args.decode_tp, block_size=block),
+    )
+    # what the decode instance reads per token: every worker its heads (replicas too)
+    bytes_per_token = plan.bytes_per_token
     dep = Deployment()
     servers: list[ServerThread] = []
     common = ["--model", args.model, "--kv-cache-mb", str(args.kv_cache_mb)]
@@ -204,8 +214,10 @@ def run_multi_turn_bench(args: argparse.Namespace) -> int:
                     )
                 previous = statistics.mean(t.prompt_tokens for t in rows[0][1])
         print(
-            f"KV bound (turns >= 3): {'met' if ok else 'NOT met'}; bytes per token "
-            f"{bytes_per_token}, block {block}"
+            f"KV bound (turns >= 3): {'met' if ok else 'NOT met'}; bound = (the turn's new "
+            f"tokens + one block of {block}) x {bytes_per_token} bytes the decode instance "
+            f"reads per token ({spec.bytes_per_token} of KV, each decode worker reading its "
+            "heads, replicas included)"
         )
         return 0
     finally:
