@@ -330,6 +330,8 @@ class DisaggBackend(Backend):
                 if ev is TAKEN:
                     reserved = False
                     continue
+                if whole and ev.finish_reason:  # say so: the decode instance had it all
+                    ev.stages.setdefault("kv_bytes", 0.0)
                 yield ev
         finally:
             exposed = (
