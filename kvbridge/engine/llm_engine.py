@@ -183,11 +183,13 @@ class LLMEngine:
         at most `max_cached`). OutOfBlocksError (nothing taken) if full."""
         bm = self.block_manager
         hit = bm.match_prefix(prompt_ids, max_cached)
-        need = bm.blocks_for(len(prompt_ids)) - len(hit)
-        if not bm.can_allocate(need + bm.num_to_acquire(hit)):
-            bm.allocate(need + bm.num_to_acquire(hit))  # raises, naming the numbers
-        bm.acquire(hit)
-        return hit + bm.allocate(need), len(hit) * bm.block_size
+        bm.acquire(hit)  # held first: the allocation below cannot evict them
+        try:
+            fresh = bm.allocate(bm.blocks_for(len(prompt_ids)) - len(hit))
+        except OutOfBlocksError:
+            bm.free(hit)
+            raise
+        return hit + fresh, len(hit) * bm.block_size
 
     def cached_prefix_len(self, prompt_ids: list[int]) -> int:
         """How many leading tokens of `prompt_ids` the prefix cache holds now (whole

@@ -94,7 +94,7 @@ def _measure(
     return statistics.median(ttfts), statistics.median(tpots)
 
 
-def _metric(text: str, name: str) -> float:
+def metric_total(text: str, name: str) -> float:
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -130,9 +130,15 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             dt, dp = _measure(disagg.url, c, args.rounds, args.prompt_words, args.max_tokens, "d")
             after = httpx.get(f"{disagg.url}/metrics").text
             ct, cp = _measure(coloc.url, c, args.rounds, args.prompt_words, args.max_tokens, "c")
-            n = _metric(after, "kv_transfer_ms_count") - _metric(before, "kv_transfer_ms_count")
-            kv = (_metric(after, "kv_bytes_total") - _metric(before, "kv_bytes_total")) / max(n, 1)
-            xfer = _metric(after, "kv_transfer_ms_sum") - _metric(before, "kv_transfer_ms_sum")
+            n = metric_total(after, "kv_transfer_ms_count") - metric_total(
+                before, "kv_transfer_ms_count"
+            )
+            kv = (
+                metric_total(after, "kv_bytes_total") - metric_total(before, "kv_bytes_total")
+            ) / max(n, 1)
+            xfer = metric_total(after, "kv_transfer_ms_sum") - metric_total(
+                before, "kv_transfer_ms_sum"
+            )
             print(
                 f"{c:>11} {f'disagg tp{args.prefill_tp}->tp{args.decode_tp}':>24} "
                 f"{dt * 1e3:9.0f} {dp * 1e3:9.1f}"

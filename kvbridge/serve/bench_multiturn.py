@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvbridge.serve.bench import metric_total
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment
@@ -74,7 +75,7 @@ class _Path:
 
     name: str
     url: str
-    instance_urls: list[str]
+    decode_url: str
     history: list[list[dict[str, str]]] = field(default_factory=list)
 
 
@@ -114,28 +115,25 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[_T
     return turn, "".join(text)
 
 
-def _instance_sum(urls: list[str], name: str, role: str) -> float:
-    """A counter summed over the instances of `role` (their /metrics are open)."""
-    total = 0.0
-    for url in urls:
-        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-            if line.startswith(f"kvbridge_{name}{{") and f'role="{role}"' in line:
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+def _decode_kv_bytes(path: _Path) -> float:
+    """KV bytes the decode instance pulled so far (its /metrics are open)."""
+    return metric_total(
+        httpx.get(f"{path.decode_url}/metrics", timeout=30).text, "kv_instance_bytes_total"
+    )
 
 
 def _turn(
     path: _Path, pool: concurrent.futures.Executor, turn: int, args: argparse.Namespace
 ) -> tuple[list[_Turn], float]:
     """One turn of every conversation at once: (turns, KV bytes pulled per request)."""
-    before = _instance_sum(path.instance_urls, "kv_instance_bytes_total", "decode")
+    before = _decode_kv_bytes(path)
     for c, hist in enumerate(path.history):
         hist.append({"role": "user", "content": _user_message(c, turn, args.turn_words)})
     results = list(pool.map(lambda h: _chat(path.url, h, args.max_tokens), path.history))
     for hist, (_, reply) in zip(path.history, results, strict=True):
         hist.append({"role": "assistant", "content": reply})
     turns = [t for t, _ in results]
-    kv = _instance_sum(path.instance_urls, "kv_instance_bytes_total", "decode") - before
+    kv = _decode_kv_bytes(path) - before
     return turns, kv / len(turns)
 
 
@@ -180,7 +178,7 @@ def run_multi_turn_bench(args: argparse.Namespace) -> int:
         for name, p_url, d_url in paths:
             server = ServerThread(make_app(DisaggBackend([p_url], [d_url], args.model))).start()
             servers.append(server)
-            runs.append(_Path(name, server.url, [p_url, d_url]))
+            runs.append(_Path(name, server.url, d_url))
             _chat(server.url, [{"role": "user", "content": f"warm up {name}"}], 2)
         for run in runs:
             run.history = [[] for _ in range(args.conversations)]

@@ -10,8 +10,8 @@ the prompt each one's prefix cache holds and picks, per role, the one holding th
 (so a conversation's later turns land where its earlier turns are), the least loaded
 among equals, else round-robin (`InstancePool`). The prefill instance then exposes only
 the KV the chosen decode instance lacks; a decode instance holding every full block of
-the prompt computes the rest itself and nothing is pulled. One that fails a request before serving it (unreachable, or a 5xx: its engine failed)
-is marked down with the reason and the request goes to the next one; it is tried again
+the prompt computes the rest itself and nothing is pulled. One that fails a request
+before serving it (unreachable, or a 5xx: its engine failed) is marked down with the reason and the request goes to the next one; it is tried again
 after `down_s`, or as soon as a /health probe finds it up. With no prefill instance up,
 the decode instance computes the whole request itself (colocated) when
 `recompute_on_failure` is set, so the answer is still correct; with no decode instance

@@ -346,7 +346,6 @@ class Instance:
             engine.release_blocks(blocks)
             self._recompute(engine, req, stream, str(exc))
             return
-        stream.stages["cached_tokens"] = float(cached)
         self.loop.tracker.track(
             rid,
             blocks,
@@ -595,10 +594,10 @@ class Instance:
 
                 def run(engine: LLMEngine) -> wire.Lookup:
                     ids = prompt_ids(engine, gen)
-                    busy = len(self.loop.streams) + len(self.loop.prefills)
                     cached = engine.cached_prefix_len(ids)
                     bs = engine.config.block_size
-                    return wire.Lookup(self.instance_id, len(ids), cached, bs, busy)
+                    held = self.admission.num_held
+                    return wire.Lookup(self.instance_id, len(ids), cached, bs, held)
 
                 answer = await self.loop.acall(run, timeout=30.0)
             except Exception as exc:

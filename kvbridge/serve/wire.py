@@ -47,7 +47,7 @@ class Lookup(msgspec.Struct, frozen=True):
     prompt_tokens: int
     cached_tokens: int  # leading tokens in whole cached blocks
     block_size: int
-    num_requests: int  # running or waiting here
+    num_requests: int  # held here: queued, running, streaming, reserved (admission)
 
     @property
     def full_block_tokens(self) -> int:
