@@ -77,6 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--prompt-words", type=int, default=100, help="words per prompt")
     bs.add_argument("--max-tokens", type=int, default=32)
     bs.add_argument("--rounds", type=int, default=2, help="batches per concurrency level")
+    bs.add_argument(
+        "--idle-s",
+        type=float,
+        default=5.0,
+        help="seconds over which each instance's idle CPU is measured (default 5)",
+    )
     mt = bs.add_argument_group("multi-turn chat (--multi-turn)")
     mt.add_argument(
         "--multi-turn",

@@ -17,12 +17,17 @@ talks to all of its workers with typed requests and gets one typed reply per wor
     Poll                      -> reply.events: requests finished since (released on a
                               producer, DONE/FAILED on a consumer), reply.pinned_blocks
 
-Polling cadence: without NIXL's progress thread a read from a worker's memory
-progresses only while that worker polls, so the worker's own loop calls `idle_poll()`
-between driver calls and waits as long as it returns: `BUSY_POLL_S` while a transfer is
-pending, `IDLE_POLL_S` for an idle producer (it answers handshakes, runs leases),
-`CONSUMER_IDLE_S` for an idle consumer. An engine whose workers cannot poll on their
-own (one process, driver and worker alike) sends `Poll` from its loop instead.
+Progress: without NIXL's progress thread (it spins a core per agent) a read from a
+worker's memory, a notification to it and a handshake progress only while that worker
+polls its agent. Each `WorkerConnector` therefore runs a `ProgressThread`
+(`progress.py`) that polls while the engine computes, at the cadence its state needs:
+`BUSY_POLL_S` while a transfer is pending (woken at once by a Pull, Expose, Connect or
+Decline), `IDLE_POLL_S` for an idle producer (it answers handshakes, runs leases),
+`CONSUMER_IDLE_S` for an idle consumer, blocked on an event in between. One lock
+serializes the thread's polls with the driver's requests (NIXL's agent has no lock of
+its own here). An engine that wants to poll from its own loop instead builds the
+connector with `progress_thread=False` and calls `idle_poll()` between driver calls,
+waiting no longer than it returns.
 
 On the driver, `TransferTracker` turns the workers' events into one outcome per request
 once every worker reported: the release callback of the engine (free the blocks).
@@ -35,6 +40,7 @@ runtime's modules are imported when a `WorkerConnector` is built, not before.
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -50,6 +56,7 @@ if TYPE_CHECKING:
     from kvbridge.transfer.agent import Transport
     from kvbridge.transfer.consumer import KVConsumer
     from kvbridge.transfer.producer import KVProducer
+    from kvbridge.transfer.progress import ProgressThread
     from kvbridge.transfer.regions import CacheRegions
 
 #: How often an idle producer worker polls its side channel and leases (seconds).
@@ -167,8 +174,15 @@ def encode(msg: ConnectorRequest | ConnectorReply) -> bytes:
 
 
 class WorkerConnector:
-    """One worker's producer or consumer over its registered cache. Built, called and
-    closed by the process that owns the cache memory, from one thread."""
+    """One worker's producer or consumer over its registered cache, built and closed by
+    the process that owns the cache memory.
+
+    `handle`, `idle_poll` and `close` may be called from any one thread of that process
+    (the engine's); with `progress_thread` (the default) a `ProgressThread` of its own
+    polls the agent meanwhile. Every use of the agent, the producer and the consumer
+    holds `self.lock`, so the two never race. `close` stops and joins the thread, then
+    releases what is in flight, closes the side channel and deregisters the memory.
+    """
 
     def __init__(
         self,
@@ -179,6 +193,7 @@ class WorkerConnector:
         regions: CacheRegions,
         num_blocks: int,
         transport: Transport | None = None,
+        progress_thread: bool = True,
     ) -> None:
         from kvbridge.transfer.agent import NixlTransport
         from kvbridge.transfer.consumer import KVConsumer
@@ -209,12 +224,53 @@ class WorkerConnector:
             raise
         self.producer = runtime if isinstance(runtime, KVProducer) else None
         self.consumer = runtime if isinstance(runtime, KVConsumer) else None
+        self.rank = rank
         self._events: list[ConnectorEvent] = []
         self._num_reported = 0  # the producer's releases reported as events so far
         self._last_poll = 0.0
+        self._closed = False
+        #: held by every use of the agent, the producer and the consumer
+        self.lock = threading.Lock()
+        self.progress: ProgressThread | None = None
+        if progress_thread:
+            from kvbridge.transfer.progress import ProgressThread
+
+            self.progress = ProgressThread(
+                self._progress_step, f"kv-progress-{spec.role.value}-{rank}"
+            ).start()
 
     def handle(self, request: ConnectorRequest) -> ConnectorReply:
-        """Serve one driver request; raises a KVBridgeError on a bad one."""
+        """Serve one driver request; raises a KVBridgeError on a bad one, or if the
+        progress thread failed (its reason)."""
+        with self.lock:
+            self._check_progress()
+            reply = self._handle(request)
+        if self.progress is not None and isinstance(request, Expose | Pull | Connect | Decline):
+            self.progress.wake()  # work to progress now: poll at the busy cadence
+        return reply
+
+    def _check_progress(self) -> None:
+        if self._closed:
+            from kvbridge.transfer.errors import TransferError
+
+            raise TransferError(f"the {self.role.value} connector of worker {self.rank} is closed")
+        if self.progress is not None and self.progress.failure is not None:
+            from kvbridge.transfer.errors import TransferError
+
+            raise TransferError(
+                f"the transfer progress thread of {self.role.value} worker {self.rank} "
+                f"failed: {self.progress.failure}; its transfers no longer progress"
+            )
+
+    def _progress_step(self) -> float:
+        """One poll of the progress thread; returns how long it may wait for the next."""
+        with self.lock:
+            if self._closed:
+                return CONSUMER_IDLE_S
+            self._last_poll = 0.0
+            return self._poll_if_due()
+
+    def _handle(self, request: ConnectorRequest) -> ConnectorReply:
         if isinstance(request, GetEndpoint):
             return ConnectorReply(endpoint=self.producer.endpoint if self.producer else "")
         if isinstance(request, SetEndpoints):
@@ -250,7 +306,7 @@ class WorkerConnector:
             self._last_poll = 0.0
         elif isinstance(request, Poll):
             self._last_poll = 0.0  # the driver asks: poll now
-            self.idle_poll()
+            self._poll_if_due()
             events, self._events = self._events, []
             replays = self.producer.num_replays if self.producer is not None else 0
             return ConnectorReply(
@@ -274,8 +330,18 @@ class WorkerConnector:
         return self.consumer.num_held_blocks if self.consumer is not None else 0
 
     def idle_poll(self) -> float:
-        """Progress transfers and collect finished requests, at most as often as the
-        state needs; returns how long the caller may wait before the next call."""
+        """For an engine that polls from its own loop (`progress_thread=False`): progress
+        transfers and collect finished requests, at most as often as the state needs;
+        returns how long the caller may wait before the next call. With the progress
+        thread this polls nothing and returns `CONSUMER_IDLE_S`."""
+        if self.progress is not None:
+            return CONSUMER_IDLE_S
+        with self.lock:
+            self._check_progress()
+            return self._poll_if_due()
+
+    def _poll_if_due(self) -> float:
+        """`idle_poll`'s work, with the lock held."""
         now = time.monotonic()
         interval = self.poll_interval()
         if now - self._last_poll < interval:
@@ -311,14 +377,27 @@ class WorkerConnector:
         return CONSUMER_IDLE_S
 
     def close(self) -> None:
-        """Fail or release what is in flight, close the side channel, drop the agent."""
-        try:
-            if self.producer is not None:
-                self.producer.close()
-            if self.consumer is not None:
-                self.consumer.close()
-        finally:
-            self.transport.close()
+        """Stop and join the progress thread, fail or release what is in flight, close
+        the side channel, drop the agent. Raises TransferError, leaving the memory
+        registered, if the thread is stuck in a poll (its NIXL call still uses it)."""
+        if self.progress is not None and not self.progress.close():
+            from kvbridge.transfer.errors import TransferError
+
+            raise TransferError(
+                f"the transfer progress thread of {self.role.value} worker {self.rank} did "
+                "not stop within its join timeout; the cache memory stays registered"
+            )
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self.producer is not None:
+                    self.producer.close()
+                if self.consumer is not None:
+                    self.consumer.close()
+            finally:
+                self.transport.close()
 
 
 @dataclass
