@@ -51,6 +51,7 @@ import msgspec
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.errors import TransferError
 
 if TYPE_CHECKING:
     from kvbridge.transfer.agent import Transport
@@ -147,12 +148,15 @@ ConnectorRequest = GetEndpoint | SetEndpoints | Expose | Pull | Connect | Cancel
 
 class ConnectorEvent(msgspec.Struct, frozen=True):
     """A request's transfer finished on one worker: released (producer) or DONE /
-    FAILED (consumer), with the reason and the bytes it read."""
+    FAILED (consumer), with the reason, the bytes it read, and how long it took there
+    (from the worker's Expose or Pull to the moment it finished, in the worker's clock:
+    the transfer's own time, whenever the driver asks)."""
 
     request_id: str
     ok: bool
     reason: str = ""
     nbytes: int = 0
+    elapsed_ms: float = 0.0
 
 
 class ConnectorReply(msgspec.Struct, frozen=True):
@@ -226,6 +230,7 @@ class WorkerConnector:
         self.consumer = runtime if isinstance(runtime, KVConsumer) else None
         self.rank = rank
         self._events: list[ConnectorEvent] = []
+        self._started: dict[str, float] = {}  # request id -> its Expose or Pull here
         self._num_reported = 0  # the producer's releases reported as events so far
         self._last_poll = 0.0
         self._closed = False
@@ -251,12 +256,8 @@ class WorkerConnector:
 
     def _check_progress(self) -> None:
         if self._closed:
-            from kvbridge.transfer.errors import TransferError
-
             raise TransferError(f"the {self.role.value} connector of worker {self.rank} is closed")
         if self.progress is not None and self.progress.failure is not None:
-            from kvbridge.transfer.errors import TransferError
-
             raise TransferError(
                 f"the transfer progress thread of {self.role.value} worker {self.rank} "
                 f"failed: {self.progress.failure}; its transfers no longer progress"
@@ -284,6 +285,7 @@ class WorkerConnector:
                 reader=request.reader,
                 start_token=request.start_token,
             )
+            self._started[request.request_id] = time.monotonic()
         elif isinstance(request, Pull):
             self._need(self.consumer, request).pull(
                 request.request_id,
@@ -293,6 +295,7 @@ class WorkerConnector:
                 request.num_tokens,
                 request.start_token,
             )
+            self._started[request.request_id] = time.monotonic()
         elif isinstance(request, Cancel):
             self._need(self.producer, request).cancel(request.request_id, request.reason)
             self._report_releases()  # made outside `poll`: the next Poll reports it
@@ -316,8 +319,6 @@ class WorkerConnector:
 
     def _need(self, side: KVProducer | KVConsumer | None, request: ConnectorRequest) -> Any:
         if side is None:
-            from kvbridge.transfer.errors import TransferError
-
             raise TransferError(
                 f"{type(request).__name__} is not a request for a {self.role.value} worker"
             )
@@ -353,7 +354,11 @@ class WorkerConnector:
         if self.consumer is not None:
             for res in self.consumer.poll():
                 ok = res.state.value == "done"
-                self._events.append(ConnectorEvent(res.request_id, ok, res.reason, res.nbytes))
+                self._events.append(
+                    ConnectorEvent(
+                        res.request_id, ok, res.reason, res.nbytes, self._elapsed_ms(res.request_id)
+                    )
+                )
         return self.poll_interval()
 
     def _report_releases(self) -> None:
@@ -362,8 +367,13 @@ class WorkerConnector:
         assert self.producer is not None
         for rel in self.producer.releases[self._num_reported :]:
             ok = rel.cause.value == "completed"
-            self._events.append(ConnectorEvent(rel.request_id, ok, rel.reason))
+            elapsed = self._elapsed_ms(rel.request_id)
+            self._events.append(ConnectorEvent(rel.request_id, ok, rel.reason, 0, elapsed))
         self._num_reported = len(self.producer.releases)
+
+    def _elapsed_ms(self, request_id: str) -> float:
+        started = self._started.pop(request_id, None)
+        return 0.0 if started is None else (time.monotonic() - started) * 1e3
 
     def poll_interval(self) -> float:
         """BUSY_POLL_S while a transfer is pending (a read from this worker's memory
@@ -381,8 +391,6 @@ class WorkerConnector:
         the side channel, drop the agent. Raises TransferError, leaving the memory
         registered, if the thread is stuck in a poll (its NIXL call still uses it)."""
         if self.progress is not None and not self.progress.close():
-            from kvbridge.transfer.errors import TransferError
-
             raise TransferError(
                 f"the transfer progress thread of {self.role.value} worker {self.rank} did "
                 "not stop within its join timeout; the cache memory stays registered"
@@ -409,6 +417,8 @@ class TrackedTransfer:
     remaining: int  # workers yet to report
     failures: list[str] = field(default_factory=list)
     nbytes: int = 0
+    #: the slowest worker's own time from Expose/Pull to done (ConnectorEvent.elapsed_ms)
+    worker_ms: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     on_done: Callable[[TrackedTransfer], None] | None = None
 
@@ -456,6 +466,7 @@ class TransferTracker:
                     continue
                 tr.remaining -= 1
                 tr.nbytes += ev.nbytes
+                tr.worker_ms = max(tr.worker_ms, ev.elapsed_ms)
                 if not ev.ok:
                     tr.failures.append(ev.reason)
                 if tr.remaining == 0:

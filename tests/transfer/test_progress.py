@@ -78,7 +78,7 @@ def example(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 @pytest.mark.slow
-def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(example) -> None:
+def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(example: Any) -> None:
     ex, prefill = example
     decode = InstanceLayout(tp_size=1, block_size=32, cache_layout=CacheLayout.parse("LBNHC"))
     shard = decode.workers(ex.MODEL)[0]
@@ -87,7 +87,8 @@ def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(examp
     config = dataclasses.replace(ex.transfer_config(), liveness_timeout_s=2.0)
     spec = ConnectorSpec(ConnectorRole.CONSUMER, "decode-progress", config)
     conn = WorkerConnector(spec, ex.MODEL, decode, 0, cache_regions, 8)
-    assert conn.progress is not None
+    progress, consumer = conn.progress, conn.consumer
+    assert progress is not None and consumer is not None
     try:
         endpoints = [r.endpoint for r in prefill.connector_call(GetEndpoint())]
         prefill.connector_call(SetEndpoints(endpoints))
@@ -96,35 +97,40 @@ def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(examp
         prefill.connector_call(Expose("r1", p_ids, n))
         prefill.tracker.track("r1", p_ids, ex.PREFILL.world_size)
 
-        polls = conn.progress.num_polls
+        polls = progress.num_polls
         conn.handle(Pull("r1", endpoints[0], p_ids, d_ids, n))
         # the engine's thread computes and calls nothing: only the progress thread polls
-        wait_until("the pull", lambda: not conn.consumer.is_busy, busy=True)  # type: ignore[union-attr]
-        assert conn.progress.num_polls > polls
+        wait_until("the pull", lambda: not consumer.is_busy, busy=True)
+        assert progress.num_polls > polls
         (event,) = conn.handle(Poll()).events
         want = n * make_plan(ex.MODEL, ex.PREFILL, decode).bytes_per_token
         assert (event.request_id, event.ok, event.nbytes) == ("r1", True, want)
+        assert event.elapsed_ms > 0  # the worker's own time, Pull to done
         assert ex.check_cache(cache, decode, 0, d_ids, n) == ""
+
         # the prefill workers' threads took our notification: their blocks are released
-        finished = []
-        wait_until("the release", lambda: finished.extend(
-            prefill.tracker.feed(prefill.connector_call(Poll()))) or bool(finished))  # fmt: skip
+        finished: list[Any] = []
+
+        def released() -> bool:
+            finished.extend(prefill.tracker.feed(prefill.connector_call(Poll())))
+            return bool(finished)
+
+        wait_until("the release", released)
         assert finished[0].request_id == "r1" and finished[0].ok
         # idle again: the thread waits for the idle consumer's interval, not the busy one
-        wait_until("an idle wait", lambda: conn.progress.is_waiting
-                   and conn.progress.wait_s == CONSUMER_IDLE_S)  # fmt: skip
+        wait_until("an idle wait", lambda: waiting_for(conn, CONSUMER_IDLE_S))
 
         # the producer's workers die: the next pull fails, with why, still without polls
         for proc in prefill.procs:
             proc.kill()
         conn.handle(Pull("r2", endpoints[0], p_ids, [3, 4], n))
-        wait_until("the failure", lambda: not conn.consumer.is_busy, busy=True)  # type: ignore[union-attr]
+        wait_until("the failure", lambda: not consumer.is_busy, busy=True)
         (event,) = conn.handle(Poll()).events
         assert event.request_id == "r2" and not event.ok
         assert "prefill worker" in event.reason, event.reason
     finally:
         conn.close()
-    assert not conn.progress.is_alive
+    assert not progress.is_alive
     with pytest.raises(TransferError, match="consumer connector of worker 0 is closed"):
         conn.handle(Poll())
 
@@ -198,7 +204,8 @@ def test_a_failed_progress_thread_is_reported_to_the_next_caller_with_its_reason
         conn.handle(SetEndpoints([endpoint]))
         transport.broken = True
         conn.handle(Expose("r1", [3], 10))  # wakes the thread, whose poll raises
-        wait_until("the thread's end", lambda: not conn.progress.is_alive)  # type: ignore[union-attr]
+        progress = conn.progress
+        wait_until("the thread's end", lambda: not progress.is_alive)
         with pytest.raises(TransferError, match="progress thread of producer worker 0 failed: "
                            "RuntimeError: agent exploded"):  # fmt: skip
             conn.handle(Poll())
