@@ -295,9 +295,14 @@ def print_targets(levels: list[Level], idle: list[float]) -> None:
     for c in (4, 8):
         if c in by_c and base.concurrency == 1:
             pull, ready = by_c[c].pull_ms / base.pull_ms, by_c[c].ready_ms / base.ready_ms
+            said = (
+                f"KV ready {ready:.2f}x, {verdict(ready <= 2)}"
+                if ready == ready
+                else "KV ready: the instance does not report it"
+            )
             print(
                 f"target pull at concurrency {c} <= 2x concurrency 1: as the engine sees it "
-                f"{pull:.2f}x, {verdict(pull <= 2)}; KV ready {ready:.2f}x, {verdict(ready <= 2)}"
+                f"{pull:.2f}x, {verdict(pull <= 2)}; {said}"
             )
     if 4 in by_c:
         ratio = by_c[4].ttft_s / by_c[4].coloc_ttft_s
