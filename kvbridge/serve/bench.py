@@ -18,6 +18,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import math
 import os
 import secrets
 import statistics
@@ -297,7 +298,7 @@ def print_targets(levels: list[Level], idle: list[float]) -> None:
             pull, ready = by_c[c].pull_ms / base.pull_ms, by_c[c].ready_ms / base.ready_ms
             said = (
                 f"KV ready {ready:.2f}x, {verdict(ready <= 2)}"
-                if ready == ready
+                if not math.isnan(ready)
                 else "KV ready: the instance does not report it"
             )
             print(
