@@ -144,7 +144,8 @@ def check_cache(
     )
 
 
-# 4. A worker process: owns its cache and its connector, serves the driver, polls.
+# 4. A worker process: owns its cache and its connector, serves the driver (the
+# connector's progress thread polls NIXL meanwhile, also while a worker computes).
 def worker_main(conn: Connection, role: ConnectorRole, rank: int, instance_id: str) -> None:
     os.dup2(2, 1)  # whatever NIXL or UCX prints goes to stderr; stdout is the driver's
     sys.stdout = sys.stderr
@@ -163,8 +164,7 @@ def worker_main(conn: Connection, role: ConnectorRole, rank: int, instance_id: s
     try:
         conn.send_bytes(msgspec.msgpack.encode(Answer()))  # ready
         while True:
-            # reads of this cache progress only while we poll: wait no longer than told
-            if not conn.poll(connector.idle_poll()):
+            if not conn.poll(1.0):  # every wait bounded; the transfers need nothing from us
                 continue
             msg = to_worker.decode(conn.recv_bytes())
             if isinstance(msg, Stop):

@@ -77,6 +77,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--prompt-words", type=int, default=100, help="words per prompt")
     bs.add_argument("--max-tokens", type=int, default=32)
     bs.add_argument("--rounds", type=int, default=2, help="batches per concurrency level")
+    bs.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=256,
+        help="KV cache per worker (MiB; default 256: room for 8 concurrent requests of "
+        "100 words, or every conversation of --multi-turn)",
+    )
+    bs.add_argument(
+        "--idle-s",
+        type=float,
+        default=5.0,
+        help="seconds over which each instance's idle CPU is measured (default 5)",
+    )
     mt = bs.add_argument_group("multi-turn chat (--multi-turn)")
     mt.add_argument(
         "--multi-turn",
@@ -88,12 +101,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     mt.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
     mt.add_argument("--turn-words", type=int, default=40, help="words per user turn")
     mt.add_argument("--block-size", type=int, default=16)
-    mt.add_argument(
-        "--kv-cache-mb",
-        type=int,
-        default=256,
-        help="KV cache per worker (MiB; default 256, enough to keep every conversation)",
-    )
     bs.set_defaults(handler=_lazy("kvbridge.serve.bench", "run_serve_bench"), extra="serve")
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
 

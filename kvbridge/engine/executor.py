@@ -34,9 +34,10 @@ class Executor(abc.ABC):
     """Owned by one LLMEngine; `execute` is called from the engine loop only."""
 
     info: RunnerInfo
-    #: True when the workers progress their KV connector between calls by themselves;
-    #: otherwise the driver must send `Poll` now and then (an idle producer answers
-    #: handshakes and runs leases only when polled).
+    #: True when the workers progress their KV connector by themselves (each
+    #: `WorkerConnector` runs its progress thread); otherwise the driver must send
+    #: `Poll` now and then (an idle producer answers handshakes and runs leases only
+    #: when polled).
     connector_polls_itself: bool = False
 
     @abc.abstractmethod
@@ -77,7 +78,10 @@ def make_worker_connector(
 
 
 class InProcessExecutor(Executor):
-    """tp_size 1: the runner lives in the driver's process."""
+    """tp_size 1: the runner lives in the driver's process (its KV connector's
+    progress thread too)."""
+
+    connector_polls_itself = True
 
     def __init__(
         self,

@@ -6,8 +6,8 @@ collectives through shared memory (kvbridge.engine.parallel).
        └──────────── rank 0: StepResult (logits) ◀──┘
     driver ── "kv" (ConnectorRequest) ──▶ every worker's WorkerConnector.handle ──▶ KVReply
 
-Between calls each worker polls its KV connector (transfers progress only while the
-memory's owner polls). A connector error comes back as a `KVReply` with `ok=False` and
+Each worker's KV connector progresses its transfers in its own thread, also while the
+worker computes a step. A connector error comes back as a `KVReply` with `ok=False` and
 leaves the group usable; a failed step breaks the group (WorkerError).
 """
 
@@ -89,7 +89,7 @@ def worker_entry(ctx: WorkerContext) -> None:
         raise ValueError(f"unknown worker method {method!r}")
 
     try:
-        ctx.serve(handle, idle=connector.idle_poll if connector is not None else None)
+        ctx.serve(handle)  # the connector's progress thread polls NIXL meanwhile
     finally:
         if connector is not None:
             connector.close()
@@ -102,7 +102,7 @@ class ShmExecutor(Executor):
     `config.worker_timeout_s`; a worker that fails or dies raises WorkerError naming it.
     """
 
-    connector_polls_itself = True  # worker_entry serves with idle=connector.idle_poll
+    connector_polls_itself = True  # each worker's connector runs its progress thread
 
     def __init__(
         self,

@@ -103,6 +103,9 @@ class EngineLoop:
         self.has_connector = engine.connector is not None
         # every IDLE_POLL_S even with no transfer in flight (see the engine's property)
         self.poll_when_idle = engine.connector_needs_idle_polls
+        # workers whose connectors progress themselves need no busy polls to advance
+        # introductions (busy_until); the loop polls them only to collect outcomes
+        self._polls_itself = engine.connector_polls_itself
         self._tasks: queue.SimpleQueue[
             tuple[Callable[[LLMEngine], Any], concurrent.futures.Future[Any]]
         ] = queue.SimpleQueue()
@@ -160,7 +163,7 @@ class EngineLoop:
                         self.deliver(out)
                     worked = True
                 now = time.monotonic()
-                busy = bool(self.tracker.transfers) or now < self.busy_until
+                busy = self._busy(now)
                 due = now - last_poll >= (BUSY_POLL_S if busy else IDLE_POLL_S)
                 if self.has_connector and (busy or self.poll_when_idle) and due:
                     self._poll_connector()
@@ -173,10 +176,15 @@ class EngineLoop:
                 self._fail_all(f"engine failed: {exc}")
                 return
             if not worked:
-                busy = bool(self.tracker.transfers) or time.monotonic() < self.busy_until
+                busy = self._busy(time.monotonic())
                 self._wake.wait(BUSY_POLL_S if busy else IDLE_POLL_S)
                 self._wake.clear()
         self._fail_all("the instance is shutting down")
+
+    def _busy(self, now: float) -> bool:
+        """Poll the connector at the busy cadence: transfers are tracked, or an
+        introduction is in flight on workers that do not progress it themselves."""
+        return bool(self.tracker.transfers) or (now < self.busy_until and not self._polls_itself)
 
     def _fail_all(self, reason: str) -> None:
         """Refuse new calls and tell every waiter `reason` (loop thread, once)."""

@@ -415,6 +415,7 @@ class Instance:
         assert pf is not None
         rid = gen.request_id
         stream.stages["transfer_ms"] = (time.perf_counter() - tr.started) * 1e3
+        stream.stages["kv_ready_ms"] = tr.worker_ms  # the workers' own time (no step waits)
         stream.stages["kv_bytes"] = float(tr.nbytes)
         self.metrics.kv_bytes.inc(tr.nbytes)
         if self.loop.streams.get(rid) is not stream:  # aborted while pulling

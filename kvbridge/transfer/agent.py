@@ -6,7 +6,9 @@ agent is created without NIXL's progress thread (it keeps a core busy even when
 idle), so the process that owns registered memory must keep calling `notifs()` for
 reads of that memory to progress: `KVProducer.poll` does.
 
-Not thread-safe: one thread owns a transport (NIXL's sync mode is NONE here).
+Not thread-safe: NIXL's sync mode is NONE here (no lock in the agent; UCX runs its
+worker SERIALIZED), so one thread at a time may call a transport: the owner's lock
+(`WorkerConnector.lock`) or a single owning thread.
 """
 
 from __future__ import annotations

@@ -17,12 +17,17 @@ talks to all of its workers with typed requests and gets one typed reply per wor
     Poll                      -> reply.events: requests finished since (released on a
                               producer, DONE/FAILED on a consumer), reply.pinned_blocks
 
-Polling cadence: without NIXL's progress thread a read from a worker's memory
-progresses only while that worker polls, so the worker's own loop calls `idle_poll()`
-between driver calls and waits as long as it returns: `BUSY_POLL_S` while a transfer is
-pending, `IDLE_POLL_S` for an idle producer (it answers handshakes, runs leases),
-`CONSUMER_IDLE_S` for an idle consumer. An engine whose workers cannot poll on their
-own (one process, driver and worker alike) sends `Poll` from its loop instead.
+Progress: without NIXL's progress thread (it spins a core per agent) a read from a
+worker's memory, a notification to it and a handshake progress only while that worker
+polls its agent. Each `WorkerConnector` therefore runs a `ProgressThread`
+(`progress.py`) that polls while the engine computes, at the cadence its state needs:
+`BUSY_POLL_S` while a transfer is pending (woken at once by a Pull, Expose, Connect or
+Decline), `IDLE_POLL_S` for an idle producer (it answers handshakes, runs leases),
+`CONSUMER_IDLE_S` for an idle consumer, blocked on an event in between. One lock
+serializes the thread's polls with the driver's requests (NIXL's agent has no lock of
+its own here). An engine that wants to poll from its own loop instead builds the
+connector with `progress_thread=False` and calls `idle_poll()` between driver calls,
+waiting no longer than it returns.
 
 On the driver, `TransferTracker` turns the workers' events into one outcome per request
 once every worker reported: the release callback of the engine (free the blocks).
@@ -35,6 +40,7 @@ runtime's modules are imported when a `WorkerConnector` is built, not before.
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -45,11 +51,13 @@ import msgspec
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.errors import TransferError
 
 if TYPE_CHECKING:
     from kvbridge.transfer.agent import Transport
     from kvbridge.transfer.consumer import KVConsumer
     from kvbridge.transfer.producer import KVProducer
+    from kvbridge.transfer.progress import ProgressThread
     from kvbridge.transfer.regions import CacheRegions
 
 #: How often an idle producer worker polls its side channel and leases (seconds).
@@ -140,12 +148,15 @@ ConnectorRequest = GetEndpoint | SetEndpoints | Expose | Pull | Connect | Cancel
 
 class ConnectorEvent(msgspec.Struct, frozen=True):
     """A request's transfer finished on one worker: released (producer) or DONE /
-    FAILED (consumer), with the reason and the bytes it read."""
+    FAILED (consumer), with the reason, the bytes it read, and how long it took there
+    (from the worker's Expose or Pull to the moment it finished, in the worker's clock:
+    the transfer's own time, whenever the driver asks)."""
 
     request_id: str
     ok: bool
     reason: str = ""
     nbytes: int = 0
+    elapsed_ms: float = 0.0
 
 
 class ConnectorReply(msgspec.Struct, frozen=True):
@@ -167,8 +178,15 @@ def encode(msg: ConnectorRequest | ConnectorReply) -> bytes:
 
 
 class WorkerConnector:
-    """One worker's producer or consumer over its registered cache. Built, called and
-    closed by the process that owns the cache memory, from one thread."""
+    """One worker's producer or consumer over its registered cache, built and closed by
+    the process that owns the cache memory.
+
+    `handle`, `idle_poll` and `close` may be called from any one thread of that process
+    (the engine's); with `progress_thread` (the default) a `ProgressThread` of its own
+    polls the agent meanwhile. Every use of the agent, the producer and the consumer
+    holds `self.lock`, so the two never race. `close` stops and joins the thread, then
+    releases what is in flight, closes the side channel and deregisters the memory.
+    """
 
     def __init__(
         self,
@@ -179,6 +197,7 @@ class WorkerConnector:
         regions: CacheRegions,
         num_blocks: int,
         transport: Transport | None = None,
+        progress_thread: bool = True,
     ) -> None:
         from kvbridge.transfer.agent import NixlTransport
         from kvbridge.transfer.consumer import KVConsumer
@@ -209,12 +228,50 @@ class WorkerConnector:
             raise
         self.producer = runtime if isinstance(runtime, KVProducer) else None
         self.consumer = runtime if isinstance(runtime, KVConsumer) else None
+        self.rank = rank
         self._events: list[ConnectorEvent] = []
+        self._started: dict[str, float] = {}  # request id -> its Expose or Pull here
         self._num_reported = 0  # the producer's releases reported as events so far
         self._last_poll = 0.0
+        self._closed = False
+        #: held by every use of the agent, the producer and the consumer
+        self.lock = threading.Lock()
+        self.progress: ProgressThread | None = None
+        if progress_thread:
+            from kvbridge.transfer.progress import ProgressThread
+
+            self.progress = ProgressThread(
+                self._progress_step, f"kv-progress-{spec.role.value}-{rank}"
+            ).start()
 
     def handle(self, request: ConnectorRequest) -> ConnectorReply:
-        """Serve one driver request; raises a KVBridgeError on a bad one."""
+        """Serve one driver request; raises a KVBridgeError on a bad one, or if the
+        progress thread failed (its reason)."""
+        with self.lock:
+            self._check_progress()
+            reply = self._handle(request)
+        if self.progress is not None and isinstance(request, Expose | Pull | Connect | Decline):
+            self.progress.wake()  # work to progress now: poll at the busy cadence
+        return reply
+
+    def _check_progress(self) -> None:
+        if self._closed:
+            raise TransferError(f"the {self.role.value} connector of worker {self.rank} is closed")
+        if self.progress is not None and self.progress.failure is not None:
+            raise TransferError(
+                f"the transfer progress thread of {self.role.value} worker {self.rank} "
+                f"failed: {self.progress.failure}; its transfers no longer progress"
+            )
+
+    def _progress_step(self) -> float:
+        """One poll of the progress thread; returns how long it may wait for the next."""
+        with self.lock:
+            if self._closed:
+                return CONSUMER_IDLE_S
+            self._last_poll = 0.0
+            return self._poll_if_due()
+
+    def _handle(self, request: ConnectorRequest) -> ConnectorReply:
         if isinstance(request, GetEndpoint):
             return ConnectorReply(endpoint=self.producer.endpoint if self.producer else "")
         if isinstance(request, SetEndpoints):
@@ -228,6 +285,7 @@ class WorkerConnector:
                 reader=request.reader,
                 start_token=request.start_token,
             )
+            self._started[request.request_id] = time.monotonic()
         elif isinstance(request, Pull):
             self._need(self.consumer, request).pull(
                 request.request_id,
@@ -237,6 +295,7 @@ class WorkerConnector:
                 request.num_tokens,
                 request.start_token,
             )
+            self._started[request.request_id] = time.monotonic()
         elif isinstance(request, Cancel):
             self._need(self.producer, request).cancel(request.request_id, request.reason)
             self._report_releases()  # made outside `poll`: the next Poll reports it
@@ -250,7 +309,7 @@ class WorkerConnector:
             self._last_poll = 0.0
         elif isinstance(request, Poll):
             self._last_poll = 0.0  # the driver asks: poll now
-            self.idle_poll()
+            self._poll_if_due()
             events, self._events = self._events, []
             replays = self.producer.num_replays if self.producer is not None else 0
             return ConnectorReply(
@@ -260,8 +319,6 @@ class WorkerConnector:
 
     def _need(self, side: KVProducer | KVConsumer | None, request: ConnectorRequest) -> Any:
         if side is None:
-            from kvbridge.transfer.errors import TransferError
-
             raise TransferError(
                 f"{type(request).__name__} is not a request for a {self.role.value} worker"
             )
@@ -274,8 +331,18 @@ class WorkerConnector:
         return self.consumer.num_held_blocks if self.consumer is not None else 0
 
     def idle_poll(self) -> float:
-        """Progress transfers and collect finished requests, at most as often as the
-        state needs; returns how long the caller may wait before the next call."""
+        """For an engine that polls from its own loop (`progress_thread=False`): progress
+        transfers and collect finished requests, at most as often as the state needs;
+        returns how long the caller may wait before the next call. With the progress
+        thread this polls nothing and returns `CONSUMER_IDLE_S`."""
+        if self.progress is not None:
+            return CONSUMER_IDLE_S
+        with self.lock:
+            self._check_progress()
+            return self._poll_if_due()
+
+    def _poll_if_due(self) -> float:
+        """`idle_poll`'s work, with the lock held."""
         now = time.monotonic()
         interval = self.poll_interval()
         if now - self._last_poll < interval:
@@ -287,7 +354,11 @@ class WorkerConnector:
         if self.consumer is not None:
             for res in self.consumer.poll():
                 ok = res.state.value == "done"
-                self._events.append(ConnectorEvent(res.request_id, ok, res.reason, res.nbytes))
+                self._events.append(
+                    ConnectorEvent(
+                        res.request_id, ok, res.reason, res.nbytes, self._elapsed_ms(res.request_id)
+                    )
+                )
         return self.poll_interval()
 
     def _report_releases(self) -> None:
@@ -296,8 +367,13 @@ class WorkerConnector:
         assert self.producer is not None
         for rel in self.producer.releases[self._num_reported :]:
             ok = rel.cause.value == "completed"
-            self._events.append(ConnectorEvent(rel.request_id, ok, rel.reason))
+            elapsed = self._elapsed_ms(rel.request_id)
+            self._events.append(ConnectorEvent(rel.request_id, ok, rel.reason, 0, elapsed))
         self._num_reported = len(self.producer.releases)
+
+    def _elapsed_ms(self, request_id: str) -> float:
+        started = self._started.pop(request_id, None)
+        return 0.0 if started is None else (time.monotonic() - started) * 1e3
 
     def poll_interval(self) -> float:
         """BUSY_POLL_S while a transfer is pending (a read from this worker's memory
@@ -311,14 +387,25 @@ class WorkerConnector:
         return CONSUMER_IDLE_S
 
     def close(self) -> None:
-        """Fail or release what is in flight, close the side channel, drop the agent."""
-        try:
-            if self.producer is not None:
-                self.producer.close()
-            if self.consumer is not None:
-                self.consumer.close()
-        finally:
-            self.transport.close()
+        """Stop and join the progress thread, fail or release what is in flight, close
+        the side channel, drop the agent. Raises TransferError, leaving the memory
+        registered, if the thread is stuck in a poll (its NIXL call still uses it)."""
+        if self.progress is not None and not self.progress.close():
+            raise TransferError(
+                f"the transfer progress thread of {self.role.value} worker {self.rank} did "
+                "not stop within its join timeout; the cache memory stays registered"
+            )
+        with self.lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self.producer is not None:
+                    self.producer.close()
+                if self.consumer is not None:
+                    self.consumer.close()
+            finally:
+                self.transport.close()
 
 
 @dataclass
@@ -330,6 +417,8 @@ class TrackedTransfer:
     remaining: int  # workers yet to report
     failures: list[str] = field(default_factory=list)
     nbytes: int = 0
+    #: the slowest worker's own time from Expose/Pull to done (ConnectorEvent.elapsed_ms)
+    worker_ms: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     on_done: Callable[[TrackedTransfer], None] | None = None
 
@@ -377,6 +466,7 @@ class TransferTracker:
                     continue
                 tr.remaining -= 1
                 tr.nbytes += ev.nbytes
+                tr.worker_ms = max(tr.worker_ms, ev.elapsed_ms)
                 if not ev.ok:
                     tr.failures.append(ev.reason)
                 if tr.remaining == 0:

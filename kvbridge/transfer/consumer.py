@@ -17,7 +17,8 @@ whose side channel answered no heartbeat for `liveness_timeout_s` (its host or l
 down) or a request running past `transfer_timeout_s` fails the request with its reason
 (a lost worker is forgotten, so the next pull reconnects); a request that gives up
 tells the producer workers still waiting (`ReadDone(ok=False)`), so they release at
-once instead of at the lease. Single-threaded: `pull`, `poll`, `close` from one thread.
+once instead of at the lease. Not thread-safe: `pull`, `poll`, `close` from one thread
+at a time (a `WorkerConnector` holds its lock around each).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ recent (`sent_at` within a lease) and is taken once; a request exposed for a giv
 decode instance (its capability's reader) takes notifications from that instance only.
 Anything else is refused and counted in `num_replays` (forged, replayed, misdirected). The owner must call
 `poll()` often: it serves the side channel, drives NIXL progress (reads of our memory
-progress only while we poll) and enforces leases. Single-threaded: `expose`, `poll`
-and `close` from one thread.
+progress only while we poll) and enforces leases. Not thread-safe: `expose`, `poll`
+and `close` from one thread at a time (a `WorkerConnector` holds its lock around each).
 """
 
 from __future__ import annotations

@@ -111,3 +111,18 @@ def test_tracker_reports_a_request_once_every_worker_did() -> None:
     tracker.feed([ConnectorReply(events=[ConnectorEvent("b", True)]), ConnectorReply()])
     assert done[1].request_id == "b" and done[1].failures == ["lease expired"]
     assert not tracker.transfers and tracker.nbytes_total == 15
+
+
+def test_tracker_keeps_the_slowest_workers_own_time() -> None:
+    """A request's KV is in place when its slowest worker finished, whenever the driver
+    polls: `worker_ms` is the largest `elapsed_ms` its workers reported."""
+    tracker = TransferTracker()
+    tr = tracker.track("a", [1], num_workers=3)
+    tracker.feed([ConnectorReply(events=[ConnectorEvent("a", True, elapsed_ms=12.5)])])
+    tracker.feed(
+        [
+            ConnectorReply(events=[ConnectorEvent("a", True, elapsed_ms=40.0)]),
+            ConnectorReply(events=[ConnectorEvent("a", True, elapsed_ms=7.0)]),
+        ]
+    )
+    assert not tracker.transfers and tr.worker_ms == 40.0

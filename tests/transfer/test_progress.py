@@ -1,0 +1,232 @@
+"""The connector's progress thread: transfers advance while the engine's thread computes.
+
+With real NIXL agents: a prefill instance of worker processes (the embedding example's,
+whose loops never poll) and a decode worker's `WorkerConnector` in this process, whose
+main thread stays busy in Python and never calls the connector while a pull runs; the
+bytes arrive, both sides report, and a pull from a dead producer fails with its reason.
+Beside it, over a fake transport: the thread's cadence (it waits, not spins, when idle),
+its join at close, and a thread failure reported to the next caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvbridge.plan.layout import CacheLayout, InstanceLayout, cache_shape, num_regions
+from kvbridge.plan.planner import make_plan
+from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.connector import (
+    BUSY_POLL_S,
+    CONSUMER_IDLE_S,
+    IDLE_POLL_S,
+    Cancel,
+    ConnectorRole,
+    ConnectorSpec,
+    Expose,
+    GetEndpoint,
+    Poll,
+    Pull,
+    SetEndpoints,
+    WorkerConnector,
+)
+from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.regions import CacheRegions
+
+from .fakes import FakeTransport
+from .test_embed_example import EXAMPLE, load_example
+from .test_runtime_states import MODEL, NUM_BLOCKS, PREFILL, regions
+
+#: upper bound of every wait below (a bound, not a measurement)
+BOUND_S = 60.0
+
+
+def wait_until(what: str, done: Callable[[], bool], busy: bool = False) -> int:
+    """Loop until `done()`; with `busy`, in pure Python that holds the GIL between
+    checks (an engine computing), never sleeping. Returns the iterations run."""
+    deadline = time.monotonic() + BOUND_S
+    spins = 0
+    while not done():
+        spins += 1
+        if busy:
+            sum(i * i for i in range(2000))  # compute, keep the GIL
+        else:
+            time.sleep(0.001)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not within {BOUND_S:g} s")
+    return spins
+
+
+# -- real NIXL agents ------------------------------------------------------------------
+@pytest.fixture
+def example(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The embedding example's module and its prefill instance (tp 2, started)."""
+    monkeypatch.setenv("KVBRIDGE_TRANSFER_TOKEN", "progress-thread-test-token")
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # spawned workers import it by name
+    ex = load_example()
+    prefill = ex.Instance(ConnectorRole.PRODUCER, ex.PREFILL)
+    try:
+        yield ex, prefill.start()
+    finally:
+        prefill.close()
+
+
+@pytest.mark.slow
+def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(example: Any) -> None:
+    ex, prefill = example
+    decode = InstanceLayout(tp_size=1, block_size=32, cache_layout=CacheLayout.parse("LBNHC"))
+    shard = decode.workers(ex.MODEL)[0]
+    cache = np.zeros(cache_shape(ex.MODEL, decode, shard, 8), dtype=ex.MODEL.dtype)
+    cache_regions = CacheRegions.from_array(cache, num_regions(ex.MODEL, decode, shard))
+    config = dataclasses.replace(ex.transfer_config(), liveness_timeout_s=2.0)
+    spec = ConnectorSpec(ConnectorRole.CONSUMER, "decode-progress", config)
+    conn = WorkerConnector(spec, ex.MODEL, decode, 0, cache_regions, 8)
+    progress, consumer = conn.progress, conn.consumer
+    assert progress is not None and consumer is not None
+    try:
+        endpoints = [r.endpoint for r in prefill.connector_call(GetEndpoint())]
+        prefill.connector_call(SetEndpoints(endpoints))
+        p_ids, d_ids, n = [9, 2, 5], [6, 1], ex.NUM_TOKENS
+        prefill.call(ex.Prefill(p_ids, n))
+        prefill.connector_call(Expose("r1", p_ids, n))
+        prefill.tracker.track("r1", p_ids, ex.PREFILL.world_size)
+
+        polls = progress.num_polls
+        conn.handle(Pull("r1", endpoints[0], p_ids, d_ids, n))
+        # the engine's thread computes and calls nothing: only the progress thread polls
+        wait_until("the pull", lambda: not consumer.is_busy, busy=True)
+        assert progress.num_polls > polls
+        (event,) = conn.handle(Poll()).events
+        want = n * make_plan(ex.MODEL, ex.PREFILL, decode).bytes_per_token
+        assert (event.request_id, event.ok, event.nbytes) == ("r1", True, want)
+        assert event.elapsed_ms > 0  # the worker's own time, Pull to done
+        assert ex.check_cache(cache, decode, 0, d_ids, n) == ""
+
+        # the prefill workers' threads took our notification: their blocks are released
+        finished: list[Any] = []
+
+        def released() -> bool:
+            finished.extend(prefill.tracker.feed(prefill.connector_call(Poll())))
+            return bool(finished)
+
+        wait_until("the release", released)
+        assert finished[0].request_id == "r1" and finished[0].ok
+        # idle again: the thread waits for the idle consumer's interval, not the busy one
+        wait_until("an idle wait", lambda: waiting_for(conn, CONSUMER_IDLE_S))
+
+        # the producer's workers die: the next pull fails, with why, still without polls
+        for proc in prefill.procs:
+            proc.kill()
+        conn.handle(Pull("r2", endpoints[0], p_ids, [3, 4], n))
+        wait_until("the failure", lambda: not consumer.is_busy, busy=True)
+        (event,) = conn.handle(Poll()).events
+        assert event.request_id == "r2" and not event.ok
+        assert "prefill worker" in event.reason, event.reason
+    finally:
+        conn.close()
+    assert not progress.is_alive
+    with pytest.raises(TransferError, match="consumer connector of worker 0 is closed"):
+        conn.handle(Poll())
+
+
+# -- the thread's cadence and lifecycle, over a fake transport -------------------------
+def make(role: ConnectorRole, transport: FakeTransport, lease_s: float = 60.0) -> WorkerConnector:
+    spec = ConnectorSpec(role, "P", TransferConfig(lease_s=lease_s))
+    return WorkerConnector(
+        spec, MODEL, PREFILL, 0, regions(PREFILL, 0), NUM_BLOCKS, transport=transport
+    )
+
+
+def waiting_for(conn: WorkerConnector, wait_s: float) -> bool:
+    assert conn.progress is not None
+    return conn.progress.is_waiting and conn.progress.wait_s == wait_s
+
+
+def test_the_thread_waits_when_idle_and_polls_at_the_busy_cadence_while_blocks_are_pinned() -> None:
+    transport = FakeTransport("prefill0")
+    conn = make(ConnectorRole.PRODUCER, transport, lease_s=60.0)
+    assert conn.progress is not None
+    try:
+        wait_until("an idle producer's wait", lambda: waiting_for(conn, IDLE_POLL_S))
+        (endpoint,) = [conn.handle(GetEndpoint()).endpoint]
+        conn.handle(SetEndpoints([endpoint]))
+        conn.handle(Expose("r1", [3, 1], 20))  # wakes the thread: a read may come now
+        wait_until("a busy wait", lambda: waiting_for(conn, BUSY_POLL_S))
+        conn.handle(Cancel("r1", "nobody came"))  # nothing pinned: idle again
+        wait_until("an idle wait again", lambda: waiting_for(conn, IDLE_POLL_S))
+        (event,) = conn.handle(Poll()).events
+        assert event.request_id == "r1" and "nobody came" in event.reason
+    finally:
+        conn.close()
+    assert not conn.progress.is_alive
+
+
+def test_an_idle_consumer_thread_sleeps_and_close_joins_it() -> None:
+    conn = make(ConnectorRole.CONSUMER, FakeTransport("decode0"))
+    assert conn.progress is not None
+    name = conn.progress._thread.name
+    try:
+        wait_until("an idle consumer's wait", lambda: waiting_for(conn, CONSUMER_IDLE_S))
+        polls = conn.progress.num_polls
+        # the engine calls: each is served under the lock; no poll is added for GetEndpoint
+        conn.handle(GetEndpoint())
+        assert conn.progress.num_polls <= polls + 1
+    finally:
+        conn.close()
+    assert not conn.progress.is_alive
+    assert name not in [t.name for t in threading.enumerate()]
+    conn.close()  # idempotent
+
+
+class BrokenTransport(FakeTransport):
+    """Its agent fails once `broken` is set (as a NIXL call that raises)."""
+
+    broken = False
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        if self.broken:
+            raise RuntimeError("agent exploded")
+        return super().notifs()
+
+
+def test_a_failed_progress_thread_is_reported_to_the_next_caller_with_its_reason() -> None:
+    transport = BrokenTransport("prefill0")
+    conn = make(ConnectorRole.PRODUCER, transport)
+    assert conn.progress is not None
+    try:
+        (endpoint,) = [conn.handle(GetEndpoint()).endpoint]
+        conn.handle(SetEndpoints([endpoint]))
+        transport.broken = True
+        conn.handle(Expose("r1", [3], 10))  # wakes the thread, whose poll raises
+        progress = conn.progress
+        wait_until("the thread's end", lambda: not progress.is_alive)
+        with pytest.raises(TransferError, match="progress thread of producer worker 0 failed: "
+                           "RuntimeError: agent exploded"):  # fmt: skip
+            conn.handle(Poll())
+    finally:
+        transport.broken = False
+        conn.close()  # still releases what was pinned and closes the side channel
+    assert conn.producer is not None and [r.request_id for r in conn.producer.releases] == ["r1"]
+
+
+def test_without_the_thread_the_engine_polls_as_before() -> None:
+    spec = ConnectorSpec(ConnectorRole.PRODUCER, "P", TransferConfig(lease_s=60.0))
+    conn = WorkerConnector(
+        spec, MODEL, PREFILL, 0, regions(PREFILL, 0), NUM_BLOCKS,
+        transport=FakeTransport("prefill0"), progress_thread=False,
+    )  # fmt: skip
+    try:
+        assert conn.progress is None
+        assert conn.idle_poll() == IDLE_POLL_S
+        (endpoint,) = [conn.handle(GetEndpoint()).endpoint]
+        conn.handle(SetEndpoints([endpoint]))
+        conn.handle(Expose("r1", [3], 10))
+        assert 0 < conn.idle_poll() <= BUSY_POLL_S
+    finally:
+        conn.close()
