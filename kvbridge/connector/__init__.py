@@ -21,7 +21,6 @@ from kvbridge.connector.states import (
     TRANSITIONS,
     CapabilityRefused,
     ConnectorError,
-    ConnectorWorkerError,
     InvalidTransition,
     KVLoadFailure,
     RequestState,
@@ -33,6 +32,7 @@ from kvbridge.transfer.connector import (
     ConnectorRole,
     ConnectorSpec,
 )
+from kvbridge.transfer.netdev import device_of as net_device_of
 
 __all__ = [
     "BUSY_POLL_S",
@@ -43,7 +43,6 @@ __all__ = [
     "ConnectorMetadata",
     "ConnectorRole",
     "ConnectorSpec",
-    "ConnectorWorkerError",
     "InvalidTransition",
     "KVConnectorConfig",
     "KVConnectorScheduler",
@@ -55,4 +54,5 @@ __all__ = [
     "RemotePrefill",
     "RequestState",
     "TransferConfig",
+    "net_device_of",
 ]

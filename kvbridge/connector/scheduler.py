@@ -30,6 +30,7 @@ import collections
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvbridge.connector.metadata import (
     ConnectorMetadata,
@@ -41,7 +42,6 @@ from kvbridge.connector.metadata import (
 from kvbridge.connector.states import (
     CapabilityRefused,
     ConnectorError,
-    ConnectorWorkerError,
     KVLoadFailure,
     RequestState,
     check_transition,
@@ -63,6 +63,13 @@ from kvbridge.transfer.errors import AuthError
 #: How long the host polls at the busy cadence after an introduction or a decline (their
 #: handshakes and notifications progress only while the workers poll).
 CONNECT_POLL_S = 30.0
+
+
+class Transition(NamedTuple):
+    request_id: str
+    old: RequestState
+    new: RequestState
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -115,15 +122,16 @@ class KVConnectorScheduler:
         self.world_size = world_size
         self.endpoint = ""  # producer: worker 0's side channel (in capabilities)
         self.requests: dict[str, KVRequest] = {}  # hand-overs not ended
-        #: the last transitions (request id, from, to), oldest first
-        self.log: collections.deque[tuple[str, RequestState, RequestState]] = collections.deque(
-            maxlen=1024
-        )
+        #: the last transitions, oldest first
+        self.log: collections.deque[Transition] = collections.deque(maxlen=1024)
         self.pinned_blocks = 0
         self.replays_refused = 0
         self.nbytes_total = 0
         self.busy_until = 0.0  # time.monotonic() until which the host polls busily
+        #: orders naming no request that a worker could not carry out, last report
+        self.errors: list[str] = []
         self._meta = _MetaBuilder()
+        self._ended: dict[str, KVRequest] = {}  # ended by a call, until `pop_ended`
 
     @property
     def role(self) -> ConnectorRole:
@@ -188,7 +196,7 @@ class KVConnectorScheduler:
     ) -> tuple[int, bool]:
         """(prompt tokens the remote instance supplies beyond the `num_computed_tokens`
         the local prefix cache holds, whether they load asynchronously). (0, False): none
-        will come; the request has gone to RECOMPUTE or FAILED (see `state`)."""
+        will come; the request has gone to RECOMPUTE or FAILED (`pop_ended`)."""
         rec = self.requests[request_id]
         cap = rec.capability
         if cap is None:
@@ -236,7 +244,11 @@ class KVConnectorScheduler:
             self._meta.decline.append(Decline(request_id, rec.capability.endpoint, reason))
             self.busy_until = time.monotonic() + CONNECT_POLL_S
         self._end_load(rec, reason)
-        return rec
+        return self.pop_ended(request_id)
+
+    def pop_ended(self, request_id: str) -> KVRequest:
+        """The record of a hand-over a call has just ended (RECOMPUTE, FAILED, RELEASED)."""
+        return self._ended.pop(request_id)
 
     def connect(self, endpoints: Iterable[str]) -> None:
         """Decode: meet producer instances ahead of their first request."""
@@ -262,11 +274,13 @@ class KVConnectorScheduler:
                 return True, None
             rec.aborted = True
             self._end_load(rec, "the request was aborted before its KV was pulled")
+            self._ended.pop(request_id)
             return False, None
         if rec.state is not RequestState.PREFILLING:
             return False, None
         if done or first_token_id is None or not block_ids:
             self._move(rec, RequestState.RELEASED, "finished without a hand-over")
+            self._ended.pop(request_id)
             return False, None
         return True, self._expose(rec, block_ids, first_token_id)
 
@@ -315,16 +329,14 @@ class KVConnectorScheduler:
         reported): RELEASED (prefill: free its blocks), RUNNING (decode: its KV is in
         place), RECOMPUTE or FAILED (decode: free its blocks; `aborted` ones too)."""
         ended = []
-        errors = [o.error for o in outputs if o.error]
+        self.errors = [o.error for o in outputs if o.error]
         for out in outputs:
             for ev in [*out.finished_sending, *out.finished_recving]:
                 rec = self.requests.get(ev.request_id)
                 if rec is not None and rec.remaining and self._fold(rec, ev):
-                    ended.append(rec)
+                    ended.append(self._ended.pop(rec.request_id))
         self.pinned_blocks = sum(o.pinned_blocks for o in outputs)
         self.replays_refused = sum(o.replays_refused for o in outputs)
-        if errors:
-            raise ConnectorWorkerError("; ".join(errors))
         return ended
 
     def _fold(self, rec: KVRequest, ev: ConnectorEvent) -> bool:
@@ -366,12 +378,13 @@ class KVConnectorScheduler:
 
     def _move(self, rec: KVRequest, new: RequestState, reason: str = "") -> None:
         check_transition(rec.request_id, rec.state, new)
-        self.log.append((rec.request_id, rec.state, new))
-        rec.state = new
         if reason:
             rec.reason = reason
+        self.log.append(Transition(rec.request_id, rec.state, new, reason))
+        rec.state = new
         if new.is_final:  # the host takes the blocks back (the caller reports `rec`)
             self.requests.pop(rec.request_id, None)
+            self._ended[rec.request_id] = rec
 
     def _need(self, role: ConnectorRole, what: str) -> None:
         if self.role is not role:

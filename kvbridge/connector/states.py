@@ -60,10 +60,6 @@ class InvalidTransition(ConnectorError):
     """A request was moved between two states the table does not connect (a bug)."""
 
 
-class ConnectorWorkerError(ConnectorError):
-    """A worker could not carry out an order that names no request."""
-
-
 class CapabilityRefused(ConnectorError):
     """A decode request's pull capability is not valid here (signature, reader, expiry,
     or it does not describe this request); nothing was pulled."""

@@ -92,7 +92,7 @@ def test_prefill_finished_at_its_first_token_exposes_nothing() -> None:
     p = producer()
     p.add_request("r", [1, 2, 3], RemoteDecode("D"))
     assert p.request_finished("r", [1], 42, done=True) == (False, None)
-    assert p.log[-1] == ("r", S.PREFILLING, S.RELEASED) and not p.requests
+    assert p.log[-1][:3] == ("r", S.PREFILLING, S.RELEASED) and not p.requests
     assert p.build_connector_meta().reqs_to_send == []
 
 
@@ -158,7 +158,7 @@ def test_failure_from_waiting_follows_the_policy(policy: KVLoadFailure) -> None:
     # nothing to pull at all
     c.add_request("d", list(range(10)), RemotePrefill(42))
     assert c.get_num_new_matched_tokens("d", 0) == (0, False)
-    assert [(r, new) for r, _, new in c.log] == [(x, final) for x in "abcd"]
+    assert [(t.request_id, t.new) for t in c.log] == [(x, final) for x in "abcd"]
     assert not c.requests
 
 
@@ -175,7 +175,7 @@ def test_an_abort_while_pulling_keeps_the_blocks_until_the_pull_ends() -> None:
     # aborted before its blocks were allocated: nothing to wait for
     c.add_request("s", list(range(10)), decode_params("s"))
     assert c.request_finished("s", [], None, done=True) == (False, None)
-    assert c.log[-1] == ("s", S.WAITING_FOR_REMOTE_KV, S.FAILED)
+    assert c.log[-1][:3] == ("s", S.WAITING_FOR_REMOTE_KV, S.FAILED)
 
 
 def test_capabilities_are_checked_on_arrival() -> None:
