@@ -15,19 +15,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvbridge.connector import ConnectorMetadata, ConnectorSpec, KVWorkerOutput
+from kvbridge.connector.worker import KVConnectorWorker
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import EngineError
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.parallel.base import SingleProcessCommunicator
 from kvbridge.engine.step import RunnerInfo, StepBatch
 from kvbridge.engine.weights import Progress
-from kvbridge.plan.layout import num_regions
-from kvbridge.transfer.connector import (
-    ConnectorReply,
-    ConnectorRequest,
-    ConnectorSpec,
-    WorkerConnector,
-)
 
 
 class Executor(abc.ABC):
@@ -44,8 +39,12 @@ class Executor(abc.ABC):
     def execute(self, batch: StepBatch) -> np.ndarray:
         """Logits [sum(batch.want_logits), vocab] float32; raises WorkerError on failure."""
 
-    def connector_call(self, request: ConnectorRequest) -> list[ConnectorReply]:
-        """Run `WorkerConnector.handle(request)` on every worker; replies in rank order."""
+    def kv_step(self, metadata: ConnectorMetadata) -> list[KVWorkerOutput]:
+        """Run `KVConnectorWorker.execute(metadata)` on every worker; reports in rank order."""
+        raise EngineError("this engine was started without a KV connector")
+
+    def kv_handshake_metadata(self) -> list[str]:
+        """Every worker's `KVConnectorWorker.get_handshake_metadata()`, in rank order."""
         raise EngineError("this engine was started without a KV connector")
 
     def check_workers(self) -> None:  # noqa: B027 - optional hook
@@ -57,24 +56,14 @@ class Executor(abc.ABC):
 
 def make_worker_connector(
     runner: ModelRunner, config: EngineConfig, rank: int, spec: ConnectorSpec | None
-) -> WorkerConnector | None:
-    """The transfer runtime over this worker's KV cache, if the instance has one: the
-    cache tensor, in the layout's axis order, cut into the planner's regions."""
+) -> KVConnectorWorker | None:
+    """This worker's side of the KV connector over its cache, if the instance has one."""
     if spec is None:
         return None
     model = runner.model_config.kv_spec(config.kv_dtype)
-    layout = config.layout()
-    regions = num_regions(model, layout, layout.workers(model)[rank])
-    from kvbridge.transfer.regions import CacheRegions
-
-    return WorkerConnector(
-        spec,
-        model,
-        layout,
-        rank,
-        CacheRegions.from_tensor(runner.kv_cache.tensor, regions),
-        runner.kv_cache.num_blocks,
-    )
+    worker = KVConnectorWorker(spec, model, config.layout(), rank)
+    worker.register_kv_caches(runner.kv_cache.tensor, runner.kv_cache.num_blocks)
+    return worker
 
 
 class InProcessExecutor(Executor):
@@ -98,14 +87,19 @@ class InProcessExecutor(Executor):
     def execute(self, batch: StepBatch) -> np.ndarray:
         return self.runner.execute(batch)
 
-    def connector_call(self, request: ConnectorRequest) -> list[ConnectorReply]:
+    def kv_step(self, metadata: ConnectorMetadata) -> list[KVWorkerOutput]:
         if self.connector is None:
-            return super().connector_call(request)
-        return [self.connector.handle(request)]
+            return super().kv_step(metadata)
+        return [self.connector.execute(metadata)]
+
+    def kv_handshake_metadata(self) -> list[str]:
+        if self.connector is None:
+            return super().kv_handshake_metadata()
+        return [self.connector.get_handshake_metadata()]
 
     def close(self) -> None:
         if self.connector is not None:
-            self.connector.close()
+            self.connector.shutdown()
             self.connector = None
 
     @property

@@ -4,15 +4,26 @@
 workers). Each `step()` runs one scheduled forward pass on every worker, samples on the
 driver and returns what changed. `generate` and `stream` loop over `step()`.
 
-Disaggregation seams (used by kvbridge.serve; the KV transfer itself is not here):
-  * prefill side: `add_request(..., prefill_only=True)` (or `prefill()`) runs the prompt,
-    samples the first token and finishes with FinishReason.PREFILLED, keeping the blocks
-    allocated (`Completion.block_ids`) until `release_blocks(block_ids)`.
-  * decode side: `allocate_blocks(num_tokens)` reserves blocks for an incoming prompt KV
-    (`allocate_for_prompt(prompt_ids)` also takes the prompt's cached prefix, whose K/V
-    need not come); once it has been written into them, `add_prefilled_request(
-    prompt_ids, first_token, block_ids, params)` continues decoding from there (the
-    request owns the blocks).
+Disaggregation, with a KV connector (`connector=KVConnectorConfig`, kvbridge.connector):
+a request's hand-over is given as its `kv_transfer_params` and lives in the engine:
+  * prefill side: `add_request(ids, params, kv_transfer_params=RemoteDecode(reader,
+    start_token))` computes the prompt and samples the first token; the engine's own
+    finish checks (EOS unless `ignore_eos`, stop strings, max_tokens, the context) may
+    end it there. Otherwise it finishes with FinishReason.PREFILLED, its KV exposed for
+    the reader; `Completion.kv_transfer_params` is the `RemotePrefill` (signed
+    capability, first token) to give the decode instance. The blocks stay until the
+    reader pulled them, the lease expired or `cancel_kv` (then they are freed).
+  * decode side: `add_request(ids, params, kv_transfer_params=RemotePrefill(...))` (a
+    capability not valid here raises CapabilityRefused) keeps the prompt's cached prefix,
+    pulls the rest and decodes; a failed pull recomputes the prompt here or ends the
+    request with FinishReason.ERROR, by the connector's `kv_load_failure` policy.
+  Connector transfers progress in `step()` and `poll_kv()` (call it every
+  `kv_poll_interval()` seconds when that is not None).
+Without a connector, the seams a test or another transport uses by hand:
+`add_request(..., prefill_only=True)` (or `prefill()`) keeps a prefill's blocks
+(`Completion.block_ids`) until `release_blocks`; `allocate_blocks` /
+`allocate_for_prompt` reserve blocks for an incoming prompt KV and
+`add_prefilled_request` decodes from them.
 
 Prefix caching (`EngineConfig.enable_prefix_caching`, on by default): the full blocks of
 every prompt and output are registered in the block manager's prefix cache as they are
@@ -23,27 +34,36 @@ computed, and a new request computes only what follows its longest cached prefix
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from kvbridge.connector import (
+    BUSY_POLL_S,
+    IDLE_POLL_S,
+    ConnectorRole,
+    KVConnectorConfig,
+    KVConnectorScheduler,
+    KVRequest,
+    KVTransferParams,
+    RemoteDecode,
+    RemotePrefill,
+    RequestState,
+)
 from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import EngineError, OutOfBlocksError, RequestError
 from kvbridge.engine.executor import Executor, InProcessExecutor
-from kvbridge.engine.sampling import SamplingParams, make_generator, sample
+from kvbridge.engine.sampling import make_generator, sample
+from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvbridge.engine.weights import Progress, open_weights, read_model_config, resolve_model
-from kvbridge.transfer.connector import (
-    ConnectorReply,
-    ConnectorRequest,
-    ConnectorRole,
-    ConnectorSpec,
-)
 
 ExecutorFactory = Callable[..., Executor]
+log = logging.getLogger("kvbridge.engine")
 
 
 @dataclass(frozen=True)
@@ -55,6 +75,20 @@ class RequestOutput:
     new_text: str
     finished: bool
     finish_reason: FinishReason | None
+    error: str | None = None  # with FinishReason.ERROR: why
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """What a decode instance holds of a prompt (a routing hint; nothing is held):
+    `cached_tokens` leading tokens in whole cached blocks; a pull would start at
+    `kv_start_token` (at least the last token is pulled); `holds_prompt`: every full
+    block is cached, so this instance computes the rest itself and pulls nothing."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    kv_start_token: int
+    holds_prompt: bool
 
 
 @dataclass(frozen=True)
@@ -66,8 +100,15 @@ class Completion:
     finish_reason: FinishReason
     ttft_s: float
     total_s: float
-    block_ids: list[int]  # non-empty only for a prefill-only request (blocks kept)
+    block_ids: list[int]  # non-empty only for a prefill-only request without a connector
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
+    #: a prefill exposed for its reader: what the decode instance is given (RemotePrefill)
+    kv_transfer_params: KVTransferParams | None = None
+    kv_nbytes: int = 0  # KV bytes pulled for it (decode)
+    kv_transfer_ms: float | None = None  # how long its pull took (decode)
+    kv_ready_ms: float | None = None  # the slowest decode worker's own time for it
+    kv_load_error: str | None = None  # why its pull failed, if it did (decode)
+    error: str | None = None  # with FinishReason.ERROR: why
 
 
 class LLMEngine:
@@ -79,7 +120,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         progress: Progress | None = None,
         executor_factory: ExecutorFactory | None = None,
-        connector: ConnectorSpec | None = None,
+        connector: KVConnectorConfig | None = None,
     ) -> None:
         self.config = config or EngineConfig()
         self.model_path = resolve_model(model)
@@ -97,10 +138,9 @@ class LLMEngine:
                 from kvbridge.engine.shm_executor import ShmExecutor
 
                 executor_factory = ShmExecutor
-        self.connector = connector
-        if connector is not None:  # each worker attaches the transfer runtime to its cache
+        if connector is not None:  # each worker attaches the connector to its cache
             self.executor = executor_factory(
-                self.model_path, self.config, progress, connector=connector
+                self.model_path, self.config, progress, connector=connector.spec
             )
         else:
             self.executor = executor_factory(self.model_path, self.config, progress)
@@ -110,12 +150,21 @@ class LLMEngine:
             enable_prefix_caching=self.config.enable_prefix_caching,
             salt=self._cache_salt(),
         )
+        self.kv: KVConnectorScheduler | None = None
+        if connector is not None:
+            endpoints = self.executor.kv_handshake_metadata()  # one per worker, rank order
+            self.kv = KVConnectorScheduler(connector, self.config.block_size, len(endpoints))
+            self.kv.set_worker_endpoints(endpoints)
         self.scheduler = Scheduler(
-            self.block_manager, self.config.max_num_seqs, self.config.prefill_chunk_size
+            self.block_manager,
+            self.config.max_num_seqs,
+            self.config.prefill_chunk_size,
+            self.kv,
         )
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []  # from calls between steps
 
     def _cache_salt(self) -> bytes:
         """What besides the tokens makes a block's bytes: the model file, the layout
@@ -133,10 +182,26 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prefill_only: bool = False,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> str:
+        """Queue a request. With `kv_transfer_params` its hand-over goes through the
+        connector (module docstring); CapabilityRefused if a decode request's capability
+        is not valid here (nothing is held then)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        seq = self._new_seq(ids, params, request_id, prefill_only)
+        if kv_transfer_params is not None and self.kv is None:
+            raise RequestError("kv_transfer_params given, but this engine has no KV connector")
+        remote_decode = isinstance(kv_transfer_params, RemoteDecode)
+        seq = self._new_seq(ids, params, request_id, prefill_only or remote_decode)
+        if self.kv is not None and kv_transfer_params is not None:
+            try:
+                self.kv.add_request(seq.request_id, ids, kv_transfer_params)
+            except BaseException:
+                self._forget(seq.request_id)
+                raise
+            seq.kv_params = kv_transfer_params
+            if isinstance(kv_transfer_params, RemotePrefill):
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -200,26 +265,119 @@ class LLMEngine:
         """Give back blocks kept by a prefill-only request or from `allocate_blocks`."""
         self.block_manager.free(block_ids)
 
-    def connector_call(self, request: ConnectorRequest) -> list[ConnectorReply]:
-        """Send `request` to every worker's KV connector; one reply per worker, in rank
-        order (see kvbridge.transfer.connector)."""
-        return self.executor.connector_call(request)
+    # ---- the KV connector ----
+    def poll_kv(self) -> list[RequestOutput]:
+        """Send the connector's pending orders to the workers, progress transfers and
+        act on the hand-overs that ended; the outputs of requests that finished."""
+        return self._kv_flush(poll=True)
+
+    def kv_poll_interval(self) -> float | None:
+        """How soon `poll_kv` is due: often while a transfer is in flight (to collect
+        its outcome); for workers that do not progress their connectors on their own,
+        also just after an introduction or a decline (the handshakes advance only in
+        those polls) and now and then as an idle producer (it answers handshakes and
+        runs leases in them); None when nothing needs it."""
+        if self.kv is None:
+            return None
+        if self.kv.has_transfers:
+            return BUSY_POLL_S
+        if self.executor.connector_polls_itself:
+            return None
+        if time.monotonic() < self.kv.busy_until:
+            return BUSY_POLL_S
+        return IDLE_POLL_S if self.kv.role is ConnectorRole.PRODUCER else None
+
+    @property
+    def kv_endpoint(self) -> str:
+        """A producer's side channel (worker 0's), which its capabilities name; else ""."""
+        return self.kv.endpoint if self.kv is not None else ""
+
+    def kv_state(self, request_id: str) -> RequestState | None:
+        """The request's hand-over state while it is in flight (None otherwise)."""
+        return self.kv.state(request_id) if self.kv is not None else None
+
+    def cancel_kv(self, request_id: str, reason: str) -> bool:
+        """Release an exposed prefill nobody will pull, now; False if not exposed."""
+        if self.kv is None or not self.kv.cancel(request_id, reason):
+            return False
+        self._pending_outputs += self._kv_flush(poll=True)
+        return True
+
+    def connect_kv(self, endpoints: list[str]) -> None:
+        """Decode: meet producer instances before their first request (returns at once)."""
+        if self.kv is None:
+            raise RequestError("this engine has no KV connector")
+        self.kv.connect(endpoints)
+        self._pending_outputs += self._kv_flush(poll=False)
+
+    def lookup(self, prompt_ids: list[int]) -> PrefixHit:
+        """What this engine's prefix cache holds of a prompt now, and where a pull of it
+        would start (see PrefixHit)."""
+        bs = self.block_manager.block_size
+        n = len(prompt_ids)
+        cached = self.cached_prefix_len(prompt_ids)
+        start = min(cached, (n - 1) // bs * bs) if n else 0
+        return PrefixHit(n, cached, start, 0 < cached == n // bs * bs)
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether the id is in use: queued, running, finished but not popped, or its
+        blocks still held by the connector (exposed, or a pull ending)."""
+        return request_id in self._seqs or request_id in self.scheduler.held
+
+    def _kv_flush(self, poll: bool) -> list[RequestOutput]:
+        kv = self.kv
+        if kv is None:
+            return []
+        meta = kv.build_connector_meta()
+        if meta.is_empty and not poll:
+            return []
+        ended = kv.update_connector_output(self.executor.kv_step(meta))
+        for error in kv.errors:
+            log.warning("KV connector: %s", error)
+        outputs = []
+        for rec in ended:
+            out = self._kv_ended(rec)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _kv_ended(self, rec: KVRequest, seq: Sequence | None = None) -> RequestOutput | None:
+        """A request's hand-over ended: give back, or use, its blocks."""
+        rid = rec.request_id
+        if rec.state is RequestState.RELEASED or rec.aborted:
+            self.scheduler.release_held(rid)  # exposed blocks, or a pull's aborted request
+            return None
+        seq = seq or self.scheduler.waiting_for_kv.pop(rid, None)
+        if seq is None or seq.is_finished:
+            return None
+        seq.kv_nbytes, seq.kv_transfer_ms = rec.nbytes, rec.transfer_ms
+        seq.kv_ready_ms = rec.worker_ms
+        first = rec.first_token_id
+        assert first is not None
+        if rec.state is RequestState.FAILED:
+            seq.kv_load_error = rec.reason
+            seq.error = f"KV cache load failed: {rec.reason}"
+            self._finish(seq, FinishReason.ERROR)
+            return RequestOutput(rid, [], "", True, FinishReason.ERROR, seq.error)
+        if rec.state is RequestState.RECOMPUTE:  # the prompt and first token, computed here
+            seq.kv_load_error = rec.reason
+            self.scheduler.free(seq)
+            seq.status = SequenceStatus.WAITING
+        else:  # RUNNING: the prompt's KV is in its blocks
+            seq.num_computed = len(seq.prompt_ids)
+            self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids)
+            seq.status = SequenceStatus.RUNNING
+            seq.first_token_time = time.perf_counter()
+        self._append_token(seq, first)  # sampled by the prefill instance (already sent)
+        if seq.is_finished:  # the first token filled the context: no step will come
+            return RequestOutput(rid, [], "", True, seq.finish_reason)
+        self.scheduler.add(seq)
+        return None
 
     @property
     def connector_polls_itself(self) -> bool:
-        """Whether the workers progress their KV connector without "poll" calls."""
+        """Whether the workers progress their KV connector without `poll_kv` calls."""
         return self.executor.connector_polls_itself
-
-    @property
-    def connector_needs_idle_polls(self) -> bool:
-        """Whether the serving loop must poll the connector even with no transfer in
-        flight: a producer answers handshakes and runs its leases in those polls, unless
-        its workers poll themselves. An idle consumer has nothing to progress."""
-        return (
-            self.connector is not None
-            and self.connector.role is ConnectorRole.PRODUCER
-            and not self.connector_polls_itself
-        )
 
     def is_finished(self, request_id: str) -> bool:
         """Whether the request has finished (its completion waits for `pop`)."""
@@ -257,6 +415,11 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self._seqs and not self._seqs[rid].is_finished:
             raise RequestError(f"request_id={rid!r} is already running; use a fresh id")
+        if rid in self.scheduler.held:
+            raise RequestError(
+                f"request_id={rid!r} still holds KV blocks (exposed, or its pull ending); "
+                "use a fresh id"
+            )
         seq = Sequence(rid, ids, params, self.max_model_len, make_generator(params), prefill_only)
         self._seqs[rid] = seq
         self._detok[rid] = IncrementalDetokenizer(self.tokenizer)
@@ -264,16 +427,22 @@ class LLMEngine:
 
     # ---- the loop ----
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether `step()` has work (requests waiting for their KV wait in `poll_kv`)."""
+        return self.scheduler.has_unfinished() or bool(self._pending_outputs)
 
     def step(self) -> list[RequestOutput]:
         """Run one forward step; the outputs of every request that got a token or finished."""
+        outputs, self._pending_outputs = self._pending_outputs, []
         step = self.scheduler.schedule()
+        for seq, rec in self.scheduler.take_ended_loads():  # refused before any pull
+            out = self._kv_ended(rec, seq)
+            if out is not None:
+                outputs.append(out)
+        outputs += self._kv_flush(poll=False)  # start the pulls allocated just now
         if step is None:
-            return []
+            return outputs
         logits = self.executor.execute(step.to_batch(self.config.block_size))
         self.scheduler.after_step(step)
-        outputs = []
         row = 0
         for seq in step.seqs:
             if seq.num_computed < seq.num_tokens:
@@ -289,6 +458,7 @@ class LLMEngine:
                     seq.request_id, [token], seq.text[before:], seq.is_finished, seq.finish_reason
                 )
             )
+        outputs += self._kv_flush(poll=False)  # expose the prefills that finished now
         return outputs
 
     def _append_token(self, seq: Sequence, token: int) -> None:
@@ -296,12 +466,13 @@ class LLMEngine:
         is_eos = token in self.eos_ids and not seq.params.ignore_eos
         if not is_eos:
             seq.text += self._detok[seq.request_id].update(seq.output_ids)
-        if seq.prefill_only:
-            self._finish(seq, FinishReason.PREFILLED)
-        elif is_eos or self._cut_at_stop(seq):
+        # a prefill's first token is judged like any other: it may finish the request
+        if is_eos or self._cut_at_stop(seq):
             self._finish(seq, FinishReason.STOP)
         elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= seq.max_len:
             self._finish(seq, FinishReason.LENGTH)
+        elif seq.prefill_only:
+            self._finish(seq, FinishReason.PREFILLED)
 
     def _cut_at_stop(self, seq: Sequence) -> bool:
         hits = [i for i in (seq.text.find(s) for s in seq.params.stop) if i >= 0]
@@ -312,7 +483,15 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
-        self.scheduler.finish(seq, keep_blocks=reason is FinishReason.PREFILLED)
+        hold = False
+        if self.kv is not None and seq.kv_params is not None:
+            first = seq.output_ids[0] if seq.output_ids else None
+            done = reason is not FinishReason.PREFILLED
+            hold, seq.kv_transfer_params = self.kv.request_finished(
+                seq.request_id, seq.block_ids, first, done
+            )
+        keep = reason is FinishReason.PREFILLED and seq.kv_params is None
+        self.scheduler.finish(seq, keep_blocks=keep, hold=hold)
 
     # ---- conveniences ----
     def completion(self, request_id: str) -> Completion:
@@ -321,7 +500,8 @@ class LLMEngine:
             raise EngineError(f"request {request_id} has not finished")
         end = seq.finish_time or time.perf_counter()
         first = seq.first_token_time or end
-        kept = seq.block_ids if seq.finish_reason is FinishReason.PREFILLED else []
+        prefilled = seq.finish_reason is FinishReason.PREFILLED and seq.kv_params is None
+        kept = seq.block_ids if prefilled else []
         return Completion(
             seq.request_id,
             seq.prompt_ids,
@@ -332,6 +512,12 @@ class LLMEngine:
             end - seq.arrival_time,
             list(kept),
             seq.num_cached_tokens,
+            seq.kv_transfer_params,
+            seq.kv_nbytes,
+            seq.kv_transfer_ms,
+            seq.kv_ready_ms,
+            seq.kv_load_error,
+            seq.error,
         )
 
     def generate(
@@ -385,11 +571,22 @@ class LLMEngine:
             self._detok.pop(rid, None)
 
     def pop(self, request_id: str) -> Completion:
-        """The finished request's completion; forgets the request."""
+        """The finished request's completion; forgets the request (blocks the connector
+        still holds stay until it releases them)."""
         out = self.completion(request_id)
-        del self._seqs[request_id]
-        del self._detok[request_id]
+        self._forget(request_id)
         return out
+
+    def discard(self, request_id: str) -> None:
+        """Stop a request if it runs and forget it (no completion wanted); a no-op for
+        an unknown id. Blocks its connector still holds stay until released."""
+        if request_id in self._seqs:
+            self.abort(request_id)
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+        self._detok.pop(request_id, None)
 
     def shutdown(self) -> None:
         self.executor.close()

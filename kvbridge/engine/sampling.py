@@ -10,49 +10,12 @@ completion whatever else is batched with it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from kvbridge.engine.errors import RequestError
+from kvbridge.engine.sampling_params import GREEDY_BELOW, SEED_MAX, SEED_MIN, SamplingParams
 
-#: Temperatures below this sample greedily (vLLM's threshold too).
-GREEDY_BELOW = 1e-5
-#: The seeds torch.Generator.manual_seed takes (negative ones are mapped to positive).
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no limit
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise RequestError(f"max_tokens={self.max_tokens!r} must be a positive integer")
-        if not self.temperature >= 0:  # NaN too
-            raise RequestError(f"temperature={self.temperature} must be >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p={self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise RequestError(f"top_k={self.top_k} must be >= 0 (0 disables it)")
-        if any(not s for s in self.stop):
-            raise RequestError("stop strings must be non-empty")
-        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            raise RequestError(
-                f"seed={self.seed} is outside [{SEED_MIN}, {SEED_MAX}]; use a 64-bit seed"
-            )
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
+__all__ = ["GREEDY_BELOW", "SEED_MAX", "SEED_MIN", "SamplingParams", "make_generator", "sample"]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

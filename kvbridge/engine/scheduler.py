@@ -7,6 +7,14 @@ Policy (one step is either kind, like nano-vllm):
   * otherwise every running sequence decodes one token; a sequence that needs a new block
     when none is free preempts the newest running sequence (its blocks are freed and it
     goes back to the front of the queue, to be recomputed).
+
+With a KV connector (kvbridge.connector), at the start of each `schedule` a waiting
+request whose prompt KV comes from another instance takes its local prefix-cache hit,
+asks the connector how many tokens will come (`get_num_new_matched_tokens`), gets blocks
+for them and hands them over (`update_state_after_alloc`); it then waits in
+`waiting_for_kv` until the connector reports its pull ended. Blocks are given back in
+one place, `free`: at a finish, a preemption, a failed load, or when the connector
+releases the blocks it held (`held`: an exposed prefill, a decode aborted mid-pull).
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from kvbridge.connector import KVConnectorScheduler, KVRequest
 from kvbridge.engine.block_manager import BlockManager
+from kvbridge.engine.errors import OutOfBlocksError
 from kvbridge.engine.sequence import Sequence, SequenceStatus
 from kvbridge.engine.step import StepBatch
 
@@ -57,13 +67,23 @@ class Scheduler:
     """Owned by the LLMEngine; holds every unfinished sequence."""
 
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, prefill_chunk_size: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        prefill_chunk_size: int,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.chunk = prefill_chunk_size
+        self.connector = connector
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.waiting_for_kv: dict[str, Sequence] = {}  # blocks allocated, pull in flight
+        self.held: dict[str, Sequence] = {}  # finished; the connector holds their blocks
+        #: hand-overs that ended inside `schedule` (refused before pulling); the engine
+        #: takes them (`take_ended_loads`)
+        self._ended: list[tuple[Sequence, KVRequest]] = []
 
     def add(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
@@ -72,10 +92,13 @@ class Scheduler:
             self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Whether a step has work (requests waiting for remote KV do not count)."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None if nothing can run (nothing queued)."""
+        if self.connector is not None:
+            self._start_remote_loads(self.connector)
         if self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit, start, qlen, need = self._next_chunk(seq)
@@ -110,6 +133,36 @@ class Scheduler:
             return self.schedule() if self.waiting else None
         return ScheduledStep(scheduled, [1] * len(scheduled), is_prefill=False)
 
+    def _start_remote_loads(self, kv: KVConnectorScheduler) -> None:
+        """Waiting requests whose prompt KV comes from elsewhere: their cached prefix
+        stays, blocks are allocated for the rest and the connector pulls into them (at
+        least the last token: a prompt held whole is computed here, not pulled)."""
+        bm = self.blocks
+        for seq in [s for s in self.waiting if s.status is SequenceStatus.WAITING_FOR_REMOTE_KV]:
+            self.waiting.remove(seq)
+            rid, prompt = seq.request_id, seq.prompt_ids
+            hit = bm.match_prefix(prompt, len(prompt) - 1)
+            num_external, load = kv.get_num_new_matched_tokens(rid, len(hit) * bm.block_size)
+            if not load:  # nothing will come: recompute or fail (the connector's state)
+                self._ended.append((seq, kv.pop_ended(rid)))
+                continue
+            bm.acquire(hit)  # held first: the allocation below cannot evict them
+            try:
+                fresh = bm.allocate(bm.blocks_for(len(prompt)) - len(hit))
+            except OutOfBlocksError as exc:
+                bm.free(hit)
+                rec = kv.load_refused(rid, f"no free blocks to receive the KV: {exc}")
+                self._ended.append((seq, rec))
+                continue
+            seq.block_ids = hit + fresh
+            seq.num_cached_tokens = len(hit) * bm.block_size
+            kv.update_state_after_alloc(rid, seq.block_ids, num_external)
+            self.waiting_for_kv[rid] = seq
+
+    def take_ended_loads(self) -> list[tuple[Sequence, KVRequest]]:
+        out, self._ended = self._ended, []
+        return out
+
     def _next_chunk(self, seq: Sequence) -> tuple[list[int], int, int, int]:
         """A waiting sequence's next prefill chunk: (cached blocks it starts with, first
         token to compute, tokens to compute, blocks to allocate). Only a sequence not yet
@@ -134,9 +187,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Drop `seq`'s cache; it will be recomputed from its prompt and outputs so far."""
         self.running.remove(seq)
-        self.blocks.free(seq.block_ids)
-        seq.block_ids = []
-        seq.num_computed = 0
+        self.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -152,13 +203,30 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
 
-    def finish(self, seq: Sequence, keep_blocks: bool = False) -> None:
-        """Remove a finished or aborted sequence; free its blocks unless told to keep them."""
+    def finish(self, seq: Sequence, keep_blocks: bool = False, hold: bool = False) -> None:
+        """Remove a finished or aborted sequence; free its blocks unless they are kept
+        for the caller (`keep_blocks`: a prefill-only request without a connector) or
+        the connector holds them (`hold`: until it releases them, `release_held`)."""
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if not keep_blocks and seq.block_ids:
+        self.waiting_for_kv.pop(seq.request_id, None)
+        if hold:
+            self.held[seq.request_id] = seq
+        elif not keep_blocks:
+            self.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def release_held(self, request_id: str) -> None:
+        """The connector let go of a finished request's blocks: free them."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.free(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Give `seq`'s blocks back: the one place a request's blocks are freed."""
+        if seq.block_ids:
             self.blocks.free(seq.block_ids)
             seq.block_ids = []
-        seq.status = SequenceStatus.FINISHED
+        seq.num_computed = 0

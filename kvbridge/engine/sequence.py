@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbridge.engine.sampling import SamplingParams
+from kvbridge.connector import KVTransferParams
+from kvbridge.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # prompt (or part of it) not yet in the cache
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # prompt KV comes from another instance
     RUNNING = "running"  # decoding
     FINISHED = "finished"
 
@@ -22,7 +24,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens or the context is full
     PREFILLED = "prefilled"  # prefill-only request: first token out, blocks kept
     ABORT = "abort"
-    ERROR = "error"
+    ERROR = "error"  # `Sequence.error` says why (a KV load failed and the policy is fail)
 
 
 @dataclass
@@ -46,6 +48,14 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    #: the hand-over record it came with (RemoteDecode: expose for a reader; RemotePrefill:
+    #: pull the prompt's KV), and the one it finished with (a prefill's RemotePrefill)
+    kv_params: KVTransferParams | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    kv_nbytes: int = 0  # KV bytes pulled for it
+    kv_transfer_ms: float | None = None  # how long its pull took
+    kv_ready_ms: float | None = None  # the slowest worker's own time for the pull
+    kv_load_error: str | None = None  # why its pull failed, when it did
 
     @property
     def num_tokens(self) -> int:

@@ -4,10 +4,11 @@ collectives through shared memory (kvbridge.engine.parallel).
     driver ── "step" (StepBatch msgpack) ──▶ every worker: ModelRunner.execute
        ▲                                      (shm all-reduce / all-gather between them)
        └──────────── rank 0: StepResult (logits) ◀──┘
-    driver ── "kv" (ConnectorRequest) ──▶ every worker's WorkerConnector.handle ──▶ KVReply
+    driver ── "kv" (ConnectorMetadata) ──▶ every worker's KVConnectorWorker.execute
+       ◀──────────── KVWorkerOutput from every worker ──┘
 
 Each worker's KV connector progresses its transfers in its own thread, also while the
-worker computes a step. A connector error comes back as a `KVReply` with `ok=False` and
+worker computes a step. A connector error comes back inside its `KVWorkerOutput` and
 leaves the group usable; a failed step breaks the group (WorkerError).
 """
 
@@ -19,21 +20,16 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from kvbridge.connector import ConnectorMetadata, ConnectorSpec, KVWorkerOutput
+from kvbridge.connector.metadata import encode, metadata_decoder, output_decoder
 from kvbridge.engine.config import EngineConfig
-from kvbridge.engine.errors import EngineError, WorkerError
+from kvbridge.engine.errors import WorkerError
 from kvbridge.engine.executor import Executor, make_worker_connector
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.parallel import ParallelError, WorkerContext, WorkerGroup
 from kvbridge.engine.step import StepBatch, StepResult, info_decoder, result_decoder, step_decoder
 from kvbridge.engine.step import encode as encode_msg
 from kvbridge.engine.weights import Progress
-from kvbridge.transfer.connector import (
-    ConnectorReply,
-    ConnectorRequest,
-    ConnectorSpec,
-    encode,
-    request_decoder,
-)
 
 
 class WorkerInit(msgspec.Struct, frozen=True):
@@ -42,16 +38,7 @@ class WorkerInit(msgspec.Struct, frozen=True):
     connector: ConnectorSpec | None = None
 
 
-class KVReply(msgspec.Struct, frozen=True):
-    """A worker's connector reply, or the error its connector raised."""
-
-    ok: bool
-    reply: ConnectorReply | None = None
-    error: str = ""
-
-
 _init_decoder = msgspec.msgpack.Decoder(WorkerInit)
-_kv_decoder = msgspec.msgpack.Decoder(KVReply)
 
 
 def config_fields(config: EngineConfig) -> dict[str, object]:
@@ -80,19 +67,17 @@ def worker_entry(ctx: WorkerContext) -> None:
             return encode_msg(runner.info())
         if method == "kv":
             if connector is None:
-                return encode_msg(KVReply(False, error="this engine has no KV connector"))
-            try:
-                reply = connector.handle(request_decoder.decode(payload))
-                return encode_msg(KVReply(True, reply))
-            except Exception as exc:  # reported to the driver; the group stays usable
-                return encode_msg(KVReply(False, error=f"{type(exc).__name__}: {exc}"))
+                return encode(KVWorkerOutput(error="this engine has no KV connector"))
+            return encode(connector.execute(metadata_decoder.decode(payload)))
+        if method == "kv_endpoint":
+            return connector.get_handshake_metadata().encode() if connector else b""
         raise ValueError(f"unknown worker method {method!r}")
 
     try:
         ctx.serve(handle)  # the connector's progress thread polls NIXL meanwhile
     finally:
         if connector is not None:
-            connector.close()
+            connector.shutdown()
 
 
 class ShmExecutor(Executor):
@@ -142,18 +127,19 @@ class ShmExecutor(Executor):
             raise _worker_error(f"tp step failed: {exc}", exc) from None
         return result_decoder.decode(reply).array()
 
-    def connector_call(self, request: ConnectorRequest) -> list[ConnectorReply]:
-        name = type(request).__name__
+    def kv_step(self, metadata: ConnectorMetadata) -> list[KVWorkerOutput]:
         try:
-            replies = [_kv_decoder.decode(r) for r in self.group.call("kv", encode(request))]
+            replies = self.group.call("kv", encode(metadata))
         except (ParallelError, WorkerError) as exc:
-            raise _worker_error(f"KV connector request {name} failed: {exc}", exc) from None
-        bad = [(rank, r.error) for rank, r in enumerate(replies) if not r.ok]
-        if bad:
-            raise EngineError(
-                f"KV connector request {name} failed on tp worker {bad[0][0]}: {bad[0][1]}"
-            )
-        return [r.reply or ConnectorReply() for r in replies]
+            raise _worker_error(f"KV connector step failed: {exc}", exc) from None
+        return [output_decoder.decode(r) for r in replies]
+
+    def kv_handshake_metadata(self) -> list[str]:
+        try:
+            replies = self.group.call("kv_endpoint", b"")
+        except (ParallelError, WorkerError) as exc:
+            raise _worker_error(f"KV connector start-up failed: {exc}", exc) from None
+        return [r.decode() for r in replies]
 
     def check_workers(self) -> None:
         try:

@@ -13,19 +13,39 @@ from collections.abc import AsyncGenerator
 
 import msgspec
 
+from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.errors import KVBridgeError
 
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Backend",
+    "BackendError",
+    "GenerateEvent",
+    "GenerateRequest",
+    "RequestStages",
+    "SamplingParams",
+]
+
 #: Version of the proxy <-> instance messages; bumped on any incompatible change.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
-class SamplingParams(msgspec.Struct, frozen=True):
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: list[str] = msgspec.field(default_factory=list)
+class RequestStages(msgspec.Struct, omit_defaults=True):
+    """What one request's stages took, as the last event reports them (and the API's
+    `kvbridge_stages` shows them: only the fields that apply)."""
+
+    prefill_ms: float | None = None  # the prefill instance's prefill (first token)
+    prefill_cached_tokens: int | None = None  # its prefix-cache hit
+    transfer_ms: float | None = None  # the KV pull, from its start to every worker's end
+    #: the slowest decode worker's own time from Pull to done (no wait for a step in flight)
+    kv_ready_ms: float | None = None
+    kv_bytes: int | None = None  # KV bytes pulled (0: the decode instance held it all)
+    decode_ms: float | None = None  # this instance's part after the KV load
+    cached_tokens: int | None = None  # the decode (or colocated) engine's prefix-cache hit
+    kv_load_failed: bool | None = None  # the pull failed (`kv_load_error` says why)
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
 
 
 class GenerateRequest(msgspec.Struct, frozen=True):
@@ -54,14 +74,13 @@ class GenerateEvent(msgspec.Struct):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    #: stage figures of the finished request (prefill_ms, kv_bytes, transfer_ms, decode_ms
-    #: after the KV load, ...)
-    stages: dict[str, float] = msgspec.field(default_factory=dict)
+    #: stage figures of the finished request (set on the last event)
+    stages: RequestStages = msgspec.field(default_factory=RequestStages)
     error: str | None = None  # set on a failure after streaming began
     #: the HTTP status a non-streamed response answers `error` with: 503 when what
     #: served the request cannot serve any more (its engine failed), 500 otherwise
     error_status: int = 500
-    #: why the KV pull failed, when it did (then `stages["kv_load_failed"]` is 1.0)
+    #: why the KV pull failed, when it did (then `stages.kv_load_failed` is true)
     kv_load_error: str | None = None
     #: prompt tokens whose KV this request did not compute (prefix caches; usage's
     #: prompt_tokens_details.cached_tokens)

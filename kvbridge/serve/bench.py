@@ -134,9 +134,10 @@ class PullRecorder(DisaggBackend):
 
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateEvent, None]:
         async for ev in super().generate(request):
-            if "transfer_ms" in ev.stages:
-                self.pull_ms.append(ev.stages["transfer_ms"])
-                self.ready_ms.append(ev.stages.get("kv_ready_ms", float("nan")))
+            st = ev.stages
+            if st.transfer_ms is not None:
+                self.pull_ms.append(st.transfer_ms)
+                self.ready_ms.append(st.kv_ready_ms if st.kv_ready_ms is not None else math.nan)
             yield ev
 
 

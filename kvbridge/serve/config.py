@@ -12,6 +12,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from kvbridge.connector import KVLoadFailure
 from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_LAYOUT, CacheLayout
@@ -28,11 +29,6 @@ class Role(enum.Enum):
 #: covers clocks that differ between hosts and the moment between exposing the blocks
 #: and issuing the capability.
 CLAIM_MARGIN_S = 5.0
-
-
-class KVLoadFailure(enum.Enum):
-    RECOMPUTE = "recompute"  # compute the prompt locally and answer correctly
-    FAIL = "fail"  # answer an error
 
 
 def _check_body_limit(max_body_mb: float) -> None:

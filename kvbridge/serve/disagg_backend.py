@@ -41,7 +41,13 @@ import msgspec
 
 from kvbridge.serve import wire
 from kvbridge.serve.admission import OVERLOADED, RETRY_AFTER_S
-from kvbridge.serve.backend import Backend, BackendError, GenerateEvent, GenerateRequest
+from kvbridge.serve.backend import (
+    Backend,
+    BackendError,
+    GenerateEvent,
+    GenerateRequest,
+    RequestStages,
+)
 from kvbridge.serve.http_auth import SignedRequests
 
 log = logging.getLogger("kvbridge.serve")
@@ -317,10 +323,10 @@ class DisaggBackend(Backend):
         try:
             # a decode instance holding every full block of the prompt computes the rest
             # itself: nothing to prefill elsewhere, nothing to pull
-            whole = hit is not None and 0 < hit.cached_tokens == hit.full_block_tokens
+            whole = hit is not None and hit.holds_prompt
             if self.prefill.members and not whole:  # the KV goes to the reserved instance
                 reader = await self._instance_id(decode_urls[0])
-                start = hit.pull_start_token if hit is not None else 0
+                start = hit.kv_start_token if hit is not None else 0
                 served = await self._prefill_any(
                     msgspec.structs.replace(request, kv_reader=reader, kv_start_token=start)
                 )
@@ -330,8 +336,8 @@ class DisaggBackend(Backend):
                 if ev is TAKEN:
                     reserved = False
                     continue
-                if whole and ev.finish_reason:  # say so: the decode instance had it all
-                    ev.stages.setdefault("kv_bytes", 0.0)
+                if whole and ev.finish_reason and ev.stages.kv_bytes is None:
+                    ev.stages.kv_bytes = 0  # say so: the decode instance had it all
                 yield ev
         finally:
             exposed = (
@@ -358,7 +364,7 @@ class DisaggBackend(Backend):
                 finish_reason=prefill.finish_reason,
                 prompt_tokens=len(prefill.prompt_token_ids),
                 completion_tokens=1,
-                stages={"prefill_ms": prefill.prefill_ms} if done else {},
+                stages=RequestStages(prefill_ms=prefill.prefill_ms if done else None),
                 cached_tokens=prefill.cached_tokens if done else 0,
                 route={"prefill_instance": prefill.instance_id} if done else {},
             )

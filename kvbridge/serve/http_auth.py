@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from kvbridge.transfer.auth import derive, sign
+from kvbridge.connector.security import derive, sign
 
 TIME_HEADER = "x-kvbridge-time"
 SIGNATURE_HEADER = "x-kvbridge-signature"

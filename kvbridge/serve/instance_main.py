@@ -10,13 +10,13 @@ from pathlib import Path
 
 import uvicorn
 
+from kvbridge.connector import ConnectorRole, ConnectorSpec, KVConnectorConfig, net_device_of
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.errors import ConfigError
 from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.engine_loop import EngineLoop
 from kvbridge.serve.instance import Instance
-from kvbridge.transfer.connector import ConnectorRole, ConnectorSpec, GetEndpoint, SetEndpoints
-from kvbridge.transfer.netdev import device_of
+from kvbridge.serve.instance_app import build_app
 
 
 def _progress(stage: str, done: int, total: int) -> None:
@@ -48,10 +48,13 @@ def run_instance(cfg: InstanceConfig) -> int:
     print(
         f"[{instance_id}] loading {cfg.model} at tp {cfg.tp_size} ...", file=sys.stderr, flush=True
     )
-    engine = LLMEngine(cfg.model, config, progress=_progress, connector=spec)
-    endpoints = [reply.endpoint for reply in engine.connector_call(GetEndpoint())]
-    if role is Role.PREFILL:
-        engine.connector_call(SetEndpoints(endpoints))
+    connector = KVConnectorConfig(
+        spec,
+        claim_s=cfg.claim_s,
+        exposure_lease_s=cfg.exposure_lease_s,
+        kv_load_failure=cfg.kv_load_failure,
+    )
+    engine = LLMEngine(cfg.model, config, progress=_progress, connector=connector)
     loop = EngineLoop(engine, world_size=cfg.tp_size).start()
     transfer = spec.transfer
     inst = Instance(
@@ -59,15 +62,11 @@ def run_instance(cfg: InstanceConfig) -> int:
         role,
         instance_id,
         cfg.model,
-        cfg.kv_load_failure,
         max_body_bytes=cfg.max_body_bytes,
         token=transfer.token,
-        claim_s=cfg.claim_s,
-        exposure_lease_s=cfg.exposure_lease_s,
         max_queued_requests=cfg.max_queued_requests,
     )
-    inst.endpoint = endpoints[0] if role is Role.PREFILL else ""
-    devices = os.environ.get("UCX_NET_DEVICES") or device_of(transfer.reachable_host) or "all"
+    devices = os.environ.get("UCX_NET_DEVICES") or net_device_of(transfer.reachable_host) or "all"
     security = (
         "shared token: encrypted, authenticated KV plane and signed internal calls"
         if transfer.token is not None
@@ -81,7 +80,7 @@ def run_instance(cfg: InstanceConfig) -> int:
         flush=True,
     )
     try:
-        server = uvicorn.Server(uvicorn.Config(inst.app(), log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(build_app(inst), log_level="warning"))
         server.run(sockets=[sock])
     finally:
         loop.stop()

@@ -23,6 +23,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from kvbridge.errors import KVBridgeError
 from kvbridge.serve import openai_protocol as oai
 from kvbridge.serve import openai_responses as resp
 from kvbridge.serve.admission import OVERLOADED, retry_after_header
@@ -132,14 +133,17 @@ def make_app(
     def _sampling(
         req: oai.CompletionRequest | oai.ChatCompletionRequest, max_tokens: int | None
     ) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens or 16,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            seed=req.seed,
-            stop=req.stop_list(),
-        )
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens or 16,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                seed=req.seed,
+                stop=tuple(req.stop_list()),
+            )
+        except KVBridgeError as exc:  # what the OpenAI schema let through, refused here
+            raise oai.ProtocolError(str(exc)) from None
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -354,7 +358,7 @@ class _Tracker:
         self.first_token: float | None = None
         self.last_token = start
         self.tokens = 0
-        self.stages: dict[str, float] = {}
+        self.stages: dict[str, float | int | bool] = {}
         self.done = False
 
     def see(self, ev: GenerateEvent) -> None:
@@ -364,8 +368,9 @@ class _Tracker:
                 self.first_token = now
             self.last_token = now
             self.tokens += len(ev.token_ids)
-        if ev.stages:
-            self.stages = ev.stages
+        stages = ev.stages.as_dict()
+        if stages:
+            self.stages = stages
 
     def finish(self, endpoint: str, status: str, failed: bool = False) -> None:
         if self.done:

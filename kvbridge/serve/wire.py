@@ -9,31 +9,25 @@ from __future__ import annotations
 
 import msgspec
 
+from kvbridge.connector import RemotePrefill
 from kvbridge.serve.backend import GenerateEvent, GenerateRequest
-
-
-class KVParams(msgspec.Struct, frozen=True):
-    """Where a decode instance finds a prefilled request's KV cache: the prefill
-    instance's signed pull capability (`kvbridge.transfer.capability`: its side channel,
-    the blocks, the token count, the decode instance it is issued to, an expiry). The
-    decode instance takes all of it from the capability, nothing from the caller."""
-
-    instance_id: str  # the prefill instance (for reports)
-    capability: bytes
 
 
 class PrefillResult(msgspec.Struct, frozen=True):
     """A prefill instance's answer: the prompt's ids, the first token and its KV.
 
-    `kv` is None when the request already finished at its first token
-    (`finish_reason` set: EOS, a stop string, or max_tokens=1)."""
+    `kv` is the request's hand-over record for the decode instance (the prefill
+    instance's signed pull capability: its side channel, the blocks, the token range,
+    the decode instance it is issued to, an expiry; the decode instance takes all of it
+    from the capability, nothing from the caller). None when the request already
+    finished at its first token (`finish_reason` set: EOS, a stop string, max_tokens)."""
 
     request_id: str
     prompt_token_ids: list[int]
     first_token_id: int
     first_text: str
     finish_reason: str | None
-    kv: KVParams | None
+    kv: RemotePrefill | None
     prefill_ms: float
     cached_tokens: int = 0  # prompt tokens taken from the prefill instance's prefix cache
     instance_id: str = ""  # the prefill instance
@@ -41,25 +35,15 @@ class PrefillResult(msgspec.Struct, frozen=True):
 
 class Lookup(msgspec.Struct, frozen=True):
     """An instance's answer to `/internal/lookup`: how much of a request's prompt its
-    prefix cache holds now (a routing hint; nothing is held), and its load."""
+    prefix cache holds now (a routing hint; nothing is held), and its load. The instance
+    decides what it would pull; the proxy only passes that on (it knows no block size)."""
 
     instance_id: str
     prompt_tokens: int
     cached_tokens: int  # leading tokens in whole cached blocks
-    block_size: int
     num_requests: int  # held here: queued, running, streaming, reserved (admission)
-
-    @property
-    def full_block_tokens(self) -> int:
-        """The prompt's tokens in whole blocks: a hit this long needs no pull."""
-        return self.prompt_tokens // self.block_size * self.block_size
-
-    @property
-    def pull_start_token(self) -> int:
-        """Where this decode instance's pull starts: its hit, leaving at least the last
-        token to pull (whole blocks)."""
-        last = (self.prompt_tokens - 1) // self.block_size * self.block_size
-        return min(self.cached_tokens, last)
+    kv_start_token: int = 0  # a decode instance's pull would start here
+    holds_prompt: bool = False  # every full block cached: it computes the rest, pulls nothing
 
 
 class DecodeRequest(msgspec.Struct, frozen=True):

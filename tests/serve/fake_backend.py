@@ -6,7 +6,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from kvbridge.serve.backend import Backend, BackendError, GenerateEvent, GenerateRequest
+from kvbridge.serve.backend import (
+    Backend,
+    BackendError,
+    GenerateEvent,
+    GenerateRequest,
+    RequestStages,
+)
 
 WORDS = [" Paris", ".", " It", " is", " the", " capital", " of", " France", ".", " The"]
 
@@ -59,16 +65,16 @@ class FakeBackend(Backend):
                     finished = True
                     return
                 last = i == n - 1
-                stages = {"kv_bytes": 1000.0, "transfer_ms": 2.0}
+                stages = RequestStages(kv_bytes=1000, transfer_ms=2.0)
                 if self.kv_load_error is not None:
-                    stages = {"kv_load_failed": 1.0}
+                    stages = RequestStages(kv_load_failed=True)
                 yield GenerateEvent(
                     text=word,
                     token_ids=[100 + i],
                     finish_reason="length" if last else None,
                     prompt_tokens=n_prompt,
                     completion_tokens=i + 1,
-                    stages=stages if last else {},
+                    stages=stages if last else RequestStages(),
                     kv_load_error=self.kv_load_error if last else None,
                 )
             finished = True

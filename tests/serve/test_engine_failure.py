@@ -27,6 +27,7 @@ from kvbridge.serve.config import Role
 from kvbridge.serve.engine_loop import EngineLoop
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.instance import Instance
+from kvbridge.serve.instance_app import build_app
 from tests.serve.helpers import proxy_for
 
 CAUSE = "tp step failed: worker rank 1 (pid 4242) exited with code -9"
@@ -37,7 +38,7 @@ class _Served:
         self.engine = LLMEngine("smollm2-135m", EngineConfig(tp_size=1, kv_cache_mb=16))
         self.loop = EngineLoop(self.engine, world_size=1).start()
         inst = Instance(self.loop, Role.PREFILL, name, "smollm2-135m")
-        self.server = ServerThread(inst.app()).start()
+        self.server = ServerThread(build_app(inst)).start()
         self.url = self.server.url
 
     def close(self) -> None:
@@ -107,7 +108,7 @@ def test_engine_failure_fails_every_waiter_at_once(pair):
         stream = pool.submit(_stream, doomed.url, "s-1")
         wait_until(lambda: loop.queued_calls == 2)
         hold.set()
-        wait_until(lambda: "p-1" in loop.prefills and "s-1" in loop.streams)
+        wait_until(lambda: {"p-1", "s-1"} <= loop.waiters.keys())
         queued = pool.submit(_prefill, doomed.url, "q-1")  # waits behind the hung step
         wait_until(lambda: loop.queued_calls == 1)
         fail.set()

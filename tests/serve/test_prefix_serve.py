@@ -88,6 +88,12 @@ def test_lookup_says_what_the_cache_holds_and_holds_nothing(instances):
     colocated(url, body["prompt"], 2)
     second = httpx.post(f"{url}/internal/lookup", json=body, auth=AUTH, timeout=60).json()
     assert second["cached_tokens"] == first["prompt_tokens"] // 16 * 16
+    # the decode instance, not the proxy, says what it would pull: nothing once it
+    # holds every full block; else from its hit on, leaving the last token to pull
+    n = first["prompt_tokens"]
+    assert first["kv_start_token"] == 0 and not first["holds_prompt"]
+    assert second["holds_prompt"]
+    assert second["kv_start_token"] == min(second["cached_tokens"], (n - 1) // 16 * 16)
     assert metric(httpx.get(f"{url}/metrics").text, "blocks_in_use") == 0
     unsigned = httpx.post(f"{url}/internal/lookup", json=body, timeout=60)
     assert unsigned.status_code == 401

@@ -269,7 +269,7 @@ def test_kv_load_error_reaches_the_body(server):
     backend.kv_load_error = "handshake with tcp://h:5555 refused"
     r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
     body = r.json()
-    assert body["kvbridge_stages"]["kv_load_failed"] == 1.0
+    assert body["kvbridge_stages"]["kv_load_failed"] is True
     assert body["kvbridge_kv_load_error"] == "handshake with tcp://h:5555 refused"
 
 

@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from kvbridge.cli.main import main
+from kvbridge.connector import RemotePrefill
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.http_auth import SIGNATURE_HEADER, TIME_HEADER, SignedRequests
@@ -75,7 +76,7 @@ def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) 
     attacker = _gen("r-attacker", me)
     ids = victim.prompt_token_ids
 
-    def result(kv: wire.KVParams) -> wire.PrefillResult:
+    def result(kv: RemotePrefill) -> wire.PrefillResult:
         return wire.PrefillResult("r-attacker", ids, victim.first_token_id, "", None, kv, 1.0)
 
     forged = [
@@ -83,34 +84,37 @@ def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) 
         (victim.kv, "covers request 'r-victim'"),
         # a capability made up without the token (the open key)
         (
-            wire.KVParams(
-                victim.kv.instance_id,
+            RemotePrefill(
+                victim.first_token_id,
                 issue(
                     Capability("r-attacker", "p", "tcp://127.0.0.1:1", [0], len(ids), me, 1e12),
                     None,
                 ),
+                victim.kv.instance_id,
             ),
             "signature is wrong",
         ),
         # signed with the token but issued to another decode instance
         (
-            wire.KVParams(
-                victim.kv.instance_id,
+            RemotePrefill(
+                victim.first_token_id,
                 issue(
                     Capability("r-attacker", "p", "tcp://127.0.0.1:1", [0], len(ids), "x", 1e12),
                     TOKEN,
                 ),
+                victim.kv.instance_id,
             ),
             "issued to decode instance 'x'",
         ),
         # expired
         (
-            wire.KVParams(
-                victim.kv.instance_id,
+            RemotePrefill(
+                victim.first_token_id,
                 issue(
                     Capability("r-attacker", "p", "tcp://127.0.0.1:1", [0], len(ids), me, 1.0),
                     TOKEN,
                 ),
+                victim.kv.instance_id,
             ),
             "expired",
         ),
@@ -125,7 +129,8 @@ def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) 
     assert r.status_code == 200
     events = [wire.event_decoder.decode(line) for line in r.text.splitlines() if line]
     assert events[-1].finish_reason and not events[-1].error
-    assert events[-1].stages["kv_bytes"] > 0 and "kv_load_failed" not in events[-1].stages
+    stages = events[-1].stages
+    assert stages.kv_bytes is not None and stages.kv_bytes > 0 and stages.kv_load_failed is None
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         text = httpx.get(f"{prefill}/metrics", timeout=30).text

@@ -1,0 +1,58 @@
+"""The KV connector: one contract between an engine and the transfer runtime, shaped like
+vLLM's v1 KV connector (`vllm/distributed/kv_transfer/kv_connector/v1/base.py`).
+
+Layer 3, above `kvbridge.transfer` and below any engine that hosts it: our engine
+(`kvbridge.engine`) and vLLM both host the same connector. Its scheduler side
+(`KVConnectorScheduler`, in the driver) owns each request's hand-over as explicit
+`RequestState`s and sends typed `ConnectorMetadata` to its worker side
+(`KVConnectorWorker`, one per worker process), which wraps the transfer layer's
+`WorkerConnector`. `KVTransferParams` is a request's hand-over record.
+"""
+
+from kvbridge.connector.metadata import (
+    ConnectorMetadata,
+    KVTransferParams,
+    KVWorkerOutput,
+    RemoteDecode,
+    RemotePrefill,
+)
+from kvbridge.connector.scheduler import KVConnectorConfig, KVConnectorScheduler, KVRequest
+from kvbridge.connector.states import (
+    TRANSITIONS,
+    CapabilityRefused,
+    ConnectorError,
+    InvalidTransition,
+    KVLoadFailure,
+    RequestState,
+)
+from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.connector import (
+    BUSY_POLL_S,
+    IDLE_POLL_S,
+    ConnectorRole,
+    ConnectorSpec,
+)
+from kvbridge.transfer.netdev import device_of as net_device_of
+
+__all__ = [
+    "BUSY_POLL_S",
+    "IDLE_POLL_S",
+    "TRANSITIONS",
+    "CapabilityRefused",
+    "ConnectorError",
+    "ConnectorMetadata",
+    "ConnectorRole",
+    "ConnectorSpec",
+    "InvalidTransition",
+    "KVConnectorConfig",
+    "KVConnectorScheduler",
+    "KVLoadFailure",
+    "KVRequest",
+    "KVTransferParams",
+    "KVWorkerOutput",
+    "RemoteDecode",
+    "RemotePrefill",
+    "RequestState",
+    "TransferConfig",
+    "net_device_of",
+]

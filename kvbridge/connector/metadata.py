@@ -1,0 +1,87 @@
+"""What crosses between the connector's scheduler side (the driver) and its worker side
+(every worker process): typed msgspec structs, never pickles.
+
+    driver ── ConnectorMetadata (per step: pulls, exposes, cancels, ...) ──▶ each worker
+    driver ◀── KVWorkerOutput (finished sending / receiving, with reasons) ── each worker
+
+`KVTransferParams` is a request's hand-over record (vLLM's `kv_transfer_params`):
+`RemoteDecode` asks a prefill instance to expose a request's KV for a reader;
+`RemotePrefill` is the prefill instance's answer, which a decode instance is given to
+pull the KV (the signed capability and the first token).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from kvbridge.transfer.connector import Cancel, Connect, ConnectorEvent, Decline, Expose, Pull
+
+_Name = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class RemoteDecode(msgspec.Struct, frozen=True, tag="remote_decode"):
+    """Prefill side: expose this request's KV for the decode instance `reader`, which
+    holds the prompt's first `start_token` tokens already (its prefix cache)."""
+
+    reader: _Name = ""
+    start_token: int = 0
+
+
+class RemotePrefill(msgspec.Struct, frozen=True, tag="remote_prefill"):
+    """Decode side: pull the request's KV with `capability` (signed by the prefill
+    instance `instance_id`); `first_token_id` is the token the prefill sampled. An
+    empty capability means there is no KV to pull (the failure policy applies)."""
+
+    first_token_id: int
+    capability: Annotated[bytes, msgspec.Meta(max_length=1 << 24)] = b""
+    instance_id: _Name = ""
+
+
+KVTransferParams = RemoteDecode | RemotePrefill
+
+
+class ConnectorMetadata(msgspec.Struct, frozen=True):
+    """One step's orders from the scheduler side to every worker (vLLM's
+    `KVConnectorMetadata`). Empty lists: nothing to do but progress and report."""
+
+    reqs_to_recv: list[Pull] = msgspec.field(default_factory=list)
+    reqs_to_send: list[Expose] = msgspec.field(default_factory=list)
+    reqs_to_cancel: list[Cancel] = msgspec.field(default_factory=list)
+    reqs_to_decline: list[Decline] = msgspec.field(default_factory=list)
+    peers_to_connect: list[Connect] = msgspec.field(default_factory=list)
+    #: producer workers: every worker's side channel of this instance, in rank order
+    worker_endpoints: list[str] | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.reqs_to_recv
+            or self.reqs_to_send
+            or self.reqs_to_cancel
+            or self.reqs_to_decline
+            or self.peers_to_connect
+            or self.worker_endpoints is not None
+        )
+
+
+class KVWorkerOutput(msgspec.Struct, frozen=True):
+    """One worker's report after a step (vLLM's `KVConnectorOutput`): the requests whose
+    sending (blocks released: `ok` when pulled) or receiving (pull DONE or FAILED)
+    finished on this worker since its last report."""
+
+    finished_sending: list[ConnectorEvent] = msgspec.field(default_factory=list)
+    finished_recving: list[ConnectorEvent] = msgspec.field(default_factory=list)
+    pinned_blocks: int = 0  # producer: blocks pinned; consumer: blocks being pulled into
+    replays_refused: int = 0  # producer: forged, replayed or misdirected messages so far
+    error: str = ""  # a connector error on this worker (the orders were not all carried out)
+
+
+metadata_decoder = msgspec.msgpack.Decoder(ConnectorMetadata)
+output_decoder = msgspec.msgpack.Decoder(KVWorkerOutput)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: ConnectorMetadata | KVWorkerOutput) -> bytes:
+    return _encoder.encode(msg)

@@ -1,0 +1,412 @@
+"""The scheduler side of the KV connector: in the driver, next to the engine's scheduler.
+
+Shaped like vLLM's `KVConnectorBase_V1` scheduler role, and knowing nothing of any
+engine's classes (request ids, token counts and block ids only), so that our engine and
+vLLM host the same connector. The host calls it where vLLM's scheduler calls its
+connector:
+
+    add_request                    a request with `kv_transfer_params` arrives
+                                   (decode: its capability is checked here; 403-worthy
+                                   `CapabilityRefused` if it is not valid for us)
+    get_num_new_matched_tokens     decode: how many prompt tokens come from the remote
+                                   instance after the local prefix-cache hit
+    update_state_after_alloc       decode: the blocks allocated for them: pull into them
+    build_connector_meta           every step: the orders for the workers
+    update_connector_output        the workers' reports: requests whose hand-over ended
+    request_finished               a request finished: (delay_free_blocks,
+                                   kv_transfer_params); prefill: expose and issue the
+                                   capability; decode: an abort while pulling waits
+    cancel / load_refused / connect   release an exposure nobody took; refuse a pull
+                                   (decline, then the failure policy); meet a producer
+
+Each request is in one `RequestState` (states.py); a request whose hand-over ended is
+returned by `update_connector_output` (or reported by the call that ended it) so the
+host frees or uses its blocks: the connector never frees a block itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from kvbridge.connector.metadata import (
+    ConnectorMetadata,
+    KVTransferParams,
+    KVWorkerOutput,
+    RemoteDecode,
+    RemotePrefill,
+)
+from kvbridge.connector.states import (
+    CapabilityRefused,
+    ConnectorError,
+    KVLoadFailure,
+    RequestState,
+    check_transition,
+)
+from kvbridge.transfer.capability import Capability, issue
+from kvbridge.transfer.capability import check as check_capability
+from kvbridge.transfer.connector import (
+    Cancel,
+    Connect,
+    ConnectorEvent,
+    ConnectorRole,
+    ConnectorSpec,
+    Decline,
+    Expose,
+    Pull,
+)
+from kvbridge.transfer.errors import AuthError
+
+#: How long the host polls at the busy cadence after an introduction or a decline (their
+#: handshakes and notifications progress only while the workers poll).
+CONNECT_POLL_S = 30.0
+
+
+class Transition(NamedTuple):
+    request_id: str
+    old: RequestState
+    new: RequestState
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class KVConnectorConfig:
+    """One instance's connector: the workers' transfer runtime (`spec`) and the
+    scheduler side's policy. `claim_s`: a pull capability expires this long after it is
+    issued; `exposure_lease_s`: how long exposed blocks stay pinned unread (None: the
+    transfer config's lease); `kv_load_failure`: what a failed pull does."""
+
+    spec: ConnectorSpec
+    claim_s: float = 10.0
+    exposure_lease_s: float | None = None
+    kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
+
+    @property
+    def role(self) -> ConnectorRole:
+        return self.spec.role
+
+
+@dataclass
+class KVRequest:
+    """The connector's record of one request's hand-over."""
+
+    request_id: str
+    state: RequestState
+    num_tokens: int  # the prompt's
+    params: KVTransferParams
+    capability: Capability | None = None  # decode: what to pull; prefill: what was issued
+    block_ids: list[int] = field(default_factory=list)  # the host's blocks it concerns
+    num_cached_tokens: int = 0  # decode: leading tokens the local prefix cache held
+    remaining: int = 0  # workers yet to report the transfer
+    failures: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    started: float = 0.0
+    transfer_ms: float | None = None
+    #: the slowest worker's own time from Expose/Pull to done (no wait for the host's step)
+    worker_ms: float = 0.0
+    reason: str = ""  # why it ended as it did (RELEASED, RECOMPUTE, FAILED)
+    aborted: bool = False  # decode: the host aborted it while its pull was in flight
+
+    @property
+    def first_token_id(self) -> int | None:
+        return self.params.first_token_id if isinstance(self.params, RemotePrefill) else None
+
+
+class KVConnectorScheduler:
+    """The driver's connector. Owned by the host's scheduler; single-threaded."""
+
+    def __init__(self, config: KVConnectorConfig, block_size: int, world_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.world_size = world_size
+        self.endpoint = ""  # producer: worker 0's side channel (in capabilities)
+        self.requests: dict[str, KVRequest] = {}  # hand-overs not ended
+        #: the last transitions, oldest first
+        self.log: collections.deque[Transition] = collections.deque(maxlen=1024)
+        self.pinned_blocks = 0
+        self.replays_refused = 0
+        self.nbytes_total = 0
+        self.busy_until = 0.0  # time.monotonic() until which the host polls busily
+        #: orders naming no request that a worker could not carry out, last report
+        self.errors: list[str] = []
+        self._meta = _MetaBuilder()
+        self._ended: dict[str, KVRequest] = {}  # ended by a call, until `pop_ended`
+
+    @property
+    def role(self) -> ConnectorRole:
+        return self.config.role
+
+    @property
+    def instance_id(self) -> str:
+        return self.config.spec.instance_id
+
+    @property
+    def token(self) -> bytes | None:
+        return self.config.spec.transfer.token
+
+    @property
+    def has_transfers(self) -> bool:
+        """Whether a transfer is in flight (the host then polls at the busy cadence)."""
+        return any(r.remaining for r in self.requests.values())
+
+    def set_worker_endpoints(self, endpoints: list[str]) -> None:
+        """Producer start-up: every worker's side channel (rank order), from
+        `KVConnectorWorker.get_handshake_metadata`."""
+        if self.role is ConnectorRole.PRODUCER:
+            self.endpoint = endpoints[0]
+            self._meta.worker_endpoints = list(endpoints)
+
+    # -- arrival ------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: KVTransferParams
+    ) -> KVRequest:
+        """Take a request with hand-over params. Decode: its capability is checked now
+        (CapabilityRefused: nothing will be pulled, nothing is held)."""
+        n = len(prompt_ids)
+        if isinstance(params, RemoteDecode):
+            self._need(ConnectorRole.PRODUCER, "RemoteDecode")
+            return self._new(KVRequest(request_id, RequestState.PREFILLING, n, params))
+        self._need(ConnectorRole.CONSUMER, "RemotePrefill")
+        cap = self._check(params, request_id, n) if params.capability else None
+        return self._new(KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, n, params, cap))
+
+    def _check(self, params: RemotePrefill, request_id: str, num_tokens: int) -> Capability:
+        """The capability, checked: signed with our token, issued to this instance,
+        unexpired, for this request's prompt."""
+        try:
+            cap = check_capability(params.capability, self.token, self.instance_id)
+        except AuthError as exc:
+            raise CapabilityRefused(f"KV capability refused: {exc}") from None
+        if cap.block_size <= 0 or not 0 <= cap.start_token <= cap.num_tokens:
+            raise CapabilityRefused(
+                f"KV capability refused: block_size={cap.block_size} and start_token="
+                f"{cap.start_token} of {cap.num_tokens} tokens do not describe blocks"
+            )
+        if cap.request_id != request_id or cap.num_tokens != num_tokens:
+            raise CapabilityRefused(
+                f"KV capability refused: it covers request {cap.request_id!r} with "
+                f"{cap.num_tokens} tokens, not {request_id!r} with {num_tokens}"
+            )
+        return cap
+
+    # -- decode: loading ----------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """(prompt tokens the remote instance supplies beyond the `num_computed_tokens`
+        the local prefix cache holds, whether they load asynchronously). (0, False): none
+        will come; the request has gone to RECOMPUTE or FAILED (`pop_ended`)."""
+        rec = self.requests[request_id]
+        cap = rec.capability
+        if cap is None:
+            self._end_load(rec, "no KV to pull")
+            return 0, False
+        if num_computed_tokens < cap.start_token:  # evicted since the router asked
+            self.load_refused(
+                request_id,
+                f"the prefix cache holds {num_computed_tokens} tokens of the prompt, fewer "
+                f"than the {cap.start_token} the prefill instance left out",
+            )
+            return 0, False
+        return rec.num_tokens - num_computed_tokens, True
+
+    def update_state_after_alloc(
+        self, request_id: str, block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        """The host allocated `block_ids` (the whole prompt's, its cached prefix first):
+        pull the last `num_external_tokens` tokens into them."""
+        rec = self.requests[request_id]
+        cap = rec.capability
+        assert cap is not None and rec.state is RequestState.WAITING_FOR_REMOTE_KV
+        cached = rec.num_tokens - num_external_tokens
+        bp, bd = cap.block_size, self.block_size
+        rec.block_ids = list(block_ids)
+        rec.num_cached_tokens = cached
+        rec.remaining = self.world_size
+        rec.started = time.perf_counter()
+        self._meta.recv.append(
+            Pull(
+                request_id,
+                cap.endpoint,
+                cap.block_ids[cached // bp - cap.start_token // bp :],
+                block_ids[cached // bd :],
+                cap.num_tokens,
+                start_token=cached,
+            )
+        )
+
+    def load_refused(self, request_id: str, reason: str) -> KVRequest:
+        """Pull nothing (no blocks to receive it, ...): the prefill instance is told at
+        once (it frees its blocks), then the failure policy applies."""
+        rec = self.requests[request_id]
+        if rec.capability is not None:
+            self._meta.decline.append(Decline(request_id, rec.capability.endpoint, reason))
+            self.busy_until = time.monotonic() + CONNECT_POLL_S
+        self._end_load(rec, reason)
+        return self.pop_ended(request_id)
+
+    def pop_ended(self, request_id: str) -> KVRequest:
+        """The record of a hand-over a call has just ended (RECOMPUTE, FAILED, RELEASED)."""
+        return self._ended.pop(request_id)
+
+    def connect(self, endpoints: Iterable[str]) -> None:
+        """Decode: meet producer instances ahead of their first request."""
+        self._need(ConnectorRole.CONSUMER, "connect")
+        self._meta.connect += [Connect(e) for e in endpoints]
+        self.busy_until = time.monotonic() + CONNECT_POLL_S
+
+    # -- prefill: exposing --------------------------------------------------------------
+    def request_finished(
+        self, request_id: str, block_ids: list[int], first_token_id: int | None, done: bool
+    ) -> tuple[bool, KVTransferParams | None]:
+        """The host finished a request (`done`: it needs no decode elsewhere, e.g. a stop
+        at its first token, or it was aborted). Returns (delay_free_blocks,
+        kv_transfer_params): a prefill not done is exposed for its reader, the host
+        keeps its blocks until `update_connector_output` releases them and answers the
+        params; a decode aborted while pulling keeps its blocks until the pull ends."""
+        rec = self.requests.get(request_id)
+        if rec is None:
+            return False, None
+        if rec.state is RequestState.WAITING_FOR_REMOTE_KV:
+            if rec.remaining:  # a pull in flight writes into the blocks: wait for it
+                rec.aborted = True
+                return True, None
+            rec.aborted = True
+            self._end_load(rec, "the request was aborted before its KV was pulled")
+            self._ended.pop(request_id)
+            return False, None
+        if rec.state is not RequestState.PREFILLING:
+            return False, None
+        if done or first_token_id is None or not block_ids:
+            self._move(rec, RequestState.RELEASED, "finished without a hand-over")
+            self._ended.pop(request_id)
+            return False, None
+        return True, self._expose(rec, block_ids, first_token_id)
+
+    def _expose(self, rec: KVRequest, block_ids: list[int], first_token_id: int) -> RemotePrefill:
+        assert isinstance(rec.params, RemoteDecode)
+        n = rec.num_tokens
+        start = min(max(rec.params.start_token, 0), n)  # the reader holds [0, start)
+        exposed = block_ids[start // self.block_size :]
+        lease = self.config.exposure_lease_s
+        self._meta.send.append(
+            Expose(rec.request_id, exposed, n, rec.params.reader or None, start, lease)
+        )
+        cap = Capability(
+            rec.request_id,
+            self.instance_id,
+            self.endpoint,
+            list(exposed),
+            n,
+            rec.params.reader,
+            time.time() + self.config.claim_s,
+            start,
+            self.block_size,
+        )
+        rec.capability, rec.block_ids = cap, list(block_ids)
+        rec.remaining, rec.started = self.world_size, time.perf_counter()
+        self._move(rec, RequestState.EXPOSED)
+        return RemotePrefill(first_token_id, issue(cap, self.token), self.instance_id)
+
+    def cancel(self, request_id: str, reason: str) -> bool:
+        """Release an exposed request nobody will pull (its router gave up); the
+        release comes back through `update_connector_output`. False if not exposed."""
+        rec = self.requests.get(request_id)
+        if rec is None or rec.state is not RequestState.EXPOSED:
+            return False
+        self._meta.cancel.append(Cancel(request_id, reason))
+        return True
+
+    # -- every step -----------------------------------------------------------------------
+    def build_connector_meta(self) -> ConnectorMetadata:
+        """The orders gathered since the last call, for every worker."""
+        meta, self._meta = self._meta.build(), _MetaBuilder()
+        return meta
+
+    def update_connector_output(self, outputs: list[KVWorkerOutput]) -> list[KVRequest]:
+        """Fold one report per worker; the requests whose hand-over ended (every worker
+        reported): RELEASED (prefill: free its blocks), RUNNING (decode: its KV is in
+        place), RECOMPUTE or FAILED (decode: free its blocks; `aborted` ones too)."""
+        ended = []
+        self.errors = [o.error for o in outputs if o.error]
+        for out in outputs:
+            for ev in [*out.finished_sending, *out.finished_recving]:
+                rec = self.requests.get(ev.request_id)
+                if rec is not None and rec.remaining and self._fold(rec, ev):
+                    ended.append(self._ended.pop(rec.request_id))
+        self.pinned_blocks = sum(o.pinned_blocks for o in outputs)
+        self.replays_refused = sum(o.replays_refused for o in outputs)
+        return ended
+
+    def _fold(self, rec: KVRequest, ev: ConnectorEvent) -> bool:
+        rec.remaining -= 1
+        rec.nbytes += ev.nbytes
+        rec.worker_ms = max(rec.worker_ms, ev.elapsed_ms)
+        if not ev.ok:
+            rec.failures.append(ev.reason)
+            if rec.state is RequestState.EXPOSED and rec.remaining:
+                # one worker could not expose or lost it: release the others now
+                self._meta.cancel.append(Cancel(rec.request_id, ev.reason))
+        if rec.remaining:
+            return False
+        rec.transfer_ms = (time.perf_counter() - rec.started) * 1e3
+        self.nbytes_total += rec.nbytes
+        reason = "; ".join(sorted(set(rec.failures)))
+        if rec.state is RequestState.EXPOSED:
+            self._move(rec, RequestState.RELEASED, reason or "pulled")
+        elif rec.aborted:
+            self._move(rec, RequestState.FAILED, "the request was aborted while its KV was pulled")
+        elif reason:
+            self._end_load(rec, reason)
+        else:
+            self._move(rec, RequestState.RUNNING)
+        return True
+
+    # -- states ---------------------------------------------------------------------------
+    def state(self, request_id: str) -> RequestState | None:
+        rec = self.requests.get(request_id)
+        return rec.state if rec is not None else None
+
+    def _end_load(self, rec: KVRequest, reason: str) -> None:
+        policy = self.config.kv_load_failure
+        failed = policy is KVLoadFailure.FAIL or rec.aborted
+        self._move(rec, RequestState.FAILED if failed else RequestState.RECOMPUTE, reason)
+
+    def _new(self, rec: KVRequest) -> KVRequest:
+        self.requests[rec.request_id] = rec
+        return rec
+
+    def _move(self, rec: KVRequest, new: RequestState, reason: str = "") -> None:
+        check_transition(rec.request_id, rec.state, new)
+        if reason:
+            rec.reason = reason
+        self.log.append(Transition(rec.request_id, rec.state, new, reason))
+        rec.state = new
+        if new.is_final:  # the host takes the blocks back (the caller reports `rec`)
+            self.requests.pop(rec.request_id, None)
+            self._ended[rec.request_id] = rec
+
+    def _need(self, role: ConnectorRole, what: str) -> None:
+        if self.role is not role:
+            raise ConnectorError(
+                f"{what} is for a {role.value} instance's connector; this one is a "
+                f"{self.role.value}"
+            )
+
+
+@dataclass
+class _MetaBuilder:
+    recv: list[Pull] = field(default_factory=list)
+    send: list[Expose] = field(default_factory=list)
+    cancel: list[Cancel] = field(default_factory=list)
+    decline: list[Decline] = field(default_factory=list)
+    connect: list[Connect] = field(default_factory=list)
+    worker_endpoints: list[str] | None = None
+
+    def build(self) -> ConnectorMetadata:
+        return ConnectorMetadata(
+            self.recv, self.send, self.cancel, self.decline, self.connect, self.worker_endpoints
+        )

@@ -1,0 +1,183 @@
+"""The worker side of the KV connector: one per worker process that owns a KV cache.
+
+Shaped like vLLM's `KVConnectorBase_V1` worker role. The process that owns the cache
+memory builds it, registers its cache once (`register_kv_caches`) and, for every batch
+of orders from the scheduler side, runs `execute(metadata)`:
+
+    bind_connector_metadata -> start_load_kv (pulls, declines, introductions)
+      -> wait_for_save (exposes, cancels) -> get_finished -> clear_connector_metadata
+
+Between orders the process does nothing for it: the transfer layer's
+`kvbridge.transfer.connector.WorkerConnector`, which this wraps and which does the work,
+progresses transfers in its own thread (a NIXL read from this worker's memory progresses
+only while its agent is polled), also while the worker computes a step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.connector.metadata import ConnectorMetadata, KVWorkerOutput
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.transfer.connector import (
+    ConnectorEvent,
+    ConnectorReply,
+    ConnectorRequest,
+    ConnectorRole,
+    ConnectorSpec,
+    GetEndpoint,
+    Poll,
+    SetEndpoints,
+    WorkerConnector,
+)
+
+if TYPE_CHECKING:
+    from kvbridge.transfer.agent import Transport
+
+
+class KVConnectorWorker:
+    """One worker's connector. Built, called and shut down by the process that owns the
+    cache memory, from one thread; never raises out of `execute` (a failed order comes
+    back as `KVWorkerOutput.error`, and the worker stays usable)."""
+
+    def __init__(
+        self, spec: ConnectorSpec, model: ModelKVSpec, layout: InstanceLayout, rank: int
+    ) -> None:
+        self.spec = spec
+        self.model = model
+        self.layout = layout
+        self.rank = rank
+        self.connector: WorkerConnector | None = None
+        self._meta: ConnectorMetadata | None = None
+        self._load_blocks: dict[str, list[int]] = {}  # pulls in flight: local blocks
+        self._load_errors: set[int] = set()
+        self._refused: list[ConnectorEvent] = []  # orders that raised: reported as failed
+        self._errors: list[str] = []  # other orders that raised
+
+    @property
+    def role(self) -> ConnectorRole:
+        return self.spec.role
+
+    # -- start-up -------------------------------------------------------------------------
+    def register_kv_caches(
+        self, kv_cache: Any, num_blocks: int, transport: Transport | None = None
+    ) -> None:
+        """Register this worker's cache (one tensor in the layout's axis order, cut into
+        the planner's regions) with the transfer runtime; once, before any order."""
+        from kvbridge.transfer.regions import CacheRegions
+
+        regions = num_regions(self.model, self.layout, self.layout.workers(self.model)[self.rank])
+        self.connector = WorkerConnector(
+            self.spec,
+            self.model,
+            self.layout,
+            self.rank,
+            CacheRegions.from_tensor(kv_cache, regions),
+            num_blocks,
+            transport=transport,
+        )
+
+    def get_handshake_metadata(self) -> str:
+        """This worker's side-channel endpoint ("" on a consumer), for the scheduler side."""
+        return self._handle(GetEndpoint()).endpoint
+
+    # -- per step ---------------------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
+        self._meta = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = None
+
+    def start_load_kv(self) -> None:
+        """Start the bound pulls; meet introduced producers; decline what will not be read."""
+        meta = self._bound()
+        for connect in meta.peers_to_connect:
+            self._try(connect)
+        for decline in meta.reqs_to_decline:
+            self._try(decline)
+        for pull in meta.reqs_to_recv:
+            if self._try(pull, request_id=pull.request_id):
+                self._load_blocks[pull.request_id] = list(pull.local_block_ids)
+            else:
+                self._load_errors.update(pull.local_block_ids)
+
+    def wait_for_save(self) -> None:
+        """Expose the bound requests' computed blocks (our KV is complete once the step
+        that finished the prompt returned); release cancelled ones."""
+        meta = self._bound()
+        if meta.worker_endpoints is not None:
+            self._try(SetEndpoints(meta.worker_endpoints))
+        for expose in meta.reqs_to_send:
+            self._try(expose, request_id=expose.request_id)
+        for cancel in meta.reqs_to_cancel:
+            self._try(cancel)
+
+    def get_finished(self) -> KVWorkerOutput:
+        """Progress transfers now and report what finished since the last report."""
+        reply = self._handle(Poll())
+        sending: list[ConnectorEvent] = []
+        recving: list[ConnectorEvent] = []
+        events, self._refused = [*self._refused, *reply.events], []
+        for ev in events:
+            if self.role is ConnectorRole.PRODUCER:
+                sending.append(ev)
+            else:
+                recving.append(ev)
+                blocks = self._load_blocks.pop(ev.request_id, [])
+                if not ev.ok:
+                    self._load_errors.update(blocks)
+        error, self._errors = "; ".join(self._errors), []
+        return KVWorkerOutput(
+            sending, recving, reply.pinned_blocks, reply.replays_refused, error=error
+        )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Local blocks of pulls that failed since the last call (their K/V is invalid)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def execute(self, metadata: ConnectorMetadata) -> KVWorkerOutput:
+        """Carry out one step's orders and report; what an executor runs on each worker."""
+        self.bind_connector_metadata(metadata)
+        try:
+            self.start_load_kv()
+            self.wait_for_save()
+            return self.get_finished()
+        except Exception as exc:  # reported to the driver; the worker stays usable
+            return KVWorkerOutput(error=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.clear_connector_metadata()
+
+    def shutdown(self) -> None:
+        """Fail or release what is in flight, close the side channel, drop the agent."""
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _bound(self) -> ConnectorMetadata:
+        assert self._meta is not None, "bind_connector_metadata first"
+        return self._meta
+
+    def _need(self) -> WorkerConnector:
+        if self.connector is None:
+            raise RuntimeError("register_kv_caches has not been called")
+        return self.connector
+
+    def _try(self, order: ConnectorRequest, request_id: str | None = None) -> bool:
+        """Carry out one order; one that raised is reported (a request's as its failed
+        transfer on this worker, any other in `KVWorkerOutput.error`)."""
+        try:
+            self._handle(order)
+        except Exception as exc:
+            reason = f"{type(order).__name__} failed on worker {self.rank}: {exc}"
+            if request_id is None:
+                self._errors.append(reason)
+            else:
+                self._refused.append(ConnectorEvent(request_id, False, reason))
+            return False
+        return True
+
+    def _handle(self, request: ConnectorRequest) -> ConnectorReply:
+        return self._need().handle(request)

@@ -1,0 +1,201 @@
+"""Every transition of the connector's scheduler side, driven with the workers' reports
+as they arrive (a fake worker: typed `KVWorkerOutput`s). Beside the real-NIXL tests
+(tests/engine/test_kv_connector.py, tests/serve), never instead of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.connector import (
+    CapabilityRefused,
+    ConnectorMetadata,
+    ConnectorRole,
+    ConnectorSpec,
+    InvalidTransition,
+    KVConnectorConfig,
+    KVConnectorScheduler,
+    KVLoadFailure,
+    KVWorkerOutput,
+    RemoteDecode,
+    RemotePrefill,
+    RequestState,
+    TransferConfig,
+)
+from kvbridge.connector.metadata import encode, metadata_decoder, output_decoder
+from kvbridge.connector.states import TRANSITIONS, check_transition
+from kvbridge.transfer.connector import ConnectorEvent
+
+TOKEN = b"k" * 32
+BS = 4
+S = RequestState
+
+
+def producer(world: int = 2) -> KVConnectorScheduler:
+    spec = ConnectorSpec(ConnectorRole.PRODUCER, "P", TransferConfig(token=TOKEN))
+    sched = KVConnectorScheduler(KVConnectorConfig(spec, exposure_lease_s=7.0), BS, world)
+    sched.set_worker_endpoints(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"][:world])
+    return sched
+
+
+def consumer(
+    policy: KVLoadFailure = KVLoadFailure.RECOMPUTE, world: int = 2
+) -> KVConnectorScheduler:
+    spec = ConnectorSpec(ConnectorRole.CONSUMER, "D", TransferConfig(token=TOKEN))
+    return KVConnectorScheduler(KVConnectorConfig(spec, kv_load_failure=policy), BS, world)
+
+
+def report(*events: ConnectorEvent, sending: bool) -> KVWorkerOutput:
+    if sending:
+        return KVWorkerOutput(finished_sending=list(events))
+    return KVWorkerOutput(finished_recving=list(events))
+
+
+def exposed(p: KVConnectorScheduler, rid: str = "r", start: int = 0) -> RemotePrefill:
+    p.add_request(rid, list(range(10)), RemoteDecode("D", start))
+    delay, params = p.request_finished(rid, [5, 6, 7], first_token_id=42, done=False)
+    assert delay and isinstance(params, RemotePrefill) and params.first_token_id == 42
+    return params
+
+
+def test_the_table_allows_exactly_the_documented_moves() -> None:
+    assert {s for s in S if s.is_final} == {S.RELEASED, S.RUNNING, S.RECOMPUTE, S.FAILED}
+    assert TRANSITIONS[S.PREFILLING] == {S.EXPOSED, S.RELEASED}
+    assert TRANSITIONS[S.WAITING_FOR_REMOTE_KV] == {S.RUNNING, S.RECOMPUTE, S.FAILED}
+    with pytest.raises(InvalidTransition, match="'x': RELEASED -> EXPOSED is not a transition"):
+        check_transition("x", S.RELEASED, S.EXPOSED)
+
+
+def test_prefill_prefilling_exposed_released_frees_after_every_worker() -> None:
+    p = producer()
+    p.add_request("r", list(range(10)), RemoteDecode("D", start_token=4))
+    assert p.state("r") is S.PREFILLING
+    params = p.request_finished("r", [5, 6, 7], 42, done=False)[1]
+    assert p.state("r") is S.EXPOSED
+    meta = p.build_connector_meta()
+    (expose,) = meta.reqs_to_send
+    # the reader holds tokens [0, 4): only the blocks from the one holding token 4 on
+    assert expose.block_ids == [6, 7] and expose.start_token == 4 and expose.lease_s == 7.0
+    assert meta.worker_endpoints == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+    assert p.build_connector_meta().is_empty  # orders go out once
+    assert p.update_connector_output([report(ConnectorEvent("r", True), sending=True)]) == []
+    assert p.state("r") is S.EXPOSED  # one worker of two reported
+    (ended,) = p.update_connector_output([report(ConnectorEvent("r", True), sending=True)])
+    assert ended.state is S.RELEASED and ended.block_ids == [5, 6, 7] and not p.requests
+    # the capability carries what the reader needs; a consumer takes it
+    c = consumer()
+    assert isinstance(params, RemotePrefill)
+    rec = c.add_request("r", list(range(10)), params)
+    assert rec.capability is not None and rec.capability.block_ids == [6, 7]
+
+
+def test_prefill_finished_at_its_first_token_exposes_nothing() -> None:
+    p = producer()
+    p.add_request("r", [1, 2, 3], RemoteDecode("D"))
+    assert p.request_finished("r", [1], 42, done=True) == (False, None)
+    assert p.log[-1][:3] == ("r", S.PREFILLING, S.RELEASED) and not p.requests
+    assert p.build_connector_meta().reqs_to_send == []
+
+
+def test_failure_from_exposed_lease_or_cancel_releases_and_cancels_the_others() -> None:
+    p = producer()
+    exposed(p)
+    assert p.cancel("r", "nobody took it") and not p.cancel("other", "x")
+    assert [c.request_id for c in p.build_connector_meta().reqs_to_cancel] == ["r"]
+    # one worker reports a failed release (lease expired): the other is told to cancel
+    lease = ConnectorEvent("r", False, "lease expired after 7.0 s")
+    assert p.update_connector_output([report(lease, sending=True), KVWorkerOutput()]) == []
+    assert [c.reason for c in p.build_connector_meta().reqs_to_cancel] == [lease.reason]
+    cancelled = ConnectorEvent("r", False, "cancelled: nobody took it")
+    (ended,) = p.update_connector_output([report(cancelled, sending=True)])
+    assert ended.state is S.RELEASED and "lease expired" in ended.reason
+
+
+def decode_params(rid: str = "r", start: int = 0) -> RemotePrefill:
+    return exposed(producer(), rid, start)
+
+
+def test_decode_waiting_running_pulls_the_tokens_after_the_local_hit() -> None:
+    c = consumer()
+    c.add_request("r", list(range(10)), decode_params(start=4))
+    assert c.state("r") is S.WAITING_FOR_REMOTE_KV
+    assert c.get_num_new_matched_tokens("r", 4) == (6, True)
+    c.update_state_after_alloc("r", [20, 21, 22], 6)
+    (pull,) = c.build_connector_meta().reqs_to_recv
+    # prefill exposed blocks [6, 7] from token 4; the decode side holds [0, 4) in 20
+    assert pull.producer_block_ids == [6, 7] and pull.local_block_ids == [21, 22]
+    assert pull.start_token == 4 and pull.endpoint == "tcp://127.0.0.1:1"
+    assert c.has_transfers
+    done = [report(ConnectorEvent("r", True, nbytes=100), sending=False)] * 2
+    (ended,) = c.update_connector_output(done)
+    assert ended.state is S.RUNNING and ended.nbytes == 200 and ended.first_token_id == 42
+    assert ended.num_cached_tokens == 4 and not c.has_transfers and not c.requests
+
+
+@pytest.mark.parametrize("policy", list(KVLoadFailure))
+def test_failure_from_waiting_follows_the_policy(policy: KVLoadFailure) -> None:
+    final = S.RECOMPUTE if policy is KVLoadFailure.RECOMPUTE else S.FAILED
+    # a failed pull on one worker of two
+    c = consumer(policy)
+    c.add_request("a", list(range(10)), decode_params("a"))
+    c.get_num_new_matched_tokens("a", 0)
+    c.update_state_after_alloc("a", [1, 2, 3], 10)
+    lost = ConnectorEvent("a", False, "lost contact with the producer")
+    (ended,) = c.update_connector_output(
+        [report(lost, sending=False), report(ConnectorEvent("a", True), sending=False)]
+    )
+    assert ended.state is final and ended.reason == lost.reason and ended.block_ids == [1, 2, 3]
+    # refused before pulling (no blocks): declined, the prefill side frees at once
+    c.add_request("b", list(range(10)), decode_params("b"))
+    rec = c.load_refused("b", "no free blocks to receive the KV")
+    assert rec.state is final and c.build_connector_meta().reqs_to_decline[0].request_id == "b"
+    # evicted since the router asked: the local hit is short of the exposed start
+    c.add_request("c", list(range(10)), decode_params("c", start=8))
+    assert c.get_num_new_matched_tokens("c", 4) == (0, False)
+    (decline,) = c.build_connector_meta().reqs_to_decline
+    assert decline.request_id == "c" and "holds 4 tokens of the prompt, fewer than the 8" in (
+        decline.reason
+    )
+    # nothing to pull at all
+    c.add_request("d", list(range(10)), RemotePrefill(42))
+    assert c.get_num_new_matched_tokens("d", 0) == (0, False)
+    assert [(t.request_id, t.new) for t in c.log] == [(x, final) for x in "abcd"]
+    assert not c.requests
+
+
+def test_an_abort_while_pulling_keeps_the_blocks_until_the_pull_ends() -> None:
+    c = consumer()
+    c.add_request("r", list(range(10)), decode_params())
+    c.get_num_new_matched_tokens("r", 0)
+    c.update_state_after_alloc("r", [1, 2, 3], 10)
+    assert c.request_finished("r", [1, 2, 3], None, done=True) == (True, None)
+    assert c.state("r") is S.WAITING_FOR_REMOTE_KV
+    ok = report(ConnectorEvent("r", True), sending=False)
+    (ended,) = c.update_connector_output([ok, ok])
+    assert ended.state is S.FAILED and "aborted" in ended.reason and ended.block_ids == [1, 2, 3]
+    # aborted before its blocks were allocated: nothing to wait for
+    c.add_request("s", list(range(10)), decode_params("s"))
+    assert c.request_finished("s", [], None, done=True) == (False, None)
+    assert c.log[-1][:3] == ("s", S.WAITING_FOR_REMOTE_KV, S.FAILED)
+
+
+def test_capabilities_are_checked_on_arrival() -> None:
+    params = decode_params()
+    with pytest.raises(CapabilityRefused, match="it covers request 'r' with 10 tokens, not 'x'"):
+        consumer().add_request("x", list(range(10)), params)
+    with pytest.raises(CapabilityRefused, match="KV capability refused"):
+        consumer().add_request("r", list(range(10)), RemotePrefill(42, b"forged"))
+    spec = ConnectorSpec(ConnectorRole.CONSUMER, "E", TransferConfig(token=TOKEN))
+    other = KVConnectorScheduler(KVConnectorConfig(spec), BS, 1)
+    with pytest.raises(CapabilityRefused, match="KV capability refused"):
+        other.add_request("r", list(range(10)), params)  # issued to D, not E
+    assert not other.requests
+
+
+def test_orders_and_reports_cross_a_process_boundary_as_typed_bytes() -> None:
+    p = producer()
+    exposed(p)
+    meta = p.build_connector_meta()
+    assert metadata_decoder.decode(encode(meta)) == meta
+    out = report(ConnectorEvent("r", True, "", 5), sending=True)
+    assert output_decoder.decode(encode(out)) == out
+    assert ConnectorMetadata().is_empty

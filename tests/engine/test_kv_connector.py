@@ -1,0 +1,220 @@
+"""The engine hosting the KV connector, with real NIXL agents: a prefill engine and a
+decode engine (tp 1 each, in this process) hand requests over, and every state
+transition, failures from each state included, ends with every block free on both
+sides. tests/serve runs the same connector across processes at every layout/TP pair."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import msgspec
+import pytest
+
+from kvbridge.connector import (
+    ConnectorRole,
+    ConnectorSpec,
+    KVConnectorConfig,
+    KVLoadFailure,
+    RemoteDecode,
+    RemotePrefill,
+    RequestState,
+    TransferConfig,
+)
+from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.llm_engine import Completion, LLMEngine
+from kvbridge.engine.sampling import SamplingParams
+from kvbridge.engine.sequence import FinishReason
+from kvbridge.transfer.capability import check, issue
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+S = RequestState
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # 3+ blocks of 16
+PARAMS = SamplingParams(max_tokens=6)
+
+
+def make(role: ConnectorRole, instance_id: str, **kwargs: object) -> LLMEngine:
+    # a producer that does not answer fails a handshake within a second
+    spec = ConnectorSpec(role, instance_id, TransferConfig(lease_s=30.0, handshake_timeout_s=1.0))
+    config = KVConnectorConfig(spec, claim_s=30.0, **kwargs)  # type: ignore[arg-type]
+    return LLMEngine("smollm2-135m", EngineConfig(num_blocks=24), connector=config)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    prefill = make(ConnectorRole.PRODUCER, "P")
+    try:
+        decode = make(ConnectorRole.CONSUMER, "D")
+    except BaseException:
+        prefill.shutdown()
+        raise
+    yield prefill, decode
+    decode.shutdown()
+    prefill.shutdown()
+
+
+def drive(engines: list[LLMEngine], done: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Step and poll both engines (each owns its NIXL memory) until `done()`."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        for e in engines:
+            if e.has_unfinished():
+                e.step()
+            e.poll_kv()
+        assert time.monotonic() < deadline, "the engines did not get there in time"
+        time.sleep(0.001)
+
+
+def prefill_one(prefill: LLMEngine, rid: str, params: SamplingParams = PARAMS) -> Completion:
+    ids = prefill.tokenizer.encode(PROMPT)
+    prefill.add_request(ids, params, rid, kv_transfer_params=RemoteDecode("D"))
+    assert prefill.kv_state(rid) is S.PREFILLING
+    drive([prefill], lambda: prefill.is_finished(rid))
+    return prefill.pop(rid)
+
+
+def transitions(engine: LLMEngine, rid: str) -> list[tuple[S, S]]:
+    assert engine.kv is not None
+    return [(t.old, t.new) for t in engine.kv.log if t.request_id == rid]
+
+
+def all_free(*engines: LLMEngine) -> bool:
+    return all(
+        e.block_manager.num_free_blocks == e.block_manager.num_blocks and not e.scheduler.held
+        for e in engines
+    )
+
+
+def reference(engine: LLMEngine, params: SamplingParams = PARAMS) -> list[int]:
+    ids = engine.tokenizer.encode(PROMPT)
+    rid = engine.add_request(ids, params)
+    drive([engine], lambda: engine.is_finished(rid))
+    return engine.pop(rid).token_ids
+
+
+@pytest.mark.slow
+def test_prefilled_exposed_pulled_released_and_decoded(pair: tuple[LLMEngine, LLMEngine]) -> None:
+    prefill, decode = pair
+    pre = prefill_one(prefill, "ok")
+    assert pre.finish_reason is FinishReason.PREFILLED and pre.block_ids == []
+    assert isinstance(pre.kv_transfer_params, RemotePrefill)
+    assert prefill.kv_state("ok") is S.EXPOSED and prefill.has_request("ok")
+    decode.add_request(pre.prompt_ids, PARAMS, "ok", kv_transfer_params=pre.kv_transfer_params)
+    assert decode.kv_state("ok") is S.WAITING_FOR_REMOTE_KV
+    drive([prefill, decode], lambda: decode.has_request("ok") and decode.is_finished("ok"))
+    out = decode.pop("ok")
+    drive([prefill, decode], lambda: all_free(prefill, decode))  # the release comes after
+    assert out.token_ids == reference(decode) and out.kv_nbytes > 0 and out.kv_load_error is None
+    assert transitions(prefill, "ok") == [(S.PREFILLING, S.EXPOSED), (S.EXPOSED, S.RELEASED)]
+    assert transitions(decode, "ok") == [(S.WAITING_FOR_REMOTE_KV, S.RUNNING)]
+    assert not prefill.has_request("ok")
+
+
+@pytest.mark.slow
+def test_the_engine_finishes_a_prefill_at_its_first_token_and_exposes_nothing(
+    pair: tuple[LLMEngine, LLMEngine],
+) -> None:
+    prefill, _ = pair
+    pre = prefill_one(prefill, "one", SamplingParams(max_tokens=1))
+    assert pre.finish_reason is FinishReason.LENGTH and pre.kv_transfer_params is None
+    assert transitions(prefill, "one") == [(S.PREFILLING, S.RELEASED)]
+    # a stop string met by the first token's text ends it too, the text cut before it
+    first = pre.text
+    pre = prefill_one(prefill, "stop", SamplingParams(max_tokens=8, stop=(first[-1:],)))
+    assert pre.finish_reason is FinishReason.STOP and pre.kv_transfer_params is None
+    assert all_free(prefill)
+
+
+@pytest.mark.slow
+def test_failure_from_prefilling_and_from_exposed_frees_everything(
+    pair: tuple[LLMEngine, LLMEngine],
+) -> None:
+    prefill, _ = pair
+    ids = prefill.tokenizer.encode(PROMPT)
+    prefill.add_request(ids, PARAMS, "gone", kv_transfer_params=RemoteDecode("D"))
+    prefill.abort("gone")  # the caller went away while it was queued
+    assert prefill.pop("gone").finish_reason is FinishReason.ABORT
+    assert transitions(prefill, "gone") == [(S.PREFILLING, S.RELEASED)]
+    prefill_one(prefill, "untaken")
+    assert prefill.cancel_kv("untaken", "no decode instance took it")
+    drive([prefill], lambda: all_free(prefill))
+    assert transitions(prefill, "untaken")[-1] == (S.EXPOSED, S.RELEASED)
+    assert not prefill.cancel_kv("untaken", "again")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", list(KVLoadFailure))
+def test_failure_from_waiting_recomputes_or_fails_by_policy(
+    pair: tuple[LLMEngine, LLMEngine], policy: KVLoadFailure
+) -> None:
+    prefill, decode = pair
+    assert decode.kv is not None
+    config = decode.kv.config
+    decode.kv.config = dataclasses.replace(config, kv_load_failure=policy)
+    try:
+        pre = prefill_one(prefill, f"lost-{policy.value}")
+        rid = pre.request_id
+        prefill.cancel_kv(rid, "the test took it away")
+        drive([prefill], lambda: all_free(prefill))
+        # the same capability, but its producer's side channel is gone (nobody listens)
+        assert isinstance(pre.kv_transfer_params, RemotePrefill)
+        cap = check(pre.kv_transfer_params.capability, None, "D")
+        dead = issue(msgspec.structs.replace(cap, endpoint=f"tcp://127.0.0.1:{free_port()}"), None)
+        params = msgspec.structs.replace(pre.kv_transfer_params, capability=dead)
+        decode.add_request(pre.prompt_ids, PARAMS, rid, kv_transfer_params=params)
+        drive([prefill, decode], lambda: decode.is_finished(rid))
+        out = decode.pop(rid)
+    finally:
+        decode.kv.config = config
+    assert out.kv_load_error
+    if policy is KVLoadFailure.RECOMPUTE:
+        assert transitions(decode, rid) == [(S.WAITING_FOR_REMOTE_KV, S.RECOMPUTE)]
+        assert out.token_ids == reference(decode) and out.finish_reason is FinishReason.LENGTH
+    else:
+        assert transitions(decode, rid) == [(S.WAITING_FOR_REMOTE_KV, S.FAILED)]
+        assert out.finish_reason is FinishReason.ERROR and out.token_ids == []
+        assert out.error == f"KV cache load failed: {out.kv_load_error}"
+        assert "handshake" in out.kv_load_error and "timed out" in out.kv_load_error
+    assert all_free(prefill, decode)
+
+
+@pytest.mark.slow
+def test_refused_before_pulling_declines_and_an_abort_mid_pull_waits_for_the_pull(
+    pair: tuple[LLMEngine, LLMEngine],
+) -> None:
+    prefill, decode = pair
+    # no blocks to receive it: declined (the prefill side frees at once), recomputed
+    pre = prefill_one(prefill, "full")
+    hold = decode.allocate_blocks(decode.block_manager.num_free_blocks * 16)
+    decode.add_request(pre.prompt_ids, PARAMS, "full", kv_transfer_params=pre.kv_transfer_params)
+    decode.step()
+    assert transitions(decode, "full") == [(S.WAITING_FOR_REMOTE_KV, S.RECOMPUTE)]
+    drive([prefill, decode], lambda: all_free(prefill))  # declined: released long before lease
+    assert "no free blocks to receive the KV" in transitions_reason(prefill, "full")
+    decode.release_blocks(hold)
+    drive([decode], lambda: decode.is_finished("full"))
+    assert decode.pop("full").token_ids == reference(decode)
+    # aborted while its pull is in flight: its blocks stay until the pull ends
+    pre = prefill_one(prefill, "mid")
+    decode.add_request(pre.prompt_ids, PARAMS, "mid", kv_transfer_params=pre.kv_transfer_params)
+    decode.step()  # allocated, pull started
+    decode.abort("mid")
+    decode.pop("mid")
+    assert decode.has_request("mid")  # held: the read may still write into its blocks
+    drive([prefill, decode], lambda: all_free(prefill, decode))
+    assert transitions(decode, "mid") == [(S.WAITING_FOR_REMOTE_KV, S.FAILED)]
+
+
+def transitions_reason(engine: LLMEngine, rid: str) -> str:
+    """The reason the prefill engine's connector recorded for the request's release."""
+    assert engine.kv is not None
+    return " ".join(t.reason for t in engine.kv.log if t.request_id == rid)
