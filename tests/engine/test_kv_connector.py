@@ -207,11 +207,16 @@ def test_refused_before_pulling_declines_and_an_abort_mid_pull_waits_for_the_pul
     pre = prefill_one(prefill, "mid")
     decode.add_request(pre.prompt_ids, PARAMS, "mid", kv_transfer_params=pre.kv_transfer_params)
     decode.step()  # allocated, pull started
+    # the worker's progress thread may finish the pull before the abort; whichever came
+    # first, no block is left (the fake-transport test in tests/connector pins the order)
+    in_flight = decode.kv_state("mid") is S.WAITING_FOR_REMOTE_KV
     decode.abort("mid")
     decode.pop("mid")
-    assert decode.has_request("mid")  # held: the read may still write into its blocks
+    if in_flight:
+        assert decode.has_request("mid")  # held: the read may still write into its blocks
     drive([prefill, decode], lambda: all_free(prefill, decode))
-    assert transitions(decode, "mid") == [(S.WAITING_FOR_REMOTE_KV, S.FAILED)]
+    ended = S.FAILED if in_flight else S.RUNNING
+    assert transitions(decode, "mid") == [(S.WAITING_FOR_REMOTE_KV, ended)]
 
 
 def transitions_reason(engine: LLMEngine, rid: str) -> str:
