@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvbridge.serve.bench import metric_total
+from kvbridge.bench.serve import metric_total
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment

@@ -104,7 +104,7 @@ def metric_total(text: str, name: str) -> float:
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     if args.multi_turn:
-        from kvbridge.serve.bench_multiturn import run_multi_turn_bench
+        from kvbridge.bench.multiturn import run_multi_turn_bench
 
         return run_multi_turn_bench(args)
     dep = Deployment()
