@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvbridge.bench.serve import metric_total
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment
+from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.proxy import make_app
 
 #: Words of the user turns (each turn picks its own sequence of them).
@@ -117,7 +117,7 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[_T
 
 def _decode_kv_bytes(path: _Path) -> float:
     """KV bytes the decode instance pulled so far (its /metrics are open)."""
-    return metric_total(
+    return metric_value(
         httpx.get(f"{path.decode_url}/metrics", timeout=30).text, "kv_instance_bytes_total"
     )
 

@@ -20,6 +20,7 @@ import httpx
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment
+from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.proxy import make_app
 
 _WORDS = [
@@ -94,14 +95,6 @@ def _measure(
     return statistics.median(ttfts), statistics.median(tpots)
 
 
-def metric_total(text: str, name: str) -> float:
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(f"kvbridge_{name} ") or line.startswith(f"kvbridge_{name}{{")
-    )
-
-
 def run_serve_bench(args: argparse.Namespace) -> int:
     if args.multi_turn:
         from kvbridge.bench.multiturn import run_multi_turn_bench
@@ -130,13 +123,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
             dt, dp = _measure(disagg.url, c, args.rounds, args.prompt_words, args.max_tokens, "d")
             after = httpx.get(f"{disagg.url}/metrics").text
             ct, cp = _measure(coloc.url, c, args.rounds, args.prompt_words, args.max_tokens, "c")
-            n = metric_total(after, "kv_transfer_ms_count") - metric_total(
+            n = metric_value(after, "kv_transfer_ms_count") - metric_value(
                 before, "kv_transfer_ms_count"
             )
             kv = (
-                metric_total(after, "kv_bytes_total") - metric_total(before, "kv_bytes_total")
+                metric_value(after, "kv_bytes_total") - metric_value(before, "kv_bytes_total")
             ) / max(n, 1)
-            xfer = metric_total(after, "kv_transfer_ms_sum") - metric_total(
+            xfer = metric_value(after, "kv_transfer_ms_sum") - metric_value(
                 before, "kv_transfer_ms_sum"
             )
             print(

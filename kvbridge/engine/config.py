@@ -66,14 +66,6 @@ class ModelConfig:
                 f"num_kv_heads={self.num_kv_heads} in {self.name}"
             )
 
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
     def kv_spec(self, dtype: str = "float32") -> ModelKVSpec:
         """The planner's view of this model's KV cache."""
         return ModelKVSpec(

@@ -98,11 +98,6 @@ class TransferConfig:
         """The address peers use to reach this worker."""
         return self.advertise_host or self.host
 
-    @property
-    def is_open(self) -> bool:
-        """No shared token: peers are not authenticated (allowed on loopback only)."""
-        return self.token is None
-
     def port_of(self, rank: int) -> int:
         """The side-channel port worker `rank` binds (0: any free port)."""
         return self.base_port + rank if self.base_port else 0

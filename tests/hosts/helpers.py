@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 
 from kvbridge.harness.hosts import HostNetwork, TestHost
-from tests.serve.helpers import TOKEN_FILE, colocated, complete, instance_args, metric
+from kvbridge.serve.metrics import metric_value
+from tests.serve.helpers import TOKEN_FILE, colocated, complete, instance_args
 
 PORT = 8000
 #: About 1,000 tokens: ~44 MB of KV from a tp-1 prefill worker, long enough on a
@@ -108,7 +109,7 @@ class ThreeHosts:
     def metric(self, host: TestHost, name: str) -> float:
         with host.inside():
             text = httpx.get(f"{self.url(host)}/metrics", timeout=30).text
-        return metric(text, name)
+        return metric_value(text, name)
 
     def wait_released(self, host: TestHost, timeout_s: float) -> None:
         """Wait until `host`'s instance holds no KV blocks (allocated or pinned)."""

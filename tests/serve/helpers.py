@@ -80,16 +80,6 @@ def complete(url: str, prompt: str, max_tokens: int = 12) -> dict:
     return r.json()
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(f"kvbridge_{name}") and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def raw_post(url: str, path: str, headers: bytes, chunks: list[bytes]) -> tuple[int, bytes]:
     """POST by hand: the request line and `headers`, then `chunks` until the server
     answers (or they run out); (bytes of body sent, the whole answer)."""
