@@ -83,7 +83,8 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         dest="kv_token_file",
         default=None,
         metavar="FILE",
-        help="shared secret of the deployment (or set KVBRIDGE_TRANSFER_TOKEN): encrypts and "
+        help="file holding the shared secret of the deployment (else KVBRIDGE_TRANSFER_TOKEN, "
+        "else the file named by KVBRIDGE_TRANSFER_TOKEN_FILE): encrypts and "
         "authenticates the KV side channel, signs pull capabilities and every proxy -> "
         "instance call. Needed for any address other than loopback. `kvbridge serve` "
         "(all roles) makes one up for its run when none is given",
@@ -302,8 +303,12 @@ def api_key(args: argparse.Namespace) -> str | None:
 def deployment_token(args: argparse.Namespace) -> Iterator[None]:
     """A whole deployment authenticates its KV plane and internal calls even when the
     user gave no secret: make one up for this run, in a file only we can read (0600),
-    for the instances we start; remove it at the end."""
-    if args.kv_token_file or os.environ.get("KVBRIDGE_TRANSFER_TOKEN"):
+    for the instances we start; remove it at the end. A secret the user gave in any of
+    the ways `load_token` reads (the flag, KVBRIDGE_TRANSFER_TOKEN,
+    KVBRIDGE_TRANSFER_TOKEN_FILE) is used as it is: the instances read it the same way."""
+    from kvbridge.transfer.config import load_token
+
+    if load_token(path=args.kv_token_file) is not None:
         yield
         return
     with tempfile.TemporaryDirectory(prefix="kvbridge-") as tmp:

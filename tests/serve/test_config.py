@@ -3,6 +3,8 @@ launched instance's own command line."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from kvbridge.cli.main import build_parser
@@ -35,3 +37,29 @@ def test_instance_counts_and_prefix_caching_reach_the_deployment() -> None:
     assert proxy.decode_urls == ("http://d0", "http://d1")
     with pytest.raises(ConfigError, match="--prefill-instances 0 must be in"):
         deployment_config(build_parser().parse_args(["serve", "--prefill-instances", "0"]))
+
+
+def test_a_deployment_uses_the_users_token_in_any_form_and_makes_one_up_only_without(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """`kvbridge serve`/`demo` read the token like every other command (flag, then
+    KVBRIDGE_TRANSFER_TOKEN, then KVBRIDGE_TRANSFER_TOKEN_FILE); only when none is set do
+    they make one up for the run (0600, removed at the end)."""
+    from kvbridge.cli.serve_cmd import deployment_token
+    from kvbridge.transfer.config import load_token
+
+    monkeypatch.delenv("KVBRIDGE_TRANSFER_TOKEN", raising=False)
+    monkeypatch.delenv("KVBRIDGE_TRANSFER_TOKEN_FILE", raising=False)
+    env_file = tmp_path / "token"
+    env_file.write_text("the-users-own-secret-0123456789")
+    monkeypatch.setenv("KVBRIDGE_TRANSFER_TOKEN_FILE", str(env_file))
+    args = build_parser().parse_args(["demo"])
+    with deployment_token(args):
+        assert args.kv_token_file is None
+        assert load_token(path=args.kv_token_file) == b"the-users-own-secret-0123456789"
+    monkeypatch.delenv("KVBRIDGE_TRANSFER_TOKEN_FILE")
+    with deployment_token(args):
+        made_up = args.kv_token_file
+        assert made_up is not None and oct(os.stat(made_up).st_mode & 0o777) == "0o600"
+        assert len(load_token(path=made_up) or b"") == 64
+    assert args.kv_token_file is None and not os.path.exists(made_up)
