@@ -37,7 +37,13 @@ import numpy as np
 from kvbridge.bench import cma_floor
 from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.plan.layout import DEFAULT_LAYOUT, LAYOUT_HELP, CacheLayout, InstanceLayout
+from kvbridge.plan.layout import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LAYOUT,
+    LAYOUT_HELP,
+    CacheLayout,
+    InstanceLayout,
+)
 from kvbridge.plan.planner import make_plan
 from kvbridge.transfer.errors import TransferError
 
@@ -66,7 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{side} cache layout (default: --layout)",
         )
     parser.add_argument(
-        "--block-size", type=int, default=16, help="block size of both sides (default 16)"
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="block size of both sides (default %(default)s)",
     )
     parser.add_argument(
         "--no-compare",

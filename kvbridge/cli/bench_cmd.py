@@ -11,6 +11,7 @@ import importlib
 from collections.abc import Callable
 
 from kvbridge.bench import plan as plan_bench
+from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -78,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     mt.add_argument("--conversations", type=int, default=4, help="conversations (default 4)")
     mt.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
     mt.add_argument("--turn-words", type=int, default=40, help="words per user turn")
-    mt.add_argument("--block-size", type=int, default=16)
+    mt.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     mt.add_argument(
         "--kv-cache-mb",
         type=int,

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvbridge.engine.errors import ModelLoadError
 from kvbridge.plan.geometry import ModelKVSpec, attention_kind
-from kvbridge.plan.layout import CacheLayout, InstanceLayout, check_tp_size
+from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, CacheLayout, InstanceLayout, check_tp_size
 from kvbridge.plan.model_config import ConfigFile, read_config
 
 #: Architectures whose decoder layer is the one `models/llama.py` implements.
@@ -143,7 +143,7 @@ class EngineConfig:
     """
 
     tp_size: int = 1
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     cache_layout: CacheLayout = CacheLayout.BHLNC
     num_blocks: int | None = None
     max_num_seqs: int = 16

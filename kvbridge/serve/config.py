@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
-from kvbridge.plan.layout import DEFAULT_LAYOUT, CacheLayout
+from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.transfer.config import TransferConfig, is_loopback, load_token
 
@@ -60,7 +60,7 @@ class InstanceConfig:
     role: Role
     tp_size: int
     model: str = "smollm2-135m"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     cache_layout: CacheLayout = field(default_factory=lambda: CacheLayout.parse(DEFAULT_LAYOUT))
     kv_cache_mb: int = 256
     enable_prefix_caching: bool = True
@@ -71,10 +71,11 @@ class InstanceConfig:
     kv_port: int = 0
     kv_token_file: str | None = None
     kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
-    lease_s: float = 120.0
-    transfer_timeout_s: float = 30.0
-    liveness_timeout_s: float = 5.0  # a pull from a worker silent this long fails
-    handshake_timeout_s: float = 15.0
+    # the KV runtime's times: TransferConfig declares them (and says what they bound)
+    lease_s: float = TransferConfig.lease_s
+    transfer_timeout_s: float = TransferConfig.transfer_timeout_s
+    liveness_timeout_s: float = TransferConfig.liveness_timeout_s
+    handshake_timeout_s: float = TransferConfig.handshake_timeout_s
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
     kv_advertise_host: str | None = None  # the address peers reach the KV side channel at
     insecure: bool = False  # allow a non-loopback HTTP host without a shared token

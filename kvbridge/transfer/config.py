@@ -58,7 +58,7 @@ class TransferConfig:
     lease_s: float = 120.0
     transfer_timeout_s: float = 30.0
     liveness_timeout_s: float = 5.0
-    handshake_timeout_s: float = 5.0
+    handshake_timeout_s: float = 15.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_units: int = 1 << 22
 

@@ -3,14 +3,19 @@ launched instance's own command line."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 
 import pytest
 
 from kvbridge.cli.main import build_parser
 from kvbridge.cli.serve_cmd import deployment_config, instance_config
+from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
+from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE
 from kvbridge.serve.config import InstanceConfig
+from kvbridge.transfer.config import TransferConfig
 
 
 def test_max_body_mb_reaches_proxy_and_instances() -> None:
@@ -63,3 +68,35 @@ def test_a_deployment_uses_the_users_token_in_any_form_and_makes_one_up_only_wit
         assert made_up is not None and oct(os.stat(made_up).st_mode & 0o777) == "0o600"
         assert len(load_token(path=made_up) or b"") == 64
     assert args.kv_token_file is None and not os.path.exists(made_up)
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_every_flag_named_after_a_setting_defaults_to_the_settings_declaration() -> None:
+    """Each setting is declared once (its config class); the CLI shows that default."""
+    declared = {
+        f.name: f.default
+        for f in dataclasses.fields(InstanceConfig)
+        # required, or not the same setting: --port is the public port (the proxy's, or a
+        # single role's) where an InstanceConfig's 0 is a launched instance's free port
+        if f.default is not dataclasses.MISSING and f.name != "port"
+    }
+    checked = []
+    for action in _subparser("serve")._actions:
+        if action.dest in declared:
+            want = declared[action.dest]
+            assert action.default == getattr(want, "value", want), action.dest
+            checked.append(action.dest)
+    assert {"lease_s", "handshake_timeout_s", "transfer_timeout_s", "kv_cache_mb"} <= set(checked)
+    assert InstanceConfig.lease_s == TransferConfig.lease_s
+    assert InstanceConfig.handshake_timeout_s == TransferConfig.handshake_timeout_s
+    for command, flags in (
+        ("serve", ("block_size", "prefill_block_size", "decode_block_size")),
+        ("demo", ("prefill_block_size", "decode_block_size")),
+        ("generate", ("block_size",)),
+    ):
+        defaults = {a.dest: a.default for a in _subparser(command)._actions}
+        assert all(defaults[f] == DEFAULT_BLOCK_SIZE == EngineConfig.block_size for f in flags)
