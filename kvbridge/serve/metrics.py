@@ -241,9 +241,11 @@ def metric_value(text: str, name: str, **labels: str) -> float:
     tests), parsed by prometheus_client. `name` is a sample's full name after the
     prefix: "requests_total", "ttft_ms_count", "blocks_in_use"."""
     full = f"kvbridge_{name}"
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == full and all(sample.labels.get(k) == v for k, v in labels.items())
-    ) + 0.0
+    return float(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == full and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+    )
