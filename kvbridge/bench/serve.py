@@ -17,6 +17,7 @@ import time
 
 import httpx
 
+from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment
@@ -102,15 +103,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         return run_multi_turn_bench(args)
     dep = Deployment()
     servers: list[ServerThread] = []
-    common = ["--model", args.model, "--kv-cache-mb", "64"]
+    common = dict(model=args.model, kv_cache_mb=64)
     try:
         print(
             f"starting prefill tp {args.prefill_tp} and decode tp {args.decode_tp} ...", flush=True
         )
-        p = dep.start_instance(
-            "prefill", ["--role", "prefill", "--tp", str(args.prefill_tp), *common]
-        )
-        d = dep.start_instance("decode", ["--role", "decode", "--tp", str(args.decode_tp), *common])
+        p = dep.start_instance("prefill", InstanceConfig(Role.PREFILL, args.prefill_tp, **common))
+        d = dep.start_instance("decode", InstanceConfig(Role.DECODE, args.decode_tp, **common))
         dep.wait_healthy(1800, say=lambda s: print(s, flush=True))
         disagg = ServerThread(make_app(DisaggBackend([p.url], [d.url], args.model))).start()
         coloc = ServerThread(make_app(DisaggBackend([], [d.url], args.model))).start()

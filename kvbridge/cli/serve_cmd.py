@@ -384,7 +384,9 @@ def _run_deployment(args: argparse.Namespace, run_proxy: Any) -> int:
         ):
             for i in range(count):
                 name = side if count == 1 else f"{side}{i}"
-                urls[side].append(dep.start_instance(name, inst.to_args(), cfg.host).url)
+                urls[side].append(
+                    dep.start_instance(name, dataclasses.replace(inst, host=cfg.host)).url
+                )
         print(
             f"loading {cfg.prefill.model}: {args.prefill_instances} x prefill tp "
             f"{cfg.prefill.tp_size}, {args.decode_instances} x decode tp "

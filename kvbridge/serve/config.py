@@ -2,8 +2,9 @@
 
 The CLI (`kvbridge serve`, `kvbridge demo`) builds these from its flags; everything
 below it takes them, never an `argparse.Namespace`. A deployment starts each instance
-as a child process (`kvbridge serve --role ...`): `InstanceConfig.to_args` is its
-command line, and the child parses it back into the same object.
+as a child process (`python -m kvbridge.serve.instance_main CONFIG.json`) and hands it
+its whole `InstanceConfig` as one JSON document (`to_json`/`from_json`, msgspec): the
+child decodes the very object, never a command line rebuilt from it.
 """
 
 from __future__ import annotations
@@ -140,52 +141,21 @@ class InstanceConfig:
             handshake_timeout_s=self.handshake_timeout_s,
         )
 
-    def to_args(self) -> list[str]:
-        """The `kvbridge serve --role ...` command line of this instance (the port is
-        left to the launcher)."""
-        out = [
-            "--role",
-            self.role.value,
-            "--model",
-            self.model,
-            "--tp",
-            str(self.tp_size),
-            "--block-size",
-            str(self.block_size),
-            "--layout",
-            self.cache_layout.name,
-            "--kv-load-failure",
-            self.kv_load_failure.value,
-            "--lease-s",
-            str(self.lease_s),
-            "--transfer-timeout-s",
-            str(self.transfer_timeout_s),
-            "--liveness-timeout-s",
-            str(self.liveness_timeout_s),
-            "--handshake-timeout-s",
-            str(self.handshake_timeout_s),
-            "--kv-cache-mb",
-            str(self.kv_cache_mb),
-            "--kv-port",
-            str(self.kv_port),
-            "--max-body-mb",
-            str(self.max_body_mb),
-            "--kv-claim-s",
-            str(self.claim_s),
-        ]
-        if not self.enable_prefix_caching:
-            out += ["--no-prefix-caching"]
-        if self.max_queued_requests is not None:
-            out += ["--max-queued-requests", str(self.max_queued_requests)]
-        if self.kv_host:
-            out += ["--kv-host", self.kv_host]
-        if self.kv_advertise_host:
-            out += ["--kv-advertise-host", self.kv_advertise_host]
-        if self.kv_token_file:
-            out += ["--kv-token-file", self.kv_token_file]
-        if self.insecure:
-            out += ["--insecure"]
-        return out
+    def to_json(self) -> bytes:
+        """This config as one JSON document (what a launched instance receives)."""
+        import msgspec
+
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> InstanceConfig:
+        """The config `to_json` wrote, checked again (`__post_init__`)."""
+        import msgspec
+
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"instance config: {exc}") from None
 
 
 @dataclass(frozen=True)

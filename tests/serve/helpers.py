@@ -43,10 +43,10 @@ def colocated(url: str, prompt: str, max_tokens: int) -> str:
     return colocated_text(url, prompt, max_tokens, TOKEN)
 
 
-def instance_args(
+def small_instance(
     role: str, tp: int, block_size: int = 16, layout: str = "BHLNC", **overrides: Any
-) -> list[str]:
-    """A test instance's command line: a small cache, and timeouts generous enough for a
+) -> InstanceConfig:
+    """A test instance's config: a small cache, and timeouts generous enough for a
     2-core machine running two dozen processes (the fault tests pass shorter ones)."""
     fields: dict[str, Any] = dict(
         kv_cache_mb=32,
@@ -56,9 +56,7 @@ def instance_args(
         kv_token_file=TOKEN_FILE,
     )
     fields.update(overrides)
-    return InstanceConfig(
-        Role(role), tp, block_size=block_size, cache_layout=layout, **fields
-    ).to_args()
+    return InstanceConfig(Role(role), tp, block_size=block_size, cache_layout=layout, **fields)
 
 
 def proxy_for(

@@ -10,11 +10,11 @@ import os
 import pytest
 
 from kvbridge.cli.main import build_parser
-from kvbridge.cli.serve_cmd import deployment_config, instance_config
+from kvbridge.cli.serve_cmd import deployment_config
 from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE
-from kvbridge.serve.config import InstanceConfig
+from kvbridge.serve.config import InstanceConfig, KVLoadFailure, Role
 from kvbridge.transfer.config import TransferConfig
 
 
@@ -24,9 +24,8 @@ def test_max_body_mb_reaches_proxy_and_instances() -> None:
     assert cfg.prefill.max_body_mb == cfg.decode.max_body_mb == 2.5
     proxy = cfg.proxy(["http://p"], ["http://d"])
     assert proxy.max_body_bytes == int(2.5 * 2**20)
-    # a launched instance parses its command line back into the same config
-    child = build_parser().parse_args(["serve", *cfg.decode.to_args(), "--port", "0"])
-    assert instance_config(child).max_body_bytes == cfg.decode.max_body_bytes
+    # a launched instance decodes its config document back into the same config
+    assert InstanceConfig.from_json(cfg.decode.to_json()) == cfg.decode
     assert InstanceConfig(cfg.decode.role, 1).max_body_mb == 16.0  # the default
 
 
@@ -35,8 +34,7 @@ def test_instance_counts_and_prefix_caching_reach_the_deployment() -> None:
     cfg = deployment_config(args)
     assert args.decode_instances == 2 and args.prefill_instances == 1
     assert not cfg.decode.engine_config().enable_prefix_caching
-    child = build_parser().parse_args(["serve", *cfg.decode.to_args(), "--port", "0"])
-    assert not instance_config(child).enable_prefix_caching
+    assert not InstanceConfig.from_json(cfg.decode.to_json()).enable_prefix_caching
     assert InstanceConfig(cfg.decode.role, 1).engine_config().enable_prefix_caching
     proxy = cfg.proxy(["http://p"], ["http://d0", "http://d1"])
     assert proxy.decode_urls == ("http://d0", "http://d1")
@@ -100,3 +98,26 @@ def test_every_flag_named_after_a_setting_defaults_to_the_settings_declaration()
     ):
         defaults = {a.dest: a.default for a in _subparser(command)._actions}
         assert all(defaults[f] == DEFAULT_BLOCK_SIZE == EngineConfig.block_size for f in flags)
+
+
+def test_a_launched_instances_config_document_round_trips_and_is_checked_again(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123")
+    cfg = InstanceConfig(
+        Role.PREFILL,
+        2,
+        block_size=32,
+        cache_layout="LBNHC",
+        max_queued_requests=5,
+        kv_token_file=str(token),
+        enable_prefix_caching=False,
+        kv_load_failure=KVLoadFailure.FAIL,
+    )
+    assert InstanceConfig.from_json(cfg.to_json()) == cfg
+    bad = cfg.to_json().replace(b'"claim_s":10.0', b'"claim_s":-1')
+    with pytest.raises(ConfigError, match="--kv-claim-s -1"):
+        InstanceConfig.from_json(bad)
+    with pytest.raises(ConfigError, match=r"instance config: Expected `int`.*\$\.tp_size"):
+        InstanceConfig.from_json(cfg.to_json().replace(b'"tp_size":2', b'"tp_size":"2"'))

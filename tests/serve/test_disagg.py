@@ -23,10 +23,10 @@ from tests.serve.helpers import (
     AUTH,
     colocated,
     complete,
-    instance_args,
     instance_id,
     proxy_for,
     raw_post,
+    small_instance,
 )
 
 pytestmark = pytest.mark.slow
@@ -216,11 +216,11 @@ def fault_setup():
     try:
         procs = {
             # a capability is used up to a transfer timeout after it was issued here
-            "prefill_a": dep.start_instance("prefill_a", instance_args("prefill", 1, claim_s=60)),
-            "prefill_b": dep.start_instance("prefill_b", instance_args("prefill", 1, claim_s=60)),
+            "prefill_a": dep.start_instance("prefill_a", small_instance("prefill", 1, claim_s=60)),
+            "prefill_b": dep.start_instance("prefill_b", small_instance("prefill", 1, claim_s=60)),
             "recompute": dep.start_instance(
                 "recompute",
-                instance_args(
+                small_instance(
                     "decode",
                     1,
                     16,
@@ -231,7 +231,7 @@ def fault_setup():
             ),
             "fail": dep.start_instance(
                 "fail",
-                instance_args(
+                small_instance(
                     "decode",
                     3,
                     16,

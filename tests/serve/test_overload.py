@@ -17,7 +17,7 @@ from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.launcher import Deployment
 from kvbridge.serve.metrics import metric_value
-from tests.serve.helpers import AUTH, colocated, instance_args, instance_id, proxy_for
+from tests.serve.helpers import AUTH, colocated, instance_id, proxy_for, small_instance
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,7 @@ def small():
         urls = {
             "prefill": dep.start_instance(
                 "prefill-small",
-                instance_args(
+                small_instance(
                     "prefill",
                     1,
                     kv_cache_mb=8,
@@ -46,7 +46,7 @@ def small():
                 ),
             ).url,
             "decode": dep.start_instance(
-                "decode-small", instance_args("decode", 1, kv_cache_mb=8)
+                "decode-small", small_instance("decode", 1, kv_cache_mb=8)
             ).url,
         }
         dep.wait_healthy(600, say=None)
