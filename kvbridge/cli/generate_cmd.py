@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from kvbridge.cli.plan_cmd import layout_arg
-from kvbridge.plan.layout import DEFAULT_LAYOUT, LAYOUT_HELP
+from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +20,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="a .gguf file, an HF directory, or a known name (default smollm2-135m)",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument(
         "--cache-layout",
         "--layout",

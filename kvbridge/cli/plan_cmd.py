@@ -22,6 +22,7 @@ from kvbridge.errors import KVBridgeError, LayoutError
 from kvbridge.plan.copylist import copy_lists
 from kvbridge.plan.geometry import ModelKVSpec, load_model_spec
 from kvbridge.plan.layout import (
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_LAYOUT,
     LAYOUT_HELP,
     CacheLayout,
@@ -70,9 +71,9 @@ def add_layout_arguments(parser: argparse.ArgumentParser) -> None:
         g.add_argument(
             f"--{side}-block-size",
             type=_int_or_raw,
-            default=16,
+            default=DEFAULT_BLOCK_SIZE,
             metavar="N",
-            help="tokens per KV block (default 16)",
+            help="tokens per KV block (default %(default)s)",
         )
         g.add_argument(
             f"--{side}-layout", default=DEFAULT_LAYOUT, metavar="LAYOUT", help=LAYOUT_HELP

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import secrets
 import sys
@@ -19,17 +20,24 @@ from typing import Any
 
 from kvbridge.cli.plan_cmd import layout_arg
 from kvbridge.errors import ConfigError
-from kvbridge.plan.layout import DEFAULT_LAYOUT, LAYOUT_HELP
+from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP
+from kvbridge.serve.config import InstanceConfig
+
+#: The flags' defaults are InstanceConfig's (the one declaration of each setting);
+#: tests/serve/test_config.py checks every flag named after one of its fields.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(InstanceConfig)}
 
 
 def add_instance_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default="smollm2-135m",
-        help="a .gguf file, an HF directory, or smollm2-135m (default)",
+        default=_DEFAULTS["model"],
+        help="a .gguf file, an HF directory, or smollm2-135m (default %(default)s)",
     )
     p.add_argument(
-        "--host", default="127.0.0.1", help="address the HTTP server binds (default 127.0.0.1)"
+        "--host",
+        default=_DEFAULTS["host"],
+        help="address the HTTP server binds (default %(default)s)",
     )
     p.add_argument(
         "--kv-host",
@@ -40,42 +48,43 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-port",
         type=int,
-        default=0,
+        default=_DEFAULTS["kv_port"],
         help="first side-channel port (worker r uses port+r; default: any free)",
     )
     p.add_argument(
         "--kv-load-failure",
         choices=["recompute", "fail"],
-        default="recompute",
+        default=_DEFAULTS["kv_load_failure"].value,
         help="when a KV pull fails: recompute the prompt on the decode instance "
         "(default) or answer an error",
     )
     p.add_argument(
         "--lease-s",
         type=float,
-        default=120.0,
+        default=_DEFAULTS["lease_s"],
         help="prefill blocks are freed after this long at most if no decode pulls them "
-        "(sooner when nobody took them: see --kv-claim-s)",
+        "(sooner when nobody took them: see --kv-claim-s; default %(default)s)",
     )
     p.add_argument(
         "--transfer-timeout-s",
         type=float,
-        default=30.0,
-        help="a KV pull not finished after this long fails",
+        default=_DEFAULTS["transfer_timeout_s"],
+        help="a KV pull not finished after this long fails (default %(default)s)",
     )
     p.add_argument(
         "--liveness-timeout-s",
         type=float,
-        default=5.0,
+        default=_DEFAULTS["liveness_timeout_s"],
         help="a KV pull fails when the prefill worker's side channel answered no heartbeat "
-        "for this long (its host or the link is down; default 5); a slow link that still "
+        "for this long (its host or the link is down; default %(default)s); a slow link that still "
         "answers is bounded by --transfer-timeout-s only",
     )
     p.add_argument(
         "--handshake-timeout-s",
         type=float,
-        default=15.0,
-        help="a first contact with a prefill instance not answered after this long fails",
+        default=_DEFAULTS["handshake_timeout_s"],
+        help="a first contact with a prefill instance not answered after this long fails "
+        "(default %(default)s)",
     )
     p.add_argument(
         "--auth-token-file",
@@ -83,7 +92,8 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         dest="kv_token_file",
         default=None,
         metavar="FILE",
-        help="shared secret of the deployment (or set KVBRIDGE_TRANSFER_TOKEN): encrypts and "
+        help="file holding the shared secret of the deployment (else KVBRIDGE_TRANSFER_TOKEN, "
+        "else the file named by KVBRIDGE_TRANSFER_TOKEN_FILE): encrypts and "
         "authenticates the KV side channel, signs pull capabilities and every proxy -> "
         "instance call. Needed for any address other than loopback. `kvbridge serve` "
         "(all roles) makes one up for its run when none is given",
@@ -106,7 +116,12 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on the OpenAI API (/v1/...), like vLLM's "
         "--api-key (or set KVBRIDGE_API_KEY)",
     )
-    p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache per worker (MiB)")
+    p.add_argument(
+        "--kv-cache-mb",
+        type=int,
+        default=_DEFAULTS["kv_cache_mb"],
+        help="KV cache per worker (MiB; default %(default)s)",
+    )
     p.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
@@ -127,17 +142,17 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv-claim-s",
         type=float,
-        default=10.0,
+        default=_DEFAULTS["claim_s"],
         help="a decode instance must take a prefilled request's KV within this long "
         "(its pull capability expires); blocks nobody took are freed after this plus "
-        "--transfer-timeout-s and 5 s (default 10)",
+        "--transfer-timeout-s and 5 s (default %(default)s)",
     )
     p.add_argument(
         "--max-body-mb",
         type=float,
-        default=16.0,
+        default=_DEFAULTS["max_body_mb"],
         help="largest request body the proxy and the instances accept, in MiB "
-        "(default 16); a larger one is refused with 413",
+        "(default %(default)s); a larger one is refused with 413",
     )
     p.add_argument(
         "--start-timeout-s",
@@ -160,7 +175,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for side, tp in (("prefill", 3), ("decode", 9)):
         p.add_argument(f"--{side}-tp", type=int, default=tp, help=f"{side} tp (default {tp})")
         p.add_argument(f"--{side}-pp", type=int, default=1, help=f"{side} pp (1 only for now)")
-        p.add_argument(f"--{side}-block-size", type=int, default=16)
+        p.add_argument(f"--{side}-block-size", type=int, default=DEFAULT_BLOCK_SIZE)
         p.add_argument(
             f"--{side}-layout",
             type=layout_arg,
@@ -177,7 +192,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "the one whose prefix cache holds most of its prompt, else the least loaded",
         )
     p.add_argument("--tp", type=int, default=None, help="tp of a single prefill/decode role")
-    p.add_argument("--block-size", type=int, default=16, help="block size of a single role")
+    p.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="block size of a single role"
+    )
     p.add_argument(
         "--layout",
         "--cache-layout",
@@ -215,7 +232,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for side, tp in (("prefill", 3), ("decode", 9)):
         d.add_argument(f"--{side}-tp", type=int, default=tp)
         d.add_argument(f"--{side}-pp", type=int, default=1)
-        d.add_argument(f"--{side}-block-size", type=int, default=16)
+        d.add_argument(f"--{side}-block-size", type=int, default=DEFAULT_BLOCK_SIZE)
         d.add_argument(
             f"--{side}-layout", type=layout_arg, default=DEFAULT_LAYOUT, metavar="LAYOUT"
         )
@@ -302,8 +319,12 @@ def api_key(args: argparse.Namespace) -> str | None:
 def deployment_token(args: argparse.Namespace) -> Iterator[None]:
     """A whole deployment authenticates its KV plane and internal calls even when the
     user gave no secret: make one up for this run, in a file only we can read (0600),
-    for the instances we start; remove it at the end."""
-    if args.kv_token_file or os.environ.get("KVBRIDGE_TRANSFER_TOKEN"):
+    for the instances we start; remove it at the end. A secret the user gave in any of
+    the ways `load_token` reads (the flag, KVBRIDGE_TRANSFER_TOKEN,
+    KVBRIDGE_TRANSFER_TOKEN_FILE) is used as it is: the instances read it the same way."""
+    from kvbridge.transfer.config import load_token
+
+    if load_token(path=args.kv_token_file) is not None:
         yield
         return
     with tempfile.TemporaryDirectory(prefix="kvbridge-") as tmp:
@@ -363,7 +384,9 @@ def _run_deployment(args: argparse.Namespace, run_proxy: Any) -> int:
         ):
             for i in range(count):
                 name = side if count == 1 else f"{side}{i}"
-                urls[side].append(dep.start_instance(name, inst.to_args(), cfg.host).url)
+                urls[side].append(
+                    dep.start_instance(name, dataclasses.replace(inst, host=cfg.host)).url
+                )
         print(
             f"loading {cfg.prefill.model}: {args.prefill_instances} x prefill tp "
             f"{cfg.prefill.tp_size}, {args.decode_instances} x decode tp "

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvbridge.engine.errors import ModelLoadError
 from kvbridge.plan.geometry import ModelKVSpec, attention_kind
-from kvbridge.plan.layout import CacheLayout, InstanceLayout, check_tp_size
+from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, CacheLayout, InstanceLayout, check_tp_size
 from kvbridge.plan.model_config import ConfigFile, read_config
 
 #: Architectures whose decoder layer is the one `models/llama.py` implements.
@@ -65,14 +65,6 @@ class ModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads} in {self.name}"
             )
-
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     def kv_spec(self, dtype: str = "float32") -> ModelKVSpec:
         """The planner's view of this model's KV cache."""
@@ -151,7 +143,7 @@ class EngineConfig:
     """
 
     tp_size: int = 1
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     cache_layout: CacheLayout = CacheLayout.BHLNC
     num_blocks: int | None = None
     max_num_seqs: int = 16

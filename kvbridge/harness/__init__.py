@@ -2,8 +2,7 @@
 
 Real worker processes, each with a pattern-filled cache, one NIXL agent and a
 `KVProducer` or `KVConsumer`, driven by a parent over pipes with msgspec commands
-(`cluster`, `worker`, `commands`): `kvbridge transfer-check` (`check`), `kvbridge bench
-transfer` (`transfer_bench`) and the kernel's floor under UCX's same-host transport
-(`cma_floor`); test hosts on one machine, as network namespaces on a bridge
-(`hosts`). An engine embeds `kvbridge.transfer` and never needs this package.
+(`cluster`, `worker`, `commands`): `kvbridge transfer-check` (`check`) and `kvbridge
+bench transfer` (`kvbridge.bench.transfer`); test hosts on one machine, as network
+namespaces on a bridge (`hosts`). An engine embeds `kvbridge.transfer` and never needs this package.
 """

@@ -33,7 +33,6 @@ from kvbridge.plan.copylist import blocks_needed
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.plan.planner import make_plan
-from kvbridge.transfer.errors import TransferError
 
 
 @dataclass
@@ -223,8 +222,3 @@ def _verify(
         if s.held_blocks:
             what = "pinned" if w.role == "prefill" else "held"
             failures.append(f"{w.role} rank {w.rank} still has {s.held_blocks} blocks {what}")
-
-
-def check_or_raise(report: CheckReport) -> None:
-    if not report.verified:
-        raise TransferError("; ".join(report.failures[:5]))

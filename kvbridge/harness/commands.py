@@ -12,6 +12,7 @@ import msgspec
 import numpy as np
 
 from kvbridge.plan.verifier import RequestSpan
+from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.messages import LayoutWire, ModelWire
 
 
@@ -42,9 +43,9 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     host: str = "127.0.0.1"
     base_port: int = 0
     token: bytes | None = None
-    lease_s: float = 120.0
-    transfer_timeout_s: float = 30.0
-    handshake_timeout_s: float = 5.0
+    lease_s: float = TransferConfig.lease_s
+    transfer_timeout_s: float = TransferConfig.transfer_timeout_s
+    handshake_timeout_s: float = TransferConfig.handshake_timeout_s
     backend_params: dict[str, str] = {}
     scratch_bytes: int = 0  # benchmarks: a registered contiguous buffer of this size
     pattern: bool = True  # False (benchmarks): skip the verifiable fill, no Verify

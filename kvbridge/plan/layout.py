@@ -142,6 +142,8 @@ class CacheLayout:
 #: The layout every command uses unless told otherwise: cross-layer, heads outermost,
 #: so a head range of a block is one run over all layers for any TP pair.
 DEFAULT_LAYOUT = "BHLNC"
+#: Tokens per KV block unless configured: the one declaration every layer and flag uses.
+DEFAULT_BLOCK_SIZE = 16
 LAYOUT_HELP = (
     "cache layout, the order of the axes B (block), L (layer), K (K/V), H (KV head), "
     "N (token in block), C (channel), outermost first with C last: BHLNC (cross-layer, "
@@ -225,7 +227,7 @@ class InstanceLayout:
 
     tp_size: int = 1
     pp_size: int = 1
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     cache_layout: CacheLayout = CacheLayout.BHLNC
     dtype: str | None = None  # None: the model's dtype
     pp_layers: tuple[int, ...] | None = None

@@ -2,8 +2,9 @@
 
 The CLI (`kvbridge serve`, `kvbridge demo`) builds these from its flags; everything
 below it takes them, never an `argparse.Namespace`. A deployment starts each instance
-as a child process (`kvbridge serve --role ...`): `InstanceConfig.to_args` is its
-command line, and the child parses it back into the same object.
+as a child process (`python -m kvbridge.serve.instance_main CONFIG.json`) and hands it
+its whole `InstanceConfig` as one JSON document (`to_json`/`from_json`, msgspec): the
+child decodes the very object, never a command line rebuilt from it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from kvbridge.connector import KVLoadFailure
 from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
-from kvbridge.plan.layout import DEFAULT_LAYOUT, CacheLayout
+from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.transfer.config import TransferConfig, is_loopback, load_token
 
@@ -56,7 +57,7 @@ class InstanceConfig:
     role: Role
     tp_size: int
     model: str = "smollm2-135m"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     cache_layout: CacheLayout = field(default_factory=lambda: CacheLayout.parse(DEFAULT_LAYOUT))
     kv_cache_mb: int = 256
     enable_prefix_caching: bool = True
@@ -67,10 +68,11 @@ class InstanceConfig:
     kv_port: int = 0
     kv_token_file: str | None = None
     kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
-    lease_s: float = 120.0
-    transfer_timeout_s: float = 30.0
-    liveness_timeout_s: float = 5.0  # a pull from a worker silent this long fails
-    handshake_timeout_s: float = 15.0
+    # the KV runtime's times: TransferConfig declares them (and says what they bound)
+    lease_s: float = TransferConfig.lease_s
+    transfer_timeout_s: float = TransferConfig.transfer_timeout_s
+    liveness_timeout_s: float = TransferConfig.liveness_timeout_s
+    handshake_timeout_s: float = TransferConfig.handshake_timeout_s
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
     kv_advertise_host: str | None = None  # the address peers reach the KV side channel at
     insecure: bool = False  # allow a non-loopback HTTP host without a shared token
@@ -135,52 +137,21 @@ class InstanceConfig:
             handshake_timeout_s=self.handshake_timeout_s,
         )
 
-    def to_args(self) -> list[str]:
-        """The `kvbridge serve --role ...` command line of this instance (the port is
-        left to the launcher)."""
-        out = [
-            "--role",
-            self.role.value,
-            "--model",
-            self.model,
-            "--tp",
-            str(self.tp_size),
-            "--block-size",
-            str(self.block_size),
-            "--layout",
-            self.cache_layout.name,
-            "--kv-load-failure",
-            self.kv_load_failure.value,
-            "--lease-s",
-            str(self.lease_s),
-            "--transfer-timeout-s",
-            str(self.transfer_timeout_s),
-            "--liveness-timeout-s",
-            str(self.liveness_timeout_s),
-            "--handshake-timeout-s",
-            str(self.handshake_timeout_s),
-            "--kv-cache-mb",
-            str(self.kv_cache_mb),
-            "--kv-port",
-            str(self.kv_port),
-            "--max-body-mb",
-            str(self.max_body_mb),
-            "--kv-claim-s",
-            str(self.claim_s),
-        ]
-        if not self.enable_prefix_caching:
-            out += ["--no-prefix-caching"]
-        if self.max_queued_requests is not None:
-            out += ["--max-queued-requests", str(self.max_queued_requests)]
-        if self.kv_host:
-            out += ["--kv-host", self.kv_host]
-        if self.kv_advertise_host:
-            out += ["--kv-advertise-host", self.kv_advertise_host]
-        if self.kv_token_file:
-            out += ["--kv-token-file", self.kv_token_file]
-        if self.insecure:
-            out += ["--insecure"]
-        return out
+    def to_json(self) -> bytes:
+        """This config as one JSON document (what a launched instance receives)."""
+        import msgspec
+
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> InstanceConfig:
+        """The config `to_json` wrote, checked again (`__post_init__`)."""
+        import msgspec
+
+        try:
+            return msgspec.json.decode(data, type=cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"instance config: {exc}") from None
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -129,8 +130,8 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
             f"starting prefill tp {cfg.prefill.tp_size} -> decode tp {cfg.decode.tp_size} "
             f"({cfg.prefill.model}) ..."
         )
-        prefill = dep.start_instance("prefill", cfg.prefill.to_args(), cfg.host)
-        decode = dep.start_instance("decode", cfg.decode.to_args(), cfg.host)
+        prefill = dep.start_instance("prefill", replace(cfg.prefill, host=cfg.host))
+        decode = dep.start_instance("decode", replace(cfg.decode, host=cfg.host))
         dep.wait_healthy(cfg.start_timeout_s, say=say)
         proxy_cfg = cfg.proxy([prefill.url], [decode.url])
         backend = DisaggBackend(

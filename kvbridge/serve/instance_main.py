@@ -1,4 +1,6 @@
-"""Run one prefill or decode instance in this process (`kvbridge serve --role ...`)."""
+"""Run one prefill or decode instance in this process: `kvbridge serve --role ...`, or
+`python -m kvbridge.serve.instance_main CONFIG.json` for an instance a `Deployment`
+launches (its `InstanceConfig` as one JSON document, `InstanceConfig.to_json`)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import uvicorn
 
 from kvbridge.connector import ConnectorRole, ConnectorSpec, KVConnectorConfig, net_device_of
 from kvbridge.engine.llm_engine import LLMEngine
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.engine_loop import EngineLoop
 from kvbridge.serve.instance import Instance
@@ -86,3 +88,26 @@ def run_instance(cfg: InstanceConfig) -> int:
         loop.stop()
         engine.shutdown()
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of a launched instance: argv is the path of its config document."""
+    if len(argv) != 1:
+        print("usage: python -m kvbridge.serve.instance_main CONFIG.json", file=sys.stderr)
+        return 2
+    try:
+        data = Path(argv[0]).read_bytes()
+    except OSError as exc:
+        print(f"kvbridge instance: error: cannot read config {argv[0]}: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return run_instance(InstanceConfig.from_json(data))
+    except KVBridgeError as exc:
+        print(f"kvbridge instance: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,8 +1,8 @@
 """Start a whole disaggregated deployment on this machine: a prefill instance and a
 decode instance as child processes (each with its own tp workers), then the proxy.
 
-Children are started as `python -m kvbridge.cli.main serve --role ...` in their own
-process groups; `Deployment.stop()` (also on Ctrl-C, errors and interpreter exit)
+Children are started as `python -m kvbridge.serve.instance_main CONFIG.json` (their
+`InstanceConfig` as one JSON document) in their own process groups; `Deployment.stop()` (also on Ctrl-C, errors and interpreter exit)
 terminates them and their workers. Every wait is bounded.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.serve.config import InstanceConfig
 
 
 class LaunchError(KVBridgeError):
@@ -90,23 +92,20 @@ class Deployment:
     def __post_init__(self) -> None:
         _exit_cleanly_on_sigterm()
 
-    def start_instance(self, name: str, args: list[str], host: str = "127.0.0.1") -> Child:
-        port_file = self._tmp / f"{name}-{len(self.children)}.port"
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvbridge.cli.main",
-            "serve",
-            *args,
-            "--host",
-            host,
-            "--port",
-            "0",
-            "--port-file",
-            str(port_file),
-        ]
+    def start_instance(self, name: str, config: InstanceConfig) -> Child:
+        """Start one instance process with `config` (its port: any free one, reported
+        through a file). The child receives the config as one JSON document in a file
+        only we can read, and binds `config.host`."""
+        n = len(self.children)
+        port_file = self._tmp / f"{name}-{n}.port"
+        config_file = self._tmp / f"{name}-{n}.json"
+        doc = dataclasses.replace(config, port=0, port_file=str(port_file)).to_json()
+        fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(doc)
+        cmd = [sys.executable, "-m", "kvbridge.serve.instance_main", str(config_file)]
         proc = subprocess.Popen(cmd, start_new_session=True)
-        child = Child(name, host, port_file, proc)
+        child = Child(name, config.host, port_file, proc)
         self.children.append(child)
         atexit.register(self.stop)
         return child

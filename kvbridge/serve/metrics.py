@@ -37,8 +37,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["CONTENT_TYPE_LATEST", "InstanceMetrics", "ProxyMetrics", "merge_expositions"]
+__all__ = [
+    "CONTENT_TYPE_LATEST",
+    "InstanceMetrics",
+    "ProxyMetrics",
+    "merge_expositions",
+    "metric_value",
+]
 
 #: Histogram buckets of the millisecond figures (TTFT, TPOT, transfer time).
 MS_BUCKETS = (1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
@@ -226,3 +233,19 @@ def merge_expositions(texts: list[str]) -> str:
         out.extend(headers[family])
         out.extend(samples[family])
     return "\n".join(out) + "\n"
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of the `kvbridge_<name>` samples of a Prometheus text exposition whose
+    labels include `labels` (0.0 if none): the one reader of `/metrics` (benchmarks,
+    tests), parsed by prometheus_client. `name` is a sample's full name after the
+    prefix: "requests_total", "ttft_ms_count", "blocks_in_use"."""
+    full = f"kvbridge_{name}"
+    return float(
+        sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == full and all(sample.labels.get(k) == v for k, v in labels.items())
+        )
+    )

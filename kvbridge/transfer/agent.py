@@ -75,8 +75,6 @@ class NixlTransport:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         if net_device:
             os.environ.setdefault("UCX_NET_DEVICES", net_device)
-        #: the devices UCX may use in this process ("" = all)
-        self.net_devices = os.environ.get("UCX_NET_DEVICES", "")
         from nixl_cu12._api import nixl_agent, nixl_agent_config
 
         self.name = name

@@ -58,7 +58,7 @@ class TransferConfig:
     lease_s: float = 120.0
     transfer_timeout_s: float = 30.0
     liveness_timeout_s: float = 5.0
-    handshake_timeout_s: float = 5.0
+    handshake_timeout_s: float = 15.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_units: int = 1 << 22
 
@@ -98,11 +98,6 @@ class TransferConfig:
         """The address peers use to reach this worker."""
         return self.advertise_host or self.host
 
-    @property
-    def is_open(self) -> bool:
-        """No shared token: peers are not authenticated (allowed on loopback only)."""
-        return self.token is None
-
     def port_of(self, rank: int) -> int:
         """The side-channel port worker `rank` binds (0: any free port)."""
         return self.base_port + rank if self.base_port else 0
@@ -119,15 +114,20 @@ def is_loopback(host: str) -> bool:
 
 
 def load_token(value: str | None = None, path: str | Path | None = None) -> bytes | None:
-    """The shared token from `value`, else the file `path`, else the environment
-    (``KVBRIDGE_TRANSFER_TOKEN``, then the file named by ``KVBRIDGE_TRANSFER_TOKEN_FILE``);
-    None if none is set. Surrounding whitespace of a file's content is ignored."""
+    """The shared token, from the first of these that is set: `value`, the file `path`
+    (both given by a flag), ``KVBRIDGE_TRANSFER_TOKEN``, the file named by
+    ``KVBRIDGE_TRANSFER_TOKEN_FILE``; None if none is. Every command and config reads
+    the token through this function, so the order is the same everywhere. Surrounding
+    whitespace of a file's content is ignored."""
     if value:
         return value.encode()
-    path = path or os.environ.get(TOKEN_FILE_ENV) or None
-    if path is None:
+    if not path:
         env = os.environ.get(TOKEN_ENV)
-        return env.encode() if env else None
+        if env:
+            return env.encode()
+        path = os.environ.get(TOKEN_FILE_ENV) or None
+    if path is None:
+        return None
     try:
         text = Path(path).read_bytes().strip()
     except OSError as exc:

@@ -35,7 +35,6 @@ Reason = Annotated[str, msgspec.Meta(max_length=4096)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # msgpack caps ints at 64 bits
 Nonce = Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
-SessionId = Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]
 
 
 class ModelWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

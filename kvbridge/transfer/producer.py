@@ -222,10 +222,6 @@ class KVProducer:
         """Side-channel messages rejected so far (malformed, oversized, unauthenticated)."""
         return self._server.num_rejected
 
-    @property
-    def exposed_request_ids(self) -> list[str]:
-        return list(self._exposed)
-
     def poll(self, timeout_ms: int = 0) -> list[Release]:
         """Serve the side channel, take notifications, enforce leases; returns new releases."""
         start = len(self.releases)

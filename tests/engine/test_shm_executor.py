@@ -14,8 +14,7 @@ from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import WorkerError
 from kvbridge.engine.shm_executor import ShmExecutor
 from kvbridge.engine.step import StepBatch
-
-from .test_hf_dir import _save_model
+from tests.engine.helpers import save_model
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +27,7 @@ def test_worker_load_failure_is_reported(tmp_path: Path) -> None:
 
 
 def test_dead_worker_fails_the_step_not_hangs(tmp_path: Path) -> None:
-    _save_model("llama", tmp_path)
+    save_model("llama", tmp_path)
     ex = ShmExecutor(tmp_path, EngineConfig(tp_size=2, num_blocks=4, worker_timeout_s=120))
     batch = StepBatch(
         input_ids=[1, 2, 3],

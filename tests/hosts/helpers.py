@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -11,7 +13,8 @@ from typing import Any
 import httpx
 
 from kvbridge.harness.hosts import HostNetwork, TestHost
-from tests.serve.helpers import TOKEN_FILE, colocated, complete, instance_args, metric
+from kvbridge.serve.metrics import metric_value
+from tests.serve.helpers import TOKEN_FILE, colocated, complete, small_instance
 
 PORT = 8000
 #: About 1,000 tokens: ~44 MB of KV from a tp-1 prefill worker, long enough on a
@@ -51,8 +54,12 @@ class ThreeHosts:
         return dep
 
     def start_instance(self, host: TestHost, role: str, tp: int, **overrides: Any) -> None:
-        args = instance_args(role, tp, kv_cache_mb=128, **overrides)
-        host.start(serve([*args, "--host", host.address, "--port", str(PORT)]))
+        config = small_instance(role, tp, kv_cache_mb=128, host=host.address, port=PORT)
+        config = dataclasses.replace(config, **overrides)
+        path = os.path.join(os.path.dirname(TOKEN_FILE), f"{host.name}.json")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(config.to_json())
+        host.start([sys.executable, "-m", "kvbridge.serve.instance_main", path])
 
     def url(self, host: TestHost) -> str:
         return f"http://{host.address}:{PORT}"
@@ -108,7 +115,7 @@ class ThreeHosts:
     def metric(self, host: TestHost, name: str) -> float:
         with host.inside():
             text = httpx.get(f"{self.url(host)}/metrics", timeout=30).text
-        return metric(text, name)
+        return metric_value(text, name)
 
     def wait_released(self, host: TestHost, timeout_s: float) -> None:
         """Wait until `host`'s instance holds no KV blocks (allocated or pinned)."""

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvbridge.harness.hosts import HostNetwork, TestHost, missing, sh
-from tests.transfer.test_cli import _bench_transfer
+from tests.transfer.helpers import bench_transfer
 
 
 def test_hosts_are_apart_and_torn_down_completely() -> None:
@@ -50,7 +50,7 @@ def test_bench_transfer_hosts_moves_the_kv_across_the_link() -> None:
     if reason:
         pytest.skip(reason)
     args = ["--hosts", "--tokens", "64", "--repeat", "1", "--no-compare", "--json"]
-    out = _bench_transfer(*args)
+    out = bench_transfer(*args)
     assert out.returncode == 0, out.stderr
     obj = json.loads(out.stdout)
     assert obj["hosts"] and obj["tcp_ms"] > 0 and obj["ratio"] > 0

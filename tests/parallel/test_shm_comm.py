@@ -17,6 +17,7 @@ from kvbridge.engine.parallel import (
     ShmSegment,
 )
 from kvbridge.engine.parallel.shm_segment import SHM_DIR
+from tests.parallel.helpers import check_stress
 from tests.parallel.workers import SCENARIOS, rank_input, reference_sum, run_scenarios
 
 HARNESS_TIMEOUT_S = 60.0
@@ -122,15 +123,6 @@ THREE_RANK_PLAN: list[tuple[str, dict]] = [
 def three_ranks() -> dict[str, list[dict | None]]:
     results = run_ranks(3, THREE_RANK_PLAN)
     return {name: result for (name, _), result in zip(THREE_RANK_PLAN, results, strict=True)}
-
-
-def check_stress(results: list[dict | None]) -> None:
-    for rank, result in enumerate(results):
-        assert result is not None, f"rank {rank} died"
-        assert result["failures"] == [], f"rank {rank}: {result['failures'][:5]}"
-        assert all(n > 0 for n in result["kinds"].values()), result["kinds"]
-    # every rank saw the very same bytes for every result
-    assert len({r["digest"] for r in results if r is not None}) == 1
 
 
 def test_stress_single_rank_in_process() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from kvbridge.engine.parallel import (
     WorkerTimeoutError,
 )
 from kvbridge.engine.parallel.shm_segment import SHM_DIR, is_process_alive
-from tests.parallel.test_shm_comm import check_stress
+from tests.parallel.helpers import check_stress
 
 ECHO = "tests.parallel.workers:echo_worker"
 pytestmark = pytest.mark.slow
@@ -144,6 +145,18 @@ def test_start_failure_reports_rank_and_traceback_and_cleans_up() -> None:
     assert our_segments() == before
     with pytest.raises(WorkerStartError, match=r"package\.module:function"):
         WorkerGroup(2, "no_colon_here")
+
+
+def test_start_failure_names_the_root_cause_whichever_death_is_seen_first() -> None:
+    """Ranks 0 and 2 die first, without a reason; rank 1, the root cause, sent its
+    reason and exits later. The driver reports the first death with rank 1's reason."""
+    with pytest.raises(WorkerStartError) as info:
+        WorkerGroup(3, "tests.parallel.workers:one_rank_fails_init_worker", start_timeout=120)
+    message = str(info.value)
+    assert re.search(
+        r"worker rank [02] \(pid \d+\) exited with code 1; rank 1 failed first", message
+    )
+    assert "RuntimeError: cannot load weights on rank 1" in message
 
 
 def test_workers_exit_when_the_driver_dies(tmp_path: Path) -> None:

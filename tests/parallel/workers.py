@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -202,6 +203,20 @@ def echo_worker(ctx: WorkerContext) -> None:
 def failing_init_worker(ctx: WorkerContext) -> None:
     if ctx.rank == 1:
         raise RuntimeError("cannot load weights on rank 1")
+    ctx.serve(lambda method, payload: b"")
+
+
+def one_rank_fails_init_worker(ctx: WorkerContext) -> None:
+    """Rank 1 fails to start (the root cause) and its process lingers 3 s after saying
+    so; the others, waiting for it in a collective, die at once without a word (as a
+    process the kernel kills would), so the driver sees their deaths first."""
+    if ctx.rank == 1:
+        threading.Thread(target=time.sleep, args=(3.0,)).start()  # delays the exit
+        raise RuntimeError("cannot load weights on rank 1")
+    try:
+        ctx.comm.all_reduce(torch.ones(8))
+    except CommError:
+        os._exit(1)
     ctx.serve(lambda method, payload: b"")
 
 

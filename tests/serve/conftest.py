@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.serve.launcher import Deployment
-from tests.serve.helpers import instance_args
+from tests.serve.helpers import small_instance
 
 
 @pytest.fixture(scope="package")
@@ -21,13 +21,13 @@ def instances():
         urls: dict[object, str] = {}
         for role in ("prefill", "decode"):
             for tp in (1, 3, 9):
-                urls[(role, tp)] = dep.start_instance(f"{role}{tp}", instance_args(role, tp)).url
+                urls[(role, tp)] = dep.start_instance(f"{role}{tp}", small_instance(role, tp)).url
         for role in ("prefill", "decode"):
             urls[f"{role}32"] = dep.start_instance(
-                f"{role}32", instance_args(role, 1, 32, "LBNHC")
+                f"{role}32", small_instance(role, 1, 32, "LBNHC")
             ).url
         urls["reference"] = dep.start_instance(
-            "reference", instance_args("decode", 1, enable_prefix_caching=False)
+            "reference", small_instance("decode", 1, enable_prefix_caching=False)
         ).url
         dep.wait_healthy(900, say=None)
         yield urls

@@ -43,10 +43,10 @@ def colocated(url: str, prompt: str, max_tokens: int) -> str:
     return colocated_text(url, prompt, max_tokens, TOKEN)
 
 
-def instance_args(
+def small_instance(
     role: str, tp: int, block_size: int = 16, layout: str = "BHLNC", **overrides: Any
-) -> list[str]:
-    """A test instance's command line: a small cache, and timeouts generous enough for a
+) -> InstanceConfig:
+    """A test instance's config: a small cache, and timeouts generous enough for a
     2-core machine running two dozen processes (the fault tests pass shorter ones)."""
     fields: dict[str, Any] = dict(
         kv_cache_mb=32,
@@ -56,9 +56,7 @@ def instance_args(
         kv_token_file=TOKEN_FILE,
     )
     fields.update(overrides)
-    return InstanceConfig(
-        Role(role), tp, block_size=block_size, cache_layout=layout, **fields
-    ).to_args()
+    return InstanceConfig(Role(role), tp, block_size=block_size, cache_layout=layout, **fields)
 
 
 def proxy_for(
@@ -78,16 +76,6 @@ def complete(url: str, prompt: str, max_tokens: int = 12) -> dict:
     )
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(f"kvbridge_{name}") and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def raw_post(url: str, path: str, headers: bytes, chunks: list[bytes]) -> tuple[int, bytes]:

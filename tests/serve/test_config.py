@@ -3,12 +3,19 @@ launched instance's own command line."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
+
 import pytest
 
 from kvbridge.cli.main import build_parser
-from kvbridge.cli.serve_cmd import deployment_config, instance_config
+from kvbridge.cli.serve_cmd import deployment_config
+from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
-from kvbridge.serve.config import InstanceConfig
+from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE
+from kvbridge.serve.config import InstanceConfig, KVLoadFailure, Role
+from kvbridge.transfer.config import TransferConfig
 
 
 def test_max_body_mb_reaches_proxy_and_instances() -> None:
@@ -17,9 +24,8 @@ def test_max_body_mb_reaches_proxy_and_instances() -> None:
     assert cfg.prefill.max_body_mb == cfg.decode.max_body_mb == 2.5
     proxy = cfg.proxy(["http://p"], ["http://d"])
     assert proxy.max_body_bytes == int(2.5 * 2**20)
-    # a launched instance parses its command line back into the same config
-    child = build_parser().parse_args(["serve", *cfg.decode.to_args(), "--port", "0"])
-    assert instance_config(child).max_body_bytes == cfg.decode.max_body_bytes
+    # a launched instance decodes its config document back into the same config
+    assert InstanceConfig.from_json(cfg.decode.to_json()) == cfg.decode
     assert InstanceConfig(cfg.decode.role, 1).max_body_mb == 16.0  # the default
 
 
@@ -28,10 +34,90 @@ def test_instance_counts_and_prefix_caching_reach_the_deployment() -> None:
     cfg = deployment_config(args)
     assert args.decode_instances == 2 and args.prefill_instances == 1
     assert not cfg.decode.engine_config().enable_prefix_caching
-    child = build_parser().parse_args(["serve", *cfg.decode.to_args(), "--port", "0"])
-    assert not instance_config(child).enable_prefix_caching
+    assert not InstanceConfig.from_json(cfg.decode.to_json()).enable_prefix_caching
     assert InstanceConfig(cfg.decode.role, 1).engine_config().enable_prefix_caching
     proxy = cfg.proxy(["http://p"], ["http://d0", "http://d1"])
     assert proxy.decode_urls == ("http://d0", "http://d1")
     with pytest.raises(ConfigError, match="--prefill-instances 0 must be in"):
         deployment_config(build_parser().parse_args(["serve", "--prefill-instances", "0"]))
+
+
+def test_a_deployment_uses_the_users_token_in_any_form_and_makes_one_up_only_without(
+    tmp_path, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """`kvbridge serve`/`demo` read the token like every other command (flag, then
+    KVBRIDGE_TRANSFER_TOKEN, then KVBRIDGE_TRANSFER_TOKEN_FILE); only when none is set do
+    they make one up for the run (0600, removed at the end)."""
+    from kvbridge.cli.serve_cmd import deployment_token
+    from kvbridge.transfer.config import load_token
+
+    monkeypatch.delenv("KVBRIDGE_TRANSFER_TOKEN", raising=False)
+    monkeypatch.delenv("KVBRIDGE_TRANSFER_TOKEN_FILE", raising=False)
+    env_file = tmp_path / "token"
+    env_file.write_text("the-users-own-secret-0123456789")
+    monkeypatch.setenv("KVBRIDGE_TRANSFER_TOKEN_FILE", str(env_file))
+    args = build_parser().parse_args(["demo"])
+    with deployment_token(args):
+        assert args.kv_token_file is None
+        assert load_token(path=args.kv_token_file) == b"the-users-own-secret-0123456789"
+    monkeypatch.delenv("KVBRIDGE_TRANSFER_TOKEN_FILE")
+    with deployment_token(args):
+        made_up = args.kv_token_file
+        assert made_up is not None and oct(os.stat(made_up).st_mode & 0o777) == "0o600"
+        assert len(load_token(path=made_up) or b"") == 64
+    assert args.kv_token_file is None and not os.path.exists(made_up)
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_every_flag_named_after_a_setting_defaults_to_the_settings_declaration() -> None:
+    """Each setting is declared once (its config class); the CLI shows that default."""
+    declared = {
+        f.name: f.default
+        for f in dataclasses.fields(InstanceConfig)
+        # required, or not the same setting: --port is the public port (the proxy's, or a
+        # single role's) where an InstanceConfig's 0 is a launched instance's free port
+        if f.default is not dataclasses.MISSING and f.name != "port"
+    }
+    checked = []
+    for action in _subparser("serve")._actions:
+        if action.dest in declared:
+            want = declared[action.dest]
+            assert action.default == getattr(want, "value", want), action.dest
+            checked.append(action.dest)
+    assert {"lease_s", "handshake_timeout_s", "transfer_timeout_s", "kv_cache_mb"} <= set(checked)
+    assert InstanceConfig.lease_s == TransferConfig.lease_s
+    assert InstanceConfig.handshake_timeout_s == TransferConfig.handshake_timeout_s
+    for command, flags in (
+        ("serve", ("block_size", "prefill_block_size", "decode_block_size")),
+        ("demo", ("prefill_block_size", "decode_block_size")),
+        ("generate", ("block_size",)),
+    ):
+        defaults = {a.dest: a.default for a in _subparser(command)._actions}
+        assert all(defaults[f] == DEFAULT_BLOCK_SIZE == EngineConfig.block_size for f in flags)
+
+
+def test_a_launched_instances_config_document_round_trips_and_is_checked_again(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123")
+    cfg = InstanceConfig(
+        Role.PREFILL,
+        2,
+        block_size=32,
+        cache_layout="LBNHC",
+        max_queued_requests=5,
+        kv_token_file=str(token),
+        enable_prefix_caching=False,
+        kv_load_failure=KVLoadFailure.FAIL,
+    )
+    assert InstanceConfig.from_json(cfg.to_json()) == cfg
+    bad = cfg.to_json().replace(b'"claim_s":10.0', b'"claim_s":-1')
+    with pytest.raises(ConfigError, match="--kv-claim-s -1"):
+        InstanceConfig.from_json(bad)
+    with pytest.raises(ConfigError, match=r"instance config: Expected `int`.*\$\.tp_size"):
+        InstanceConfig.from_json(cfg.to_json().replace(b'"tp_size":2', b'"tp_size":"2"'))

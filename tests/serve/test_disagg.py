@@ -18,15 +18,15 @@ from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import KVLoadFailure
 from kvbridge.serve.launcher import Deployment
+from kvbridge.serve.metrics import metric_value
 from tests.serve.helpers import (
     AUTH,
     colocated,
     complete,
-    instance_args,
     instance_id,
-    metric,
     proxy_for,
     raw_post,
+    small_instance,
 )
 
 pytestmark = pytest.mark.slow
@@ -81,13 +81,13 @@ def test_concurrent_streams_complete_and_free_blocks(instances):
         deadline = time.monotonic() + 30
         while True:
             text = httpx.get(f"{proxy.url}/metrics").text
-            used = metric(text, "blocks_in_use")
+            used = metric_value(text, "blocks_in_use")
             if used == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         assert used == 0, text
-        assert metric(text, "requests_total", status="200") == 16
-        assert metric(text, "kv_bytes_total") > 0
+        assert metric_value(text, "requests_total", status="200") == 16
+        assert metric_value(text, "kv_bytes_total") > 0
     finally:
         proxy.stop()
 
@@ -218,11 +218,11 @@ def fault_setup():
     try:
         procs = {
             # a capability is used up to a transfer timeout after it was issued here
-            "prefill_a": dep.start_instance("prefill_a", instance_args("prefill", 1, claim_s=60)),
-            "prefill_b": dep.start_instance("prefill_b", instance_args("prefill", 1, claim_s=60)),
+            "prefill_a": dep.start_instance("prefill_a", small_instance("prefill", 1, claim_s=60)),
+            "prefill_b": dep.start_instance("prefill_b", small_instance("prefill", 1, claim_s=60)),
             "recompute": dep.start_instance(
                 "recompute",
-                instance_args(
+                small_instance(
                     "decode",
                     1,
                     16,
@@ -233,7 +233,7 @@ def fault_setup():
             ),
             "fail": dep.start_instance(
                 "fail",
-                instance_args(
+                small_instance(
                     "decode",
                     3,
                     16,
@@ -300,11 +300,11 @@ def test_prefill_dies_between_prefill_and_pull(fault_setup):
             assert events[-1].error and "KV cache load failed" in events[-1].error
         deadline = time.monotonic() + 10
         while (
-            metric(httpx.get(f"{decode.url}/metrics").text, "blocks_in_use")
+            metric_value(httpx.get(f"{decode.url}/metrics").text, "blocks_in_use")
             and time.monotonic() < deadline
         ):
             time.sleep(0.1)
-        assert metric(httpx.get(f"{decode.url}/metrics").text, "blocks_in_use") == 0
+        assert metric_value(httpx.get(f"{decode.url}/metrics").text, "blocks_in_use") == 0
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

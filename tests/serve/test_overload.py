@@ -16,7 +16,8 @@ import pytest
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.launcher import Deployment
-from tests.serve.helpers import AUTH, colocated, instance_args, instance_id, metric, proxy_for
+from kvbridge.serve.metrics import metric_value
+from tests.serve.helpers import AUTH, colocated, instance_id, proxy_for, small_instance
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +36,7 @@ def small():
         urls = {
             "prefill": dep.start_instance(
                 "prefill-small",
-                instance_args(
+                small_instance(
                     "prefill",
                     1,
                     kv_cache_mb=8,
@@ -45,7 +46,7 @@ def small():
                 ),
             ).url,
             "decode": dep.start_instance(
-                "decode-small", instance_args("decode", 1, kv_cache_mb=8)
+                "decode-small", small_instance("decode", 1, kv_cache_mb=8)
             ).url,
         }
         dep.wait_healthy(600, say=None)
@@ -86,7 +87,7 @@ def _settled(url: str, timeout_s: float = 30.0) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
         text = httpx.get(f"{url}/metrics", timeout=30).text
-        busy = metric(text, "blocks_in_use") + metric(text, "requests_queued")
+        busy = metric_value(text, "blocks_in_use") + metric_value(text, "requests_queued")
         if busy == 0 or time.monotonic() > deadline:
             return text
         time.sleep(0.2)
@@ -113,10 +114,10 @@ def test_burst_completes_or_is_refused_fast_and_recovers(small):
             assert r["s"] < CLIENT_TIMEOUT_S / 2  # refused, not left to hang
         # after the burst: a normal request is answered, and nothing is held
         text = _settled(proxy.url)
-        assert metric(text, "blocks_in_use") == 0, text
-        assert metric(text, "requests_queued") == 0, text
-        assert metric(text, "requests_rejected_total", reason="overloaded") == len(refused)
-        assert metric(text, "instance_rejected_total") >= len(refused)
+        assert metric_value(text, "blocks_in_use") == 0, text
+        assert metric_value(text, "requests_queued") == 0, text
+        assert metric_value(text, "requests_rejected_total", reason="overloaded") == len(refused)
+        assert metric_value(text, "instance_rejected_total") >= len(refused)
         r = httpx.post(
             f"{proxy.url}/v1/completions",
             json={"prompt": prompts[0], "max_tokens": 8, "temperature": 0},
@@ -152,7 +153,7 @@ def test_reservations_bound_the_decode_instance(small):
         cancel = {"request_id": f"r-res-{i}", "reason": "test"}
         r = httpx.post(f"{decode}/internal/cancel", json=cancel, timeout=30, auth=AUTH)
         assert r.json() == {"cancelled": True}
-    assert metric(_settled(decode), "requests_queued") == 0
+    assert metric_value(_settled(decode), "requests_queued") == 0
 
 
 def test_unclaimed_kv_is_freed_at_the_claim_deadline(small):
@@ -177,7 +178,7 @@ def test_unclaimed_kv_is_freed_at_the_claim_deadline(small):
     assert r.status_code == 200, r.text
     pf = wire.prefill_result_decoder.decode(r.content)
     assert pf.kv is not None
-    assert metric(httpx.get(f"{prefill}/metrics").text, "blocks_in_use") > 0
+    assert metric_value(httpx.get(f"{prefill}/metrics").text, "blocks_in_use") > 0
     time.sleep(max(0.0, started + CLAIM_S + 1 - time.monotonic()))
     late = httpx.post(
         f"{decode}/internal/generate",
@@ -187,7 +188,7 @@ def test_unclaimed_kv_is_freed_at_the_claim_deadline(small):
     )
     assert late.status_code == 403 and "expired" in late.json()["error"]["message"], late.text
     text = _settled(prefill, timeout_s=LEASE_S / 4)  # the lease would not free them by then
-    assert metric(text, "blocks_in_use") == 0, text
+    assert metric_value(text, "blocks_in_use") == 0, text
 
 
 def test_a_prefill_whose_caller_left_is_dropped(small):
@@ -216,4 +217,4 @@ def test_a_prefill_whose_caller_left_is_dropped(small):
     assert httpx.post(f"{prefill}/internal/cancel", json=cancel, auth=AUTH).json() == {
         "cancelled": True
     }
-    assert metric(_settled(prefill), "blocks_in_use") == 0
+    assert metric_value(_settled(prefill), "blocks_in_use") == 0

@@ -9,7 +9,8 @@ import pytest
 
 from kvbridge.engine.weights import resolve_model
 from kvbridge.plan.geometry import load_model_spec
-from tests.serve.helpers import AUTH, colocated, complete, metric, proxy_for
+from kvbridge.serve.metrics import metric_value
+from tests.serve.helpers import AUTH, colocated, complete, proxy_for
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,7 @@ def test_a_conversation_moves_only_its_new_turn_with_the_same_tokens(instances, 
     finally:
         proxy.stop()
     for url in (instances[prefill], instances[decode]):
-        assert metric(httpx.get(f"{url}/metrics").text, "blocks_in_use") == 0
+        assert metric_value(httpx.get(f"{url}/metrics").text, "blocks_in_use") == 0
 
 
 def test_the_proxy_keeps_each_conversation_on_the_decode_instance_holding_it(instances):
@@ -74,8 +75,8 @@ def test_the_proxy_keeps_each_conversation_on_the_decode_instance_holding_it(ins
                 conversations[c] += out["choices"][0]["text"] + f" Question {turn}: and Spain?"
         assert [len(s) for s in seen] == [1, 1]  # each stayed where it began
         text = httpx.get(f"{proxy.url}/metrics").text
-        assert metric(text, "prefix_cache_hits_total", role="decode") > 0
-        assert metric(text, "kv_bytes_saved_total", role="decode") > 0
+        assert metric_value(text, "prefix_cache_hits_total", role="decode") > 0
+        assert metric_value(text, "kv_bytes_saved_total", role="decode") > 0
     finally:
         proxy.stop()
 
@@ -94,6 +95,6 @@ def test_lookup_says_what_the_cache_holds_and_holds_nothing(instances):
     assert first["kv_start_token"] == 0 and not first["holds_prompt"]
     assert second["holds_prompt"]
     assert second["kv_start_token"] == min(second["cached_tokens"], (n - 1) // 16 * 16)
-    assert metric(httpx.get(f"{url}/metrics").text, "blocks_in_use") == 0
+    assert metric_value(httpx.get(f"{url}/metrics").text, "blocks_in_use") == 0
     unsigned = httpx.post(f"{url}/internal/lookup", json=body, timeout=60)
     assert unsigned.status_code == 401

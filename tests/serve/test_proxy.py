@@ -11,9 +11,10 @@ import openai
 import pytest
 
 from kvbridge.serve.http_server import ServerThread
+from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.proxy import make_app
 from tests.serve.fake_backend import FakeBackend
-from tests.serve.helpers import metric, raw_post
+from tests.serve.helpers import raw_post
 
 
 @pytest.fixture
@@ -250,7 +251,7 @@ def test_body_over_the_limit_is_refused_before_it_is_read(small_server):
     r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x" * 60_000}, timeout=10)
     assert r.status_code == 200
     text = httpx.get(f"{srv.url}/metrics").text
-    assert metric(text, "requests_total", endpoint="invalid", status="413") == 3
+    assert metric_value(text, "requests_total", endpoint="invalid", status="413") == 3
 
 
 def test_a_stalled_body_is_refused_after_the_body_timeout():
@@ -298,8 +299,8 @@ def test_models_health_metrics(server):
     assert httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"] == "fake-model"
     httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a b", "max_tokens": 3}, timeout=10)
     text = httpx.get(f"{srv.url}/metrics").text
-    assert metric(text, "requests_total", endpoint="completions", status="200") == 1
-    assert metric(text, "ttft_ms_count") == 1 and metric(text, "kv_bytes_total") == 1000
+    assert metric_value(text, "requests_total", endpoint="completions", status="200") == 1
+    assert metric_value(text, "ttft_ms_count") == 1 and metric_value(text, "kv_bytes_total") == 1000
     assert "kvbridge_requests_running 0.0" in text
     assert "# TYPE kvbridge_ttft_ms histogram" in text
 
@@ -362,8 +363,8 @@ def test_client_gone_before_the_first_token_stops_the_request(server):
             assert time.monotonic() < deadline, "the request was not stopped"
             time.sleep(0.02)
     text = httpx.get(f"{srv.url}/metrics").text
-    assert metric(text, "requests_running") == 0
-    assert metric(text, "failures_total", reason="client_gone") == 2
+    assert metric_value(text, "requests_running") == 0
+    assert metric_value(text, "failures_total", reason="client_gone") == 2
 
 
 def test_full_backend_is_a_fast_503_with_retry_after(server):
@@ -379,8 +380,8 @@ def test_full_backend_is_a_fast_503_with_retry_after(server):
         assert err["code"] == "overloaded" and err["type"] == "server_error"
         assert "--max-queued-requests 4" in err["message"]
     text = httpx.get(f"{srv.url}/metrics").text
-    assert metric(text, "requests_rejected_total", reason="overloaded") == 2
-    assert metric(text, "failures_total") == 0
+    assert metric_value(text, "requests_rejected_total", reason="overloaded") == 2
+    assert metric_value(text, "failures_total") == 0
     backend.full_retry_after = None
     assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x"}).status_code == 200
 

@@ -18,11 +18,12 @@ from kvbridge.connector import RemotePrefill
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.http_auth import SIGNATURE_HEADER, TIME_HEADER, SignedRequests
+from kvbridge.serve.metrics import metric_value
 from kvbridge.transfer.capability import Capability, issue
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
 from kvbridge.transfer.side_channel import SideChannelClient
 from tests.listening import is_loopback, listening
-from tests.serve.helpers import AUTH, TOKEN, instance_id, metric
+from tests.serve.helpers import AUTH, TOKEN, instance_id
 
 pytestmark = pytest.mark.slow
 
@@ -134,10 +135,10 @@ def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) 
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         text = httpx.get(f"{prefill}/metrics", timeout=30).text
-        if metric(text, "kv_pinned_blocks") == 0:
+        if metric_value(text, "kv_pinned_blocks") == 0:
             break
         time.sleep(0.2)
-    assert metric(text, "kv_pinned_blocks") == 0
+    assert metric_value(text, "kv_pinned_blocks") == 0
 
 
 def test_a_replayed_handshake_is_refused_and_counted_in_metrics(instances) -> None:
@@ -153,7 +154,7 @@ def test_a_replayed_handshake_is_refused_and_counted_in_metrics(instances) -> No
         layout=LayoutWire.of(InstanceLayout(tp_size=1)),
         nonce=os.urandom(16),
     )
-    before = metric(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_replays_refused")
+    before = metric_value(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_replays_refused")
     replies = []
     for _ in range(2):  # the same bytes twice, as someone who captured them would
         client = SideChannelClient(info["endpoint"], TOKEN, 1 << 22)
@@ -163,7 +164,7 @@ def test_a_replayed_handshake_is_refused_and_counted_in_metrics(instances) -> No
             client.close()
     assert isinstance(replies[0], Welcome)
     assert isinstance(replies[1], Refused) and replies[1].kind == "replay"
-    after = metric(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_replays_refused")
+    after = metric_value(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_replays_refused")
     assert after == before + 1
 
 
@@ -232,10 +233,15 @@ def test_a_request_no_decode_instance_takes_is_released_at_once(instances) -> No
         assert out["choices"][0]["text"]  # the second decode instance computed it
         t0 = time.monotonic()
         while time.monotonic() - t0 < 5:
-            if metric(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_pinned_blocks") == 0:
+            if (
+                metric_value(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_pinned_blocks")
+                == 0
+            ):
                 break
             time.sleep(0.1)
-        assert metric(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_pinned_blocks") == 0
+        assert (
+            metric_value(httpx.get(f"{prefill}/metrics", timeout=30).text, "kv_pinned_blocks") == 0
+        )
     finally:
         proxy.stop()
         refuser.stop()

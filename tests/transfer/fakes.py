@@ -1,17 +1,29 @@
 """A fake transport for unit tests of the producer and consumer state machines.
 
 It moves no bytes; tests inject notifications and READ outcomes. It is used beside
-the real NIXL tests (test_transfers.py, test_faults.py), never instead of them.
+the real NIXL tests (test_transfers.py, test_faults.py), never instead of them. Also the
+small model, layouts and helpers the state-machine tests share (a settable clock, fake
+cache regions, polling, signed notifications).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
+from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
+from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.transfer.agent import XferState
-from kvbridge.transfer.regions import MemType
+from kvbridge.transfer.messages import ReadDone
+from kvbridge.transfer.regions import CacheRegions, MemType
+
+if TYPE_CHECKING:
+    from kvbridge.transfer.consumer import KVConsumer, TransferResult
+    from kvbridge.transfer.peers import ProducerWorker
+    from kvbridge.transfer.producer import KVProducer
 
 
 class FakeTransport:
@@ -67,3 +79,59 @@ class FakeTransport:
 
     def close(self) -> None:
         pass
+
+
+MODEL = ModelKVSpec(4, 4, 2, 8, "float16", AttentionKind.GQA, "tiny")
+PREFILL = InstanceLayout(tp_size=1)
+DECODE = InstanceLayout(tp_size=2)
+NUM_BLOCKS = 8
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def regions(layout: InstanceLayout, rank: int, model: ModelKVSpec = MODEL) -> CacheRegions:
+    shard = layout.workers(model)[rank]
+    n, size = num_regions(model, layout, shard), region_nbytes(model, layout, shard, NUM_BLOCKS)
+    base = 1 << 20 if layout is PREFILL else 1 << 30
+    return CacheRegions(tuple(base + i * size for i in range(n)), (size,) * n)
+
+
+def drive(p: KVProducer, consumers: list[KVConsumer], rounds: int = 20) -> list[TransferResult]:
+    out: list[TransferResult] = []
+    for _ in range(rounds):
+        p.poll(timeout_ms=5)
+        for c in consumers:
+            out += c.poll()
+    return out
+
+
+def session(c: KVConsumer, p: KVProducer) -> ProducerWorker:
+    """Decode worker `c`'s handshake session with prefill worker `p` (tp 1: worker 0)."""
+    w = c.directory.instance(p.endpoint).worker0
+    assert w.session_key and w.session_id
+    return w
+
+
+def signed(c: KVConsumer, p: KVProducer, request_id: str, **fields: Any) -> bytes:
+    """What decode worker `c` sends `p` when done with `request_id` (fields overridden)."""
+    msg = ReadDone(
+        request_id=request_id,
+        instance_id=c.instance_id,
+        rank=c.rank,
+        to_instance=p.instance_id,
+        to_rank=p.rank,
+        sent_at=time.time(),
+    )
+    return session(c, p).sign(msgspec.structs.replace(msg, **fields))
+
+
+def deliver(p: KVProducer, data: bytes) -> None:
+    """Hand `p` a notification, as NIXL delivers one."""
+    assert isinstance(p.transport, FakeTransport)
+    p.transport.inbox.setdefault("decode", []).append(data)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.transfer.helpers import bench_transfer
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,19 +124,8 @@ def test_ctrl_c_leaves_no_worker_processes() -> None:
     assert not [p for p in workers if alive(p)]
 
 
-def _bench_transfer(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli.main", "bench", "transfer", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-
-
 def test_bench_transfer_json_has_the_pair_the_baselines_the_descriptors_and_the_floor() -> None:
-    out = _bench_transfer("--tokens", "64", "--repeat", "1", "--block-size", "32", "--json")
+    out = bench_transfer("--tokens", "64", "--repeat", "1", "--block-size", "32", "--json")
     assert out.returncode == 0, out.stderr
     obj = json.loads(out.stdout)
     main, compare = obj["rows"]
@@ -157,9 +148,9 @@ def test_bench_transfer_json_has_the_pair_the_baselines_the_descriptors_and_the_
 
 def test_bench_transfer_prints_a_mixed_pair_and_refuses_a_bad_layout() -> None:
     args = ["--tokens", "40", "--repeat", "1", "--no-compare", "--no-floor"]
-    out = _bench_transfer(*args, "--prefill-layout", "LBHNC", "--decode-layout", "BHLNC")
+    out = bench_transfer(*args, "--prefill-layout", "LBHNC", "--decode-layout", "BHLNC")
     assert out.returncode == 0, out.stderr
     assert "plan, LBHNC -> BHLNC" in out.stdout and "(b) in-process memcpy" in out.stdout
     assert "target plan / (a) >= 0.8 for LBHNC -> BHLNC" in out.stdout
-    out = _bench_transfer(*args, "--layout", "BHL")
+    out = bench_transfer(*args, "--layout", "BHL")
     assert out.returncode == 2 and "cache layout='BHL' is not a valid axis order" in out.stderr

@@ -28,8 +28,7 @@ from kvbridge.transfer.connector import (
 )
 from kvbridge.transfer.errors import TransferError
 
-from .fakes import FakeTransport
-from .test_runtime_states import MODEL, NUM_BLOCKS, PREFILL, regions
+from .fakes import MODEL, NUM_BLOCKS, PREFILL, FakeTransport, regions
 
 
 def make(role: ConnectorRole, transport: FakeTransport) -> WorkerConnector:

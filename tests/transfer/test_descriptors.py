@@ -100,7 +100,7 @@ def test_unit_and_exact_descriptors_move_the_planned_bytes(model, prefill, decod
 
 
 def test_cma_floor_reads_every_byte_of_the_runs() -> None:
-    from kvbridge.harness.cma_floor import measure
+    from kvbridge.bench.cma_floor import measure
 
     floor = measure(run_bytes=4096, num_runs=2500, repeat=1)
     assert floor is not None, "process_vm_readv of a child process failed on Linux"

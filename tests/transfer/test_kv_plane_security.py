@@ -20,8 +20,7 @@ from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, We
 from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
 from kvbridge.transfer.side_channel import SideChannelClient
 
-from .fakes import FakeTransport
-from .test_runtime_states import DECODE, MODEL, NUM_BLOCKS, Clock, deliver, drive, regions, signed
+from .fakes import DECODE, MODEL, NUM_BLOCKS, Clock, FakeTransport, deliver, drive, regions, signed
 
 TOKEN = b"a-shared-secret-of-the-deployment"
 TP2 = InstanceLayout(tp_size=2)

@@ -150,6 +150,15 @@ def test_token_sources(tmp_path, monkeypatch) -> None:  # type: ignore[no-untype
     path = tmp_path / "token"
     path.write_text("  from-a-file-0123456789\n")
     assert load_token(path=path) == b"from-a-file-0123456789"
+    # the order, the same everywhere: flag, KVBRIDGE_TRANSFER_TOKEN, ..._TOKEN_FILE
+    other = tmp_path / "env-token"
+    other.write_text("from-the-env-file-0123456789")
+    monkeypatch.setenv("KVBRIDGE_TRANSFER_TOKEN_FILE", str(other))
+    assert load_token("from-a-flag") == b"from-a-flag"
+    assert load_token(path=path) == b"from-a-file-0123456789"
+    assert load_token() == b"from-the-environment"
+    monkeypatch.delenv("KVBRIDGE_TRANSFER_TOKEN")
+    assert load_token() == b"from-the-env-file-0123456789"
     path.write_text("")
     with pytest.raises(ConfigError, match="is empty"):
         load_token(path=path)

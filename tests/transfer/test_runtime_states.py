@@ -8,41 +8,29 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import msgspec
 import numpy as np
 import pytest
 
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
-from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
+from kvbridge.transfer.consumer import KVConsumer, TransferState
 from kvbridge.transfer.messages import ReadDone, decode_signed, encode
-from kvbridge.transfer.peers import ProducerWorker
 from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
-from kvbridge.transfer.regions import CacheRegions
 
-from .fakes import FakeTransport
-
-MODEL = ModelKVSpec(4, 4, 2, 8, "float16", AttentionKind.GQA, "tiny")
-PREFILL = InstanceLayout(tp_size=1)
-DECODE = InstanceLayout(tp_size=2)
-NUM_BLOCKS = 8
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def regions(layout: InstanceLayout, rank: int, model: ModelKVSpec = MODEL) -> CacheRegions:
-    shard = layout.workers(model)[rank]
-    n, size = num_regions(model, layout, shard), region_nbytes(model, layout, shard, NUM_BLOCKS)
-    base = 1 << 20 if layout is PREFILL else 1 << 30
-    return CacheRegions(tuple(base + i * size for i in range(n)), (size,) * n)
+from .fakes import (
+    DECODE,
+    MODEL,
+    NUM_BLOCKS,
+    PREFILL,
+    Clock,
+    FakeTransport,
+    deliver,
+    drive,
+    regions,
+    session,
+    signed,
+)
 
 
 @pytest.fixture
@@ -81,41 +69,6 @@ def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL) -> KVConsumer:
         instance_id="D",
         clock=clock,
     )
-
-
-def drive(p: KVProducer, consumers: list[KVConsumer], rounds: int = 20) -> list[TransferResult]:
-    out: list[TransferResult] = []
-    for _ in range(rounds):
-        p.poll(timeout_ms=5)
-        for c in consumers:
-            out += c.poll()
-    return out
-
-
-def session(c: KVConsumer, p: KVProducer) -> ProducerWorker:
-    """Decode worker `c`'s handshake session with prefill worker `p` (tp 1: worker 0)."""
-    w = c.directory.instance(p.endpoint).worker0
-    assert w.session_key and w.session_id
-    return w
-
-
-def signed(c: KVConsumer, p: KVProducer, request_id: str, **fields: Any) -> bytes:
-    """What decode worker `c` sends `p` when done with `request_id` (fields overridden)."""
-    msg = ReadDone(
-        request_id=request_id,
-        instance_id=c.instance_id,
-        rank=c.rank,
-        to_instance=p.instance_id,
-        to_rank=p.rank,
-        sent_at=time.time(),
-    )
-    return session(c, p).sign(msgspec.structs.replace(msg, **fields))
-
-
-def deliver(p: KVProducer, data: bytes) -> None:
-    """Hand `p` a notification, as NIXL delivers one."""
-    assert isinstance(p.transport, FakeTransport)
-    p.transport.inbox.setdefault("decode", []).append(data)
 
 
 def notify(p: KVProducer, c: KVConsumer, request_id: str, **fields: Any) -> None:

@@ -151,7 +151,8 @@ class WorkerGroup:
         self._answers: dict[int, _Answers] = {}
         self._broken: str | None = None
         self._ready: set[int] = set()
-        self._start_error: tuple[int, str] | None = None
+        # each rank's last words: the error it sent before exiting (seq 0), by rank
+        self._start_errors: dict[int, dict[str, object]] = {}
         self._segment = ShmSegment(world_size, comm_max_bytes)
         self._procs: list[BaseProcess] = []
         self._conns: list[Connection] = []
@@ -345,23 +346,77 @@ class WorkerGroup:
                     self._on_death(sentinels[obj])
 
     def _drain(self, rank: int) -> None:
+        if self._read_frames(rank):
+            self._procs[rank].join(1.0)  # its pipe closed: it is exiting
+            self._on_death(rank)
+
+    def _on_death(self, rank: int) -> None:
+        """Raise WorkerDiedError for a rank whose process ended, with the reason it gave.
+
+        The reason travels on the pipe, the exit on the sentinel: whichever the driver
+        notices first, the pipe is read to its end before the death is reported. A rank
+        that died before it was ready, or that failed only as a consequence of another
+        rank's failure, may not hold the root cause: the other ranks' pipes are read for
+        up to ERROR_GRACE_S until one of them says it failed first.
+        """
+        proc = self._procs[rank]
+        proc.join(1.0)
+        if proc.is_alive():
+            return
+        self._read_frames(rank)
+        own = self._start_errors.get(rank)
+        if (own is None and rank not in self._ready) or (own is not None and own["secondary"]):
+            self._await_root_cause(time.monotonic() + ERROR_GRACE_S)
+        reason = f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        traceback_text = ""
+        cause = self._root_cause(rank)
+        if cause is not None:
+            cause_rank, info = cause
+            traceback_text = str(info["traceback"])
+            text = f"{info['type']}: {info['message']}\n{traceback_text}"
+            reason += (
+                f": {text}" if cause_rank == rank else f"; rank {cause_rank} failed first: {text}"
+            )
+        error = WorkerDiedError(reason, rank=rank, exitcode=proc.exitcode)
+        error.traceback_text = traceback_text
+        self._fail(reason, error)
+
+    def _read_frames(self, rank: int) -> bool:
+        """Handle every frame `rank`'s pipe holds now; True once the pipe is at its end."""
         conn = self._conns[rank]
         try:
             while conn.poll(0):
                 self._handle(rank, conn.recv_bytes())
         except (EOFError, OSError):
-            self._procs[rank].join(1.0)  # its pipe closed: it is exiting
-            self._on_death(rank)
+            return True
+        return False
 
-    def _on_death(self, rank: int) -> None:
-        proc = self._procs[rank]
-        proc.join(1.0)
-        if proc.is_alive():
-            return
-        start_error = self._start_error
-        detail = f": {start_error[1]}" if start_error is not None and start_error[0] == rank else ""
-        reason = f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}{detail}"
-        self._fail(reason, WorkerDiedError(reason, rank=rank, exitcode=proc.exitcode))
+    def _root_cause(self, rank: int) -> tuple[int, dict[str, object]] | None:
+        """The error that explains `rank`'s death: its own, unless it is only a
+        consequence of another's; then the first rank's that is not; else any known."""
+        errors = self._start_errors
+        own = errors.get(rank)
+        if own is not None and not own["secondary"]:
+            return rank, own
+        primary = [r for r in sorted(errors) if not errors[r]["secondary"]]
+        if primary:
+            return primary[0], errors[primary[0]]
+        if own is not None:
+            return rank, own
+        return (min(errors), errors[min(errors)]) if errors else None
+
+    def _await_root_cause(self, deadline: float) -> None:
+        """Read the ranks' pipes until one reports a primary error, every pipe has
+        ended, or the deadline passes."""
+        open_ranks = {id(conn): rank for rank, conn in enumerate(self._conns)}
+        while not any(not e["secondary"] for e in self._start_errors.values()):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not open_ranks:
+                return
+            live = [self._conns[r] for r in open_ranks.values()]
+            for conn in wait(live, timeout=remaining):
+                if self._read_frames(open_ranks[id(conn)]):
+                    del open_ranks[id(conn)]
 
     def _handle(self, rank: int, frame: bytes) -> None:
         kind, seq, _method, payload = decode_frame(frame)
@@ -374,8 +429,7 @@ class WorkerGroup:
             self._ready.add(rank)
             self._progress(rank, "ready")
         elif kind == Kind.ERROR and seq == 0:
-            info = json.loads(payload)
-            self._start_error = (rank, f"{info['type']}: {info['message']}\n{info['traceback']}")
+            self._start_errors[rank] = json.loads(payload)
         elif seq in self._answers:
             if kind == Kind.REPLY:
                 self._answers[seq].replies[rank] = payload

@@ -21,13 +21,15 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
-from kvbridge.serve.bench import metric_total
+from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment
+from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.proxy import make_app
 
 #: Words of the user turns (each turn picks its own sequence of them).
@@ -117,7 +119,7 @@ def _chat(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[_T
 
 def _decode_kv_bytes(path: _Path) -> float:
     """KV bytes the decode instance pulled so far (its /metrics are open)."""
-    return metric_total(
+    return metric_value(
         httpx.get(f"{path.decode_url}/metrics", timeout=30).text, "kv_instance_bytes_total"
     )
 
@@ -154,8 +156,7 @@ def run_multi_turn_bench(args: argparse.Namespace) -> int:
     bytes_per_token = plan.bytes_per_token
     dep = Deployment()
     servers: list[ServerThread] = []
-    common = ["--model", args.model, "--kv-cache-mb", str(args.kv_cache_mb)]
-    common += ["--block-size", str(block)]
+    common: dict[str, Any] = dict(model=args.model, kv_cache_mb=args.kv_cache_mb, block_size=block)
     try:
         print(
             f"starting prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, twice "
@@ -164,13 +165,18 @@ def run_multi_turn_bench(args: argparse.Namespace) -> int:
             flush=True,
         )
         paths = []
-        for name, extra in (("on", []), ("off", ["--no-prefix-caching"])):
+        for name, caching in (("on", True), ("off", False)):
             p = dep.start_instance(
                 f"prefill-{name}",
-                ["--role", "prefill", "--tp", str(args.prefill_tp), *common, *extra],
+                InstanceConfig(
+                    Role.PREFILL, args.prefill_tp, enable_prefix_caching=caching, **common
+                ),
             )
             d = dep.start_instance(
-                f"decode-{name}", ["--role", "decode", "--tp", str(args.decode_tp), *common, *extra]
+                f"decode-{name}",
+                InstanceConfig(
+                    Role.DECODE, args.decode_tp, enable_prefix_caching=caching, **common
+                ),
             )
             paths.append((name, p.url, d.url))
         dep.wait_healthy(1800, say=lambda s: print(s, flush=True))

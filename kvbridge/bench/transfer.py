@@ -10,7 +10,7 @@ measures as medians:
         the same processes, all decode workers at once (alternating with the plan's);
   (b)   one in-process memcpy (numpy) of the same total bytes, into touched memory.
 Also prints the descriptors posted per request before and after merging, and the
-kernel's floor under the transport (kvbridge.harness.cma_floor): the plan's runs and
+kernel's floor under the transport (kvbridge.bench.cma_floor): the plan's runs and
 the same bytes contiguous, read with bare `process_vm_readv` calls, which is what UCX
 does between processes on one host. `--json` prints exactly one object instead.
 
@@ -34,10 +34,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvbridge.bench import cma_floor
 from kvbridge.errors import ConfigError
-from kvbridge.harness import cma_floor
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.plan.layout import DEFAULT_LAYOUT, LAYOUT_HELP, CacheLayout, InstanceLayout
+from kvbridge.plan.layout import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_LAYOUT,
+    LAYOUT_HELP,
+    CacheLayout,
+    InstanceLayout,
+)
 from kvbridge.plan.planner import make_plan
 from kvbridge.transfer.errors import TransferError
 
@@ -66,7 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"{side} cache layout (default: --layout)",
         )
     parser.add_argument(
-        "--block-size", type=int, default=16, help="block size of both sides (default 16)"
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="block size of both sides (default %(default)s)",
     )
     parser.add_argument(
         "--no-compare",

@@ -73,7 +73,7 @@ def run_comm_bench(args: argparse.Namespace) -> int:
     for world_size in world_sizes:
         with WorkerGroup(
             world_size,
-            "kvbridge.cli.bench_comm:bench_worker",
+            "kvbridge.bench.comm:bench_worker",
             comm_max_bytes=max(sizes) * 4,
             call_timeout=600,
         ) as group:

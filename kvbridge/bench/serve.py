@@ -31,9 +31,11 @@ from pathlib import Path
 import httpx
 
 from kvbridge.serve.backend import GenerateEvent, GenerateRequest
+from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment
+from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.proxy import make_app
 
 _WORDS = [
@@ -194,17 +196,9 @@ def idle_cpu(pids: list[int], num_workers: list[int], seconds: float) -> list[fl
     return [100 * (a - b) / seconds / n for a, b, n in zip(after, before, num_workers, strict=True)]
 
 
-def metric_total(text: str, name: str) -> float:
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(f"kvbridge_{name} ") or line.startswith(f"kvbridge_{name}{{")
-    )
-
-
 def run_serve_bench(args: argparse.Namespace) -> int:
     if args.multi_turn:
-        from kvbridge.serve.bench_multiturn import run_multi_turn_bench
+        from kvbridge.bench.multiturn import run_multi_turn_bench
 
         return run_multi_turn_bench(args)
     with token_file() as token:
@@ -214,8 +208,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 def _run_serve_bench(args: argparse.Namespace, token_path: Path) -> int:
     dep = Deployment()
     servers: list[ServerThread] = []
-    common = ["--model", args.model, "--kv-cache-mb", str(args.kv_cache_mb)]
-    common += ["--kv-token-file", str(token_path)]
+    common = dict(model=args.model, kv_cache_mb=args.kv_cache_mb, kv_token_file=str(token_path))
     token = token_path.read_bytes().strip()
     tps = [args.prefill_tp, args.decode_tp]
     try:
@@ -224,10 +217,8 @@ def _run_serve_bench(args: argparse.Namespace, token_path: Path) -> int:
             "token) ...",
             flush=True,
         )
-        p = dep.start_instance(
-            "prefill", ["--role", "prefill", "--tp", str(args.prefill_tp), *common]
-        )
-        d = dep.start_instance("decode", ["--role", "decode", "--tp", str(args.decode_tp), *common])
+        p = dep.start_instance("prefill", InstanceConfig(Role.PREFILL, args.prefill_tp, **common))
+        d = dep.start_instance("decode", InstanceConfig(Role.DECODE, args.decode_tp, **common))
         pids = [p.proc.pid, d.proc.pid]
         dep.wait_healthy(1800, say=lambda s: print(s, flush=True))
         backend = PullRecorder([p.url], [d.url], args.model, token=token)
@@ -252,11 +243,11 @@ def _run_serve_bench(args: argparse.Namespace, token_path: Path) -> int:
             pull = statistics.median(backend.pull_ms) if backend.pull_ms else float("nan")
             ready = statistics.median(backend.ready_ms) if backend.ready_ms else float("nan")
             ct, cp = _measure(coloc.url, c, args.rounds, args.prompt_words, args.max_tokens, "c")
-            n = metric_total(after, "kv_transfer_ms_count") - metric_total(
+            n = metric_value(after, "kv_transfer_ms_count") - metric_value(
                 before, "kv_transfer_ms_count"
             )
             kv = (
-                metric_total(after, "kv_bytes_total") - metric_total(before, "kv_bytes_total")
+                metric_value(after, "kv_bytes_total") - metric_value(before, "kv_bytes_total")
             ) / max(n, 1)
             pull1, ready1 = (levels[0].pull_ms, levels[0].ready_ms) if levels else (pull, ready)
             levels.append(Level(c, dt, dp, ct, cp, pull, ready))

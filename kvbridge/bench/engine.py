@@ -2,7 +2,7 @@
 sizes, next to transformers' `generate` on the same GGUF in the same run.
 
 Wired under `kvbridge bench` by kvbridge.cli.bench_cmd (`add_arguments` + `run`); also
-runnable alone: ``python -m kvbridge.cli.bench_engine``.
+runnable alone: ``python -m kvbridge.bench.engine``.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _bench_engine(args: argparse.Namespace, tp: int, hf: _Transformers | None) -
 
 
 def _floor(args: argparse.Namespace, tp: int, leave_core: bool) -> float:
-    from kvbridge.cli.bench_floor import floor_step_s
+    from kvbridge.bench.floor import floor_step_s
     from kvbridge.cli.generate_cmd import engine_config
     from kvbridge.engine.weights import resolve_model
 
