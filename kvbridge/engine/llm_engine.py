@@ -17,7 +17,9 @@ Disaggregation seams (used by kvbridge.serve; the KV transfer itself is not here
 Prefix caching (`EngineConfig.enable_prefix_caching`, on by default): the full blocks of
 every prompt and output are registered in the block manager's prefix cache as they are
 computed, and a new request computes only what follows its longest cached prefix
-(`Completion.num_cached_tokens`). Outputs are the same with and without it.
+(`Completion.num_cached_tokens`). Outputs are the same with and without it. A request's
+`cache_salt` (vLLM's parameter) puts its blocks in a namespace of their own: only requests
+with the same salt share them (`BlockManager.root`).
 """
 
 from __future__ import annotations
@@ -133,10 +135,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         prefill_only: bool = False,
+        cache_salt: str | None = None,
     ) -> str:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         seq = self._new_seq(ids, params, request_id, prefill_only)
+        seq.cache_salt = cache_salt
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -148,10 +152,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         num_cached_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
         """Decode a request whose prompt K/V already sits in `block_ids` (from
         `allocate_blocks` or `allocate_for_prompt`, whose cached tokens `num_cached_tokens`
-        reports); its first token was sampled by the prefill instance."""
+        reports); its first token was sampled by the prefill instance. Its blocks join
+        the prefix cache under `cache_salt` (the one `allocate_for_prompt` was given)."""
         params = params or SamplingParams()
         need = self.block_manager.blocks_for(len(prompt_ids))
         if len(block_ids) != need:
@@ -163,7 +169,8 @@ class LLMEngine:
         seq.block_ids = list(block_ids)
         seq.num_computed = len(prompt_ids)
         seq.num_cached_tokens = num_cached_tokens
-        self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids)
+        seq.cache_salt = cache_salt
+        self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids, cache_salt)
         seq.status = SequenceStatus.RUNNING
         seq.first_token_time = time.perf_counter()
         self._append_token(seq, first_token)
@@ -176,13 +183,14 @@ class LLMEngine:
         return self.block_manager.allocate(self.block_manager.blocks_for(num_tokens))
 
     def allocate_for_prompt(
-        self, prompt_ids: list[int], max_cached: int | None = None
+        self, prompt_ids: list[int], max_cached: int | None = None, cache_salt: str | None = None
     ) -> tuple[list[int], int]:
-        """Blocks to receive a prompt's K/V, the first ones taken from the prefix cache:
-        (block ids, number of leading tokens they hold already: a multiple of block_size,
-        at most `max_cached`). OutOfBlocksError (nothing taken) if full."""
+        """Blocks to receive a prompt's K/V, the first ones taken from the prefix cache
+        under `cache_salt`: (block ids, number of leading tokens they hold already: a
+        multiple of block_size, at most `max_cached`). OutOfBlocksError (nothing taken)
+        if full."""
         bm = self.block_manager
-        hit = bm.match_prefix(prompt_ids, max_cached)
+        hit = bm.match_prefix(prompt_ids, max_cached, cache_salt)
         bm.acquire(hit)  # held first: the allocation below cannot evict them
         try:
             fresh = bm.allocate(bm.blocks_for(len(prompt_ids)) - len(hit))
@@ -191,10 +199,11 @@ class LLMEngine:
             raise
         return hit + fresh, len(hit) * bm.block_size
 
-    def cached_prefix_len(self, prompt_ids: list[int]) -> int:
-        """How many leading tokens of `prompt_ids` the prefix cache holds now (whole
-        blocks); a hint for routing, nothing is held."""
-        return len(self.block_manager.match_prefix(prompt_ids)) * self.block_manager.block_size
+    def cached_prefix_len(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of `prompt_ids` the prefix cache holds now under
+        `cache_salt` (whole blocks); a hint for routing, nothing is held."""
+        hit = self.block_manager.match_prefix(prompt_ids, cache_salt=cache_salt)
+        return len(hit) * self.block_manager.block_size
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Give back blocks kept by a prefill-only request or from `allocate_blocks`."""

@@ -117,7 +117,9 @@ class Scheduler:
         logits give the next token)."""
         hit = []
         if not seq.num_computed and not seq.block_ids:
-            hit = self.blocks.match_prefix(seq.tokens(0, seq.num_tokens), seq.num_tokens - 1)
+            hit = self.blocks.match_prefix(
+                seq.tokens(0, seq.num_tokens), seq.num_tokens - 1, seq.cache_salt
+            )
         start = seq.num_computed + len(hit) * self.blocks.block_size
         qlen = min(seq.num_tokens - start, self.chunk)
         need = self.blocks.blocks_for(start + qlen) - len(seq.block_ids) - len(hit)
@@ -146,7 +148,9 @@ class Scheduler:
             seq.num_computed += qlen
             bs = self.blocks.block_size
             if seq.num_computed // bs > (seq.num_computed - qlen) // bs:  # a block filled
-                self.blocks.cache_blocks(seq.block_ids, seq.tokens(0, seq.num_computed))
+                self.blocks.cache_blocks(
+                    seq.block_ids, seq.tokens(0, seq.num_computed), seq.cache_salt
+                )
             if step.is_prefill and seq.num_computed == seq.num_tokens:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING

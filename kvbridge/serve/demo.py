@@ -140,7 +140,13 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
             recompute_on_failure=proxy_cfg.recompute_on_failure,
             token=proxy_cfg.token(),
         )
-        app = make_app(backend, max_body_bytes=proxy_cfg.max_body_bytes, api_key=proxy_cfg.api_key)
+        app = make_app(
+            backend,
+            max_body_bytes=proxy_cfg.max_body_bytes,
+            api_key=proxy_cfg.api_key,
+            isolation=proxy_cfg.prefix_cache_isolation,
+            hide_cached_tokens=proxy_cfg.hide_cached_tokens,
+        )
         port = cfg.port
         try:
             proxy = ServerThread(app, cfg.host, port).start()

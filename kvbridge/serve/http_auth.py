@@ -133,17 +133,26 @@ class RequireSignature:
         await self.app(scope, replay, send)
 
 
-class RequireApiKey:
-    """ASGI middleware of the proxy: `/v1/...` needs `Authorization: Bearer <api key>`."""
+def bearer_key(authorization: str | None) -> str | None:
+    """The key of an 'Authorization: Bearer <key>' header; None without one."""
+    if not authorization or not authorization.startswith("Bearer "):
+        return None
+    return authorization.removeprefix("Bearer ")
 
-    def __init__(self, app: Any, api_key: str) -> None:
+
+class RequireApiKey:
+    """ASGI middleware of the proxy: `/v1/...` needs `Authorization: Bearer <key>`
+    with one of `api_keys` (each key compared in constant time)."""
+
+    def __init__(self, app: Any, api_keys: list[str]) -> None:
         self.app = app
-        self._want = f"Bearer {api_key}".encode()
+        self._want = [f"Bearer {key}".encode() for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._want):
+            matches = [hmac.compare_digest(given, want) for want in self._want]
+            if not any(matches):
                 await _reply(
                     send,
                     401,

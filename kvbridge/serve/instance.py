@@ -282,7 +282,9 @@ class Instance:
             )
             settle(fut, result)
 
-        engine.add_request(ids, params, request_id=rid, prefill_only=True)
+        engine.add_request(
+            ids, params, request_id=rid, prefill_only=True, cache_salt=gen.cache_salt
+        )
         self.loop.prefills[rid] = PendingPrefill(fut, on_prefilled)
         return fut
 
@@ -293,7 +295,7 @@ class Instance:
         stream.route["decode_instance"] = self.instance_id
         if pf is None:  # colocated: the whole request here
             ids = prompt_ids(engine, gen)
-            engine.add_request(ids, _sampling(gen), request_id=rid)
+            engine.add_request(ids, _sampling(gen), request_id=rid, cache_salt=gen.cache_salt)
             stream.prompt_tokens = len(ids)
             self.loop.streams[rid] = stream
             return
@@ -314,7 +316,9 @@ class Instance:
         try:
             # the prompt's cached prefix stays here: only tokens [cached, end) are pulled
             # (at least the last one: a prompt held whole the proxy sends here alone)
-            blocks, cached = engine.allocate_for_prompt(ids, max_cached=len(ids) - 1)
+            blocks, cached = engine.allocate_for_prompt(
+                ids, max_cached=len(ids) - 1, cache_salt=gen.cache_salt
+            )
         except OutOfBlocksError as exc:
             self._decline(engine, req, stream, cap, f"no free blocks to receive the KV: {exc}")
             return
@@ -434,6 +438,7 @@ class Instance:
                 _sampling(gen),
                 request_id=rid,
                 num_cached_tokens=cached,
+                cache_salt=gen.cache_salt,
             )
         except Exception as exc:
             engine.release_blocks(tr.block_ids)
@@ -461,6 +466,7 @@ class Instance:
                 [*pf.prompt_token_ids, pf.first_token_id],
                 _sampling(gen, gen.sampling.max_tokens - 1),
                 request_id=gen.request_id,
+                cache_salt=gen.cache_salt,
             )
         except Exception as exc:
             self._end(gen.request_id, stream, f"KV cache load failed ({reason}); recompute: {exc}")
@@ -594,7 +600,7 @@ class Instance:
 
                 def run(engine: LLMEngine) -> wire.Lookup:
                     ids = prompt_ids(engine, gen)
-                    cached = engine.cached_prefix_len(ids)
+                    cached = engine.cached_prefix_len(ids, gen.cache_salt)
                     bs = engine.config.block_size
                     held = self.admission.num_held
                     return wire.Lookup(self.instance_id, len(ids), cached, bs, held)

@@ -25,6 +25,12 @@ def run_proxy(cfg: ProxyConfig) -> int:
         file=sys.stderr,
         flush=True,
     )
-    app = make_app(backend, max_body_bytes=cfg.max_body_bytes, api_key=cfg.api_key)
+    app = make_app(
+        backend,
+        max_body_bytes=cfg.max_body_bytes,
+        api_key=cfg.api_key,
+        isolation=cfg.prefix_cache_isolation,
+        hide_cached_tokens=cfg.hide_cached_tokens,
+    )
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning")
     return 0
