@@ -138,6 +138,10 @@ class _CancelBody(msgspec.Struct, frozen=True):
 
 
 _cancel_decoder = msgspec.json.Decoder(_CancelBody)
+#: Bodies of the small control calls: far less than a prompt (`max_body_bytes`).
+CONTROL_BODY_LIMITS = {
+    path: 64 << 10 for path in ("/internal/reserve", "/internal/cancel", "/internal/connect")
+}
 #: The status answered to a caller that closed its connection (nobody reads it).
 CLIENT_GONE = 499
 #: How long an instance polls its connector at the busy cadence after an introduction.
@@ -506,9 +510,11 @@ class Instance:
     # -- HTTP ---------------------------------------------------------------------------
     def app(self) -> FastAPI:
         app = FastAPI(title=f"kvbridge {self.role.value} instance")
-        if self.token is not None:  # inside the body limit: the body it buffers is bounded
+        app.add_middleware(
+            BodyLimit, max_bytes=self.max_body_bytes, path_limits=CONTROL_BODY_LIMITS
+        )
+        if self.token is not None:  # outermost: refuses from the headers, before any read
             app.add_middleware(RequireSignature, token=self.token)
-        app.add_middleware(BodyLimit, max_bytes=self.max_body_bytes)
         install_error_handlers(app)
 
         @app.get("/health")
