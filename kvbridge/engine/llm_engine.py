@@ -254,6 +254,13 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len}; "
                 f"shorten it to at most {self.max_model_len - 1} tokens"
             )
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: together "
+                f"{len(ids) + params.max_tokens} exceed the model's context of "
+                f"max_model_len={self.max_model_len} tokens; ask for at most "
+                f"max_tokens={self.max_model_len - len(ids)} or shorten the prompt"
+            )
         blocks = self.block_manager.blocks_for(len(ids) + 1)
         if blocks > self.block_manager.num_blocks:
             raise RequestError(

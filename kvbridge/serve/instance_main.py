@@ -15,6 +15,8 @@ from kvbridge.errors import ConfigError
 from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.engine_loop import EngineLoop
 from kvbridge.serve.instance import Instance
+from kvbridge.serve.proxy_main import reach
+from kvbridge.transfer.config import is_loopback
 from kvbridge.transfer.connector import ConnectorRole, ConnectorSpec, GetEndpoint, SetEndpoints
 from kvbridge.transfer.netdev import device_of
 
@@ -68,13 +70,15 @@ def run_instance(cfg: InstanceConfig) -> int:
     )
     inst.endpoint = endpoints[0] if role is Role.PREFILL else ""
     devices = os.environ.get("UCX_NET_DEVICES") or device_of(transfer.reachable_host) or "all"
+    who = "anyone on this host" if is_loopback(cfg.host) else f"anyone who can reach {cfg.host}"
     security = (
         "shared token: encrypted, authenticated KV plane and signed internal calls"
         if transfer.token is not None
-        else "NO shared token: anyone on this host may handshake and call the internal API"
+        else f"NO shared token: {who} may call the internal API, anyone on this host may "
+        "handshake with the KV side channel"
     )
     print(
-        f"[{instance_id}] serving on http://{cfg.host}:{port}"
+        f"[{instance_id}] internal API on http://{cfg.host}:{port} ({reach(cfg.host)})"
         + (f", KV side channel {inst.endpoint}" if inst.endpoint else "")
         + f"; UCX devices {devices}; {security}",
         file=sys.stderr,
