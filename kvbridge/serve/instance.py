@@ -64,7 +64,7 @@ from kvbridge.serve.engine_loop import (
 from kvbridge.serve.http_auth import RequireSignature
 from kvbridge.serve.http_errors import error_response, install_error_handlers
 from kvbridge.serve.metrics import CONTENT_TYPE_LATEST, InstanceMetrics
-from kvbridge.transfer.capability import Capability, issue
+from kvbridge.transfer.capability import Capability, Redeemed, issue, prompt_digest
 from kvbridge.transfer.capability import check as check_capability
 from kvbridge.transfer.connector import (
     Cancel,
@@ -188,6 +188,7 @@ class Instance:
         self.claim_s = claim_s  # a pull capability expires this long after it is issued
         self.exposure_lease_s = exposure_lease_s  # None: the transfer config's lease
         self.endpoint = ""
+        self.redeemed = Redeemed()  # capabilities this (decode) instance has used
         self.metrics = InstanceMetrics(instance_id, role.value)
         bm = loop.engine.block_manager
         limit = max_queued_requests or default_max_queued(
@@ -268,6 +269,7 @@ class Instance:
                     time.time() + self.claim_s,
                     start,
                     engine.config.block_size,
+                    prompt_digest(ids),
                 )
                 kv = wire.KVParams(self.instance_id, issue(cap, self.token))
             else:
@@ -407,6 +409,19 @@ class Instance:
                 f"{len(pf.prompt_token_ids)}",
                 code="capability_refused",
             )
+        if cap.prompt_digest != prompt_digest(pf.prompt_token_ids):
+            raise _Refused(
+                403,
+                f"KV capability refused: it covers another prompt of {cap.num_tokens} tokens "
+                f"than the one request {pf.request_id!r} names",
+                code="capability_refused",
+            )
+        try:
+            self.redeemed.redeem(cap)
+        except AuthError as exc:
+            raise _Refused(
+                403, f"KV capability refused: {exc}", code="capability_refused"
+            ) from None
         return cap
 
     def _pulled(

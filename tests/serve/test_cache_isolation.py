@@ -13,10 +13,9 @@ from kvbridge.serve.config import ProxyConfig
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.isolation import PrefixCacheIsolation
-from kvbridge.serve.launcher import Deployment
 from kvbridge.serve.proxy import make_app
 from tests.serve.fake_backend import FakeBackend
-from tests.serve.helpers import TOKEN, instance_args
+from tests.serve.helpers import TOKEN
 
 KEYS = ["sk-victim", "sk-attacker"]
 
@@ -120,21 +119,6 @@ def test_hide_cached_tokens_leaves_the_cache_figures_out() -> None:
 PREAMBLE = "Internal memo for the finance team only. The vault combination is "
 SECRET = "4812 9377 1650 2284, do not share it."
 WRONG = ["1111 2222 3333 4444", "9090 8080 7070 6060", "5555 1234 9876 0000"]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    """A prefill and a decode instance, tp 1 each, with the test deployment's token."""
-    dep = Deployment()
-    try:
-        urls = {
-            role: dep.start_instance(role, instance_args(role, 1)).url
-            for role in ("prefill", "decode")
-        }
-        dep.wait_healthy(900, say=None)
-        yield urls
-    finally:
-        dep.stop()
 
 
 def _cached(url: str, prompt: str, key: str | None, **extra: object) -> int:

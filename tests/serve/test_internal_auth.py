@@ -14,6 +14,7 @@ import msgspec
 import pytest
 from fastapi import FastAPI, Request
 
+from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.body_limit import BodyLimit
 from kvbridge.serve.http_auth import (
@@ -29,8 +30,7 @@ from kvbridge.serve.http_auth import (
 )
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.instance import CONTROL_BODY_LIMITS
-from kvbridge.serve.launcher import Deployment
-from tests.serve.helpers import AUTH, TOKEN, instance_args, raw_post
+from tests.serve.helpers import AUTH, TOKEN, instance_id, raw_post
 
 MAX_BODY = 16 << 20
 
@@ -147,22 +147,55 @@ def test_the_replay_guard_forgets_only_what_left_the_window_and_never_overflows(
 
 
 @pytest.mark.slow
-def test_a_replayed_prefill_is_refused_by_a_real_instance() -> None:
+def test_a_replayed_prefill_is_refused_by_a_real_instance(pair) -> None:
     """Issue #21: replaying a sniffed /internal/prefill within 60 s was accepted (the KV
     was exposed and pulled again)."""
-    dep = Deployment()
-    try:
-        url = dep.start_instance("prefill", instance_args("prefill", 1)).url
-        dep.wait_healthy(900, say=None)
-        gen = GenerateRequest("r-replay", SamplingParams(max_tokens=1), prompt="The code is")
-        signed = _signed(f"{url}/internal/prefill", msgspec.json.encode(gen))
-        with httpx.Client(timeout=120) as client:
-            assert client.send(signed).status_code == 200
-            replay = client.send(signed)
-        assert replay.status_code == 403 and "used before" in replay.json()["error"]["message"]
-        lookup = _signed(f"{url}/internal/lookup", msgspec.json.encode(gen))
-        with httpx.Client(timeout=120) as client:
-            assert client.send(lookup).status_code == 200
-            assert client.send(lookup).status_code == 403
-    finally:
-        dep.stop()
+    url = pair["prefill"]
+    gen = GenerateRequest("r-replay", SamplingParams(max_tokens=1), prompt="The code is")
+    signed = _signed(f"{url}/internal/prefill", msgspec.json.encode(gen))
+    with httpx.Client(timeout=120) as client:
+        assert client.send(signed).status_code == 200
+        replay = client.send(signed)
+    assert replay.status_code == 403 and "used before" in replay.json()["error"]["message"]
+    lookup = _signed(f"{url}/internal/lookup", msgspec.json.encode(gen))
+    with httpx.Client(timeout=120) as client:
+        assert client.send(lookup).status_code == 200
+        assert client.send(lookup).status_code == 403
+
+
+@pytest.mark.slow
+def test_a_capability_opens_one_pull_of_its_own_prompt(pair) -> None:
+    """Issue #21: with a victim's capability and dummy prompt ids of the same length the
+    decode instance continued the victim's KV, and a capability could be used twice."""
+    prefill, decode = pair["prefill"], pair["decode"]
+    me = instance_id(decode)
+    gen = GenerateRequest(
+        "r-cap",
+        SamplingParams(max_tokens=3, temperature=0.0),
+        prompt="The secret code is 4812. The code is",
+        kv_reader=me,
+    )
+    r = httpx.post(f"{prefill}/internal/prefill", content=msgspec.json.encode(gen), auth=AUTH)
+    assert r.status_code == 200, r.text
+    victim = wire.prefill_result_decoder.decode(r.content)
+    assert victim.kv is not None
+    dummy = msgspec.structs.replace(victim, prompt_token_ids=[1] * len(victim.prompt_token_ids))
+
+    def generate(pf: wire.PrefillResult) -> httpx.Response:
+        body = msgspec.json.encode(wire.DecodeRequest(gen, pf))
+        return httpx.post(f"{decode}/internal/generate", content=body, auth=AUTH, timeout=120)
+
+    r = generate(dummy)
+    assert r.status_code == 403 and "covers another prompt" in r.json()["error"]["message"]
+    r = generate(victim)  # its own prompt: served, the KV pulled
+    assert r.status_code == 200, r.text
+    events = [wire.event_decoder.decode(line) for line in r.text.splitlines() if line]
+    assert events[-1].finish_reason and events[-1].stages["kv_bytes"] > 0
+    again = msgspec.structs.replace(gen, request_id="r-cap")  # its id is free again
+    r = httpx.post(
+        f"{decode}/internal/generate",
+        content=msgspec.json.encode(wire.DecodeRequest(again, victim)),
+        auth=AUTH,
+        timeout=120,
+    )
+    assert r.status_code == 403 and "used before" in r.json()["error"]["message"]
