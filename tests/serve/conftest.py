@@ -36,7 +36,7 @@ def instances():
 
 
 @pytest.fixture(scope="module")
-def pair():
+def tp1_pair():
     """A prefill and a decode instance, tp 1 each, with the test deployment's token, for
     one module (the security tests that need only one of each); keys "prefill", "decode"."""
     dep = Deployment()
