@@ -117,6 +117,20 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         "--api-key (or set KVBRIDGE_API_KEY)",
     )
     p.add_argument(
+        "--prefix-cache-isolation",
+        choices=["none", "api-key", "user"],
+        default=None,
+        help="who shares cached prompt prefixes (the proxy): 'api-key' requests of one API "
+        "key, 'user' requests naming the same OpenAI 'user', 'none' everyone; a request's "
+        "'cache_salt' narrows it further (default: api-key with --api-key, else none)",
+    )
+    p.add_argument(
+        "--hide-cached-tokens",
+        action="store_true",
+        help="leave usage.prompt_tokens_details.cached_tokens and kvbridge_stages out of "
+        "responses (the proxy)",
+    )
+    p.add_argument(
         "--kv-cache-mb",
         type=int,
         default=_DEFAULTS["kv_cache_mb"],
@@ -308,11 +322,23 @@ def deployment_config(args: argparse.Namespace) -> Any:
         args.port,
         args.start_timeout_s,
         api_key(args),
+        **proxy_options(args),
     )
 
 
 def api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get("KVBRIDGE_API_KEY") or None
+
+
+def proxy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The proxy's prefix-cache privacy settings (`serve.isolation`)."""
+    from kvbridge.serve.isolation import PrefixCacheIsolation
+
+    isolation = args.prefix_cache_isolation
+    return {
+        "prefix_cache_isolation": None if isolation is None else PrefixCacheIsolation(isolation),
+        "hide_cached_tokens": args.hide_cached_tokens,
+    }
 
 
 @contextlib.contextmanager
@@ -365,6 +391,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.kv_token_file,
                 api_key(args),
                 args.insecure,
+                **proxy_options(args),
             )
         )
     with deployment_token(args):

@@ -25,7 +25,7 @@ from kvbridge.connector.states import (
     KVLoadFailure,
     RequestState,
 )
-from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.config import TransferConfig, is_loopback
 from kvbridge.transfer.connector import (
     BUSY_POLL_S,
     IDLE_POLL_S,
@@ -54,5 +54,6 @@ __all__ = [
     "RemotePrefill",
     "RequestState",
     "TransferConfig",
+    "is_loopback",
     "net_device_of",
 ]

@@ -46,7 +46,7 @@ from kvbridge.connector.states import (
     RequestState,
     check_transition,
 )
-from kvbridge.transfer.capability import Capability, issue
+from kvbridge.transfer.capability import Capability, Redeemed, issue, prompt_digest
 from kvbridge.transfer.capability import check as check_capability
 from kvbridge.transfer.connector import (
     Cancel,
@@ -98,6 +98,7 @@ class KVRequest:
     num_tokens: int  # the prompt's
     params: KVTransferParams
     capability: Capability | None = None  # decode: what to pull; prefill: what was issued
+    prompt_digest: bytes = b""  # prefill: what its capability binds (`prompt_digest`)
     block_ids: list[int] = field(default_factory=list)  # the host's blocks it concerns
     num_cached_tokens: int = 0  # decode: leading tokens the local prefix cache held
     remaining: int = 0  # workers yet to report the transfer
@@ -124,6 +125,7 @@ class KVConnectorScheduler:
         self.world_size = world_size
         self.endpoint = ""  # producer: worker 0's side channel (in capabilities)
         self.requests: dict[str, KVRequest] = {}  # hand-overs not ended
+        self.redeemed = Redeemed()  # decode: the capabilities it has taken (each once)
         #: the last transitions, oldest first
         self.log: collections.deque[Transition] = collections.deque(maxlen=1024)
         self.pinned_blocks = 0
@@ -168,14 +170,18 @@ class KVConnectorScheduler:
         n = len(prompt_ids)
         if isinstance(params, RemoteDecode):
             self._need(ConnectorRole.PRODUCER, "RemoteDecode")
-            return self._new(KVRequest(request_id, RequestState.PREFILLING, n, params))
+            rec = KVRequest(request_id, RequestState.PREFILLING, n, params)
+            rec.prompt_digest = prompt_digest(prompt_ids)
+            return self._new(rec)
         self._need(ConnectorRole.CONSUMER, "RemotePrefill")
-        cap = self._check(params, request_id, n) if params.capability else None
+        cap = self._check(params, request_id, prompt_ids) if params.capability else None
         return self._new(KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, n, params, cap))
 
-    def _check(self, params: RemotePrefill, request_id: str, num_tokens: int) -> Capability:
+    def _check(self, params: RemotePrefill, request_id: str, prompt_ids: list[int]) -> Capability:
         """The capability, checked: signed with our token, issued to this instance,
-        unexpired, for this request's prompt."""
+        unexpired, for this request's prompt (its token ids, not only their number), and
+        not used before (a capability opens one pull)."""
+        num_tokens = len(prompt_ids)
         try:
             cap = check_capability(params.capability, self.token, self.instance_id)
         except AuthError as exc:
@@ -190,6 +196,15 @@ class KVConnectorScheduler:
                 f"KV capability refused: it covers request {cap.request_id!r} with "
                 f"{cap.num_tokens} tokens, not {request_id!r} with {num_tokens}"
             )
+        if cap.prompt_digest != prompt_digest(prompt_ids):
+            raise CapabilityRefused(
+                f"KV capability refused: it covers another prompt of {cap.num_tokens} tokens "
+                f"than the one request {request_id!r} names"
+            )
+        try:
+            self.redeemed.redeem(cap)
+        except AuthError as exc:
+            raise CapabilityRefused(f"KV capability refused: {exc}") from None
         return cap
 
     # -- decode: loading ----------------------------------------------------------------
@@ -305,6 +320,7 @@ class KVConnectorScheduler:
             time.time() + self.config.claim_s,
             start,
             self.block_size,
+            rec.prompt_digest,
         )
         rec.capability, rec.block_ids = cap, list(block_ids)
         rec.remaining, rec.started = self.world_size, time.perf_counter()

@@ -7,10 +7,14 @@ block whose count is already 0 is a bug and raises.
 Prefix caching (automatic, like vLLM's): a *full* block whose K/V is computed can be
 registered under a chained hash of its token ids,
 
-    hash[i] = blake2b(hash[i - 1] || token ids of block i),   hash[-1] = the salt
+    hash[i] = blake2b(hash[i - 1] || token ids of block i),   hash[-1] = the root
 
-where the salt names everything else that changes the block's bytes (model, layout,
-dtype, tp, block size). A later prompt that starts with the same tokens takes those
+where the root is the salt, which names everything else that changes the block's bytes
+(model, layout, dtype, tp, block size), and for a request with a `cache_salt` (vLLM's
+request parameter: a tenant's namespace) blake2b(salt || cache_salt). Every block's hash
+chains back to its request's root, so a block computed under one cache salt is never
+found by a request with another salt or none: prefix caching is shared only within a
+namespace (no tenant learns from a cache hit what another one sent). A later prompt that starts with the same tokens takes those
 blocks by reference instead of computing them again. A hit is confirmed by comparing
 the block's token ids and its parent's hash, never by its hash alone. A registered
 block whose count drops to 0 is *cached-free*: it counts as free and keeps its K/V until
@@ -136,14 +140,29 @@ class BlockManager:
         return self._ref_counts[block_id]
 
     # ---- prefix cache ----
-    def match_prefix(self, token_ids: Sequence[int], max_tokens: int | None = None) -> list[int]:
+    def root(self, cache_salt: str | None = None) -> bytes:
+        """The parent hash of a request's first block: the salt, or under a request's
+        `cache_salt` a hash of both (its own namespace; see the module docstring)."""
+        if cache_salt is None:
+            return self.salt
+        h = hashlib.blake2b(self.salt, digest_size=16, person=b"kvbridge-salt")
+        h.update(cache_salt.encode("utf-8", "surrogatepass"))
+        return h.digest()
+
+    def match_prefix(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int | None = None,
+        cache_salt: str | None = None,
+    ) -> list[int]:
         """The registered blocks holding the longest cached prefix of `token_ids` (whole
-        blocks, at most `max_tokens` tokens), each confirmed by its token ids and its
-        parent's hash. Takes no reference: `acquire` them before the next allocation."""
+        blocks, at most `max_tokens` tokens) under `cache_salt`, each confirmed by its
+        token ids and its parent's hash. Takes no reference: `acquire` them before the
+        next allocation."""
         if not self.enable_prefix_caching:
             return []
         limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
-        bs, parent, found = self.block_size, self.salt, []
+        bs, parent, found = self.block_size, self.root(cache_salt), []
         for i in range(limit // bs):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             h = block_hash(parent, tokens)
@@ -168,13 +187,16 @@ class BlockManager:
                 del self._evictable[i]
             self._ref_counts[i] += 1
 
-    def cache_blocks(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> None:
+    def cache_blocks(
+        self, block_ids: Sequence[int], token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> None:
         """Register the full blocks of a sequence whose K/V for `token_ids` (from token 0)
-        sits in `block_ids`. Blocks registered already are skipped; a block whose tokens
-        another block holds already stays unregistered (that one is the cached copy)."""
+        sits in `block_ids`, under the request's `cache_salt`. Blocks registered already
+        are skipped; a block whose tokens another block holds already stays unregistered
+        (that one is the cached copy)."""
         if not self.enable_prefix_caching:
             return
-        bs, parent = self.block_size, self.salt
+        bs, parent = self.block_size, self.root(cache_salt)
         for i in range(min(len(token_ids) // bs, len(block_ids))):
             block = block_ids[i]
             entry = self._cached.get(block)

@@ -28,7 +28,9 @@ Without a connector, the seams a test or another transport uses by hand:
 Prefix caching (`EngineConfig.enable_prefix_caching`, on by default): the full blocks of
 every prompt and output are registered in the block manager's prefix cache as they are
 computed, and a new request computes only what follows its longest cached prefix
-(`Completion.num_cached_tokens`). Outputs are the same with and without it.
+(`Completion.num_cached_tokens`). Outputs are the same with and without it. A request's
+`cache_salt` (vLLM's parameter) puts its blocks in a namespace of their own: only requests
+with the same salt share them (`BlockManager.root`).
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ class LLMEngine:
         request_id: str | None = None,
         prefill_only: bool = False,
         kv_transfer_params: KVTransferParams | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue a request. With `kv_transfer_params` its hand-over goes through the
         connector (module docstring); CapabilityRefused if a decode request's capability
@@ -193,6 +196,7 @@ class LLMEngine:
             raise RequestError("kv_transfer_params given, but this engine has no KV connector")
         remote_decode = isinstance(kv_transfer_params, RemoteDecode)
         seq = self._new_seq(ids, params, request_id, prefill_only or remote_decode)
+        seq.cache_salt = cache_salt  # its blocks are shared only with the same salt
         if self.kv is not None and kv_transfer_params is not None:
             try:
                 self.kv.add_request(seq.request_id, ids, kv_transfer_params)
@@ -213,10 +217,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         num_cached_tokens: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
         """Decode a request whose prompt K/V already sits in `block_ids` (from
         `allocate_blocks` or `allocate_for_prompt`, whose cached tokens `num_cached_tokens`
-        reports); its first token was sampled by the prefill instance."""
+        reports); its first token was sampled by the prefill instance. Its blocks join
+        the prefix cache under `cache_salt` (the one `allocate_for_prompt` was given)."""
         params = params or SamplingParams()
         need = self.block_manager.blocks_for(len(prompt_ids))
         if len(block_ids) != need:
@@ -228,7 +234,8 @@ class LLMEngine:
         seq.block_ids = list(block_ids)
         seq.num_computed = len(prompt_ids)
         seq.num_cached_tokens = num_cached_tokens
-        self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids)
+        seq.cache_salt = cache_salt
+        self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids, cache_salt)
         seq.status = SequenceStatus.RUNNING
         seq.first_token_time = time.perf_counter()
         self._append_token(seq, first_token)
@@ -241,13 +248,14 @@ class LLMEngine:
         return self.block_manager.allocate(self.block_manager.blocks_for(num_tokens))
 
     def allocate_for_prompt(
-        self, prompt_ids: list[int], max_cached: int | None = None
+        self, prompt_ids: list[int], max_cached: int | None = None, cache_salt: str | None = None
     ) -> tuple[list[int], int]:
-        """Blocks to receive a prompt's K/V, the first ones taken from the prefix cache:
-        (block ids, number of leading tokens they hold already: a multiple of block_size,
-        at most `max_cached`). OutOfBlocksError (nothing taken) if full."""
+        """Blocks to receive a prompt's K/V, the first ones taken from the prefix cache
+        under `cache_salt`: (block ids, number of leading tokens they hold already: a
+        multiple of block_size, at most `max_cached`). OutOfBlocksError (nothing taken)
+        if full."""
         bm = self.block_manager
-        hit = bm.match_prefix(prompt_ids, max_cached)
+        hit = bm.match_prefix(prompt_ids, max_cached, cache_salt)
         bm.acquire(hit)  # held first: the allocation below cannot evict them
         try:
             fresh = bm.allocate(bm.blocks_for(len(prompt_ids)) - len(hit))
@@ -256,10 +264,11 @@ class LLMEngine:
             raise
         return hit + fresh, len(hit) * bm.block_size
 
-    def cached_prefix_len(self, prompt_ids: list[int]) -> int:
-        """How many leading tokens of `prompt_ids` the prefix cache holds now (whole
-        blocks); a hint for routing, nothing is held."""
-        return len(self.block_manager.match_prefix(prompt_ids)) * self.block_manager.block_size
+    def cached_prefix_len(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading tokens of `prompt_ids` the prefix cache holds now under
+        `cache_salt` (whole blocks); a hint for routing, nothing is held."""
+        hit = self.block_manager.match_prefix(prompt_ids, cache_salt=cache_salt)
+        return len(hit) * self.block_manager.block_size
 
     def release_blocks(self, block_ids: list[int]) -> None:
         """Give back blocks kept by a prefill-only request or from `allocate_blocks`."""
@@ -310,12 +319,12 @@ class LLMEngine:
         self.kv.connect(endpoints)
         self._pending_outputs += self._kv_flush(poll=False)
 
-    def lookup(self, prompt_ids: list[int]) -> PrefixHit:
-        """What this engine's prefix cache holds of a prompt now, and where a pull of it
-        would start (see PrefixHit)."""
+    def lookup(self, prompt_ids: list[int], cache_salt: str | None = None) -> PrefixHit:
+        """What this engine's prefix cache holds of a prompt now under `cache_salt`, and
+        where a pull of it would start (see PrefixHit)."""
         bs = self.block_manager.block_size
         n = len(prompt_ids)
-        cached = self.cached_prefix_len(prompt_ids)
+        cached = self.cached_prefix_len(prompt_ids, cache_salt)
         start = min(cached, (n - 1) // bs * bs) if n else 0
         return PrefixHit(n, cached, start, 0 < cached == n // bs * bs)
 
@@ -365,7 +374,7 @@ class LLMEngine:
             seq.status = SequenceStatus.WAITING
         else:  # RUNNING: the prompt's KV is in its blocks
             seq.num_computed = len(seq.prompt_ids)
-            self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids)
+            self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids, seq.cache_salt)
             seq.status = SequenceStatus.RUNNING
             seq.first_token_time = time.perf_counter()
         self._append_token(seq, first)  # sampled by the prefill instance (already sent)
@@ -402,6 +411,13 @@ class LLMEngine:
             raise RequestError(
                 f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len}; "
                 f"shorten it to at most {self.max_model_len - 1} tokens"
+            )
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: together "
+                f"{len(ids) + params.max_tokens} exceed the model's context of "
+                f"max_model_len={self.max_model_len} tokens; ask for at most "
+                f"max_tokens={self.max_model_len - len(ids)} or shorten the prompt"
             )
         blocks = self.block_manager.blocks_for(len(ids) + 1)
         if blocks > self.block_manager.num_blocks:

@@ -141,7 +141,7 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.status is SequenceStatus.WAITING_FOR_REMOTE_KV]:
             self.waiting.remove(seq)
             rid, prompt = seq.request_id, seq.prompt_ids
-            hit = bm.match_prefix(prompt, len(prompt) - 1)
+            hit = bm.match_prefix(prompt, len(prompt) - 1, seq.cache_salt)
             num_external, load = kv.get_num_new_matched_tokens(rid, len(hit) * bm.block_size)
             if not load:  # nothing will come: recompute or fail (the connector's state)
                 self._ended.append((seq, kv.pop_ended(rid)))
@@ -170,7 +170,9 @@ class Scheduler:
         logits give the next token)."""
         hit = []
         if not seq.num_computed and not seq.block_ids:
-            hit = self.blocks.match_prefix(seq.tokens(0, seq.num_tokens), seq.num_tokens - 1)
+            hit = self.blocks.match_prefix(
+                seq.tokens(0, seq.num_tokens), seq.num_tokens - 1, seq.cache_salt
+            )
         start = seq.num_computed + len(hit) * self.blocks.block_size
         qlen = min(seq.num_tokens - start, self.chunk)
         need = self.blocks.blocks_for(start + qlen) - len(seq.block_ids) - len(hit)
@@ -197,7 +199,9 @@ class Scheduler:
             seq.num_computed += qlen
             bs = self.blocks.block_size
             if seq.num_computed // bs > (seq.num_computed - qlen) // bs:  # a block filled
-                self.blocks.cache_blocks(seq.block_ids, seq.tokens(0, seq.num_computed))
+                self.blocks.cache_blocks(
+                    seq.block_ids, seq.tokens(0, seq.num_computed), seq.cache_salt
+                )
             if step.is_prefill and seq.num_computed == seq.num_tokens:
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING

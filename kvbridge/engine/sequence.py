@@ -41,6 +41,8 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = 0  # of the prompt, taken from the prefix cache (not computed)
+    #: the prefix-cache namespace of the request (`BlockManager.root`); None: the shared one
+    cache_salt: str | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -63,6 +63,10 @@ class GenerateRequest(msgspec.Struct, frozen=True):
     #: prefill only: that reader holds the prompt's first tokens already (its prefix
     #: cache), so only the KV from this token on is exposed
     kv_start_token: int = 0
+    #: the prefix-cache namespace (vLLM's `cache_salt`, as the proxy's isolation policy
+    #: makes it): its blocks are shared only with requests of the same salt, on every
+    #: instance and in routing lookups; None: the shared namespace
+    cache_salt: str | None = None
     version: int = PROTOCOL_VERSION
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from kvbridge.serve.openai_responses import error_body
@@ -37,9 +37,10 @@ def mib_to_bytes(mb: float) -> int:
 
 
 class BodyLimit:
-    """Refuses request bodies over `max_bytes` with 413, and bodies slower than
-    `body_timeout_s` with 408 (see the module docstring). `on_refused(status)` runs for
-    each refusal (the proxy counts them)."""
+    """Refuses request bodies over `max_bytes` (or over `path_limits[path]` for the
+    paths it names) with 413, and bodies slower than `body_timeout_s` with 408 (see the
+    module docstring). `on_refused(status)` runs for each refusal (the proxy counts
+    them)."""
 
     def __init__(
         self,
@@ -47,6 +48,7 @@ class BodyLimit:
         max_bytes: int,
         on_refused: Callable[[int], None] | None = None,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        path_limits: Mapping[str, int] | None = None,
     ) -> None:
         if max_bytes <= 0:
             raise ValueError(f"max_bytes={max_bytes} must be positive")
@@ -54,17 +56,21 @@ class BodyLimit:
         self.max_bytes = max_bytes
         self.on_refused = on_refused
         self.body_timeout_s = body_timeout_s
+        self.path_limits = dict(path_limits or {})
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.path_limits.get(scope["path"], self.max_bytes)
         declared = _content_length(scope)
         if declared is None:
             await self._refuse(send, 400, "Content-Length is not a non-negative integer", None)
             return
-        if declared > self.max_bytes:
-            await self._refuse(send, 413, self._too_large(f"{declared} bytes"), "request_too_large")
+        if declared > limit:
+            await self._refuse(
+                send, 413, self._too_large(f"{declared} bytes", limit), "request_too_large"
+            )
             return
         chunks: list[bytes] = []
         size = 0
@@ -84,11 +90,11 @@ class BodyLimit:
                 return  # the client went away before its body ended: nobody to answer
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
+            if size > limit:
                 await self._refuse(
                     send,
                     413,
-                    self._too_large(f"more than {self.max_bytes} bytes"),
+                    self._too_large(f"more than {limit} bytes", limit),
                     "request_too_large",
                 )
                 return
@@ -106,7 +112,9 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    def _too_large(self, what: str) -> str:
+    def _too_large(self, what: str, limit: int) -> str:
+        if limit != self.max_bytes:  # a control call's own limit: no flag raises it
+            return f"request body of {what} exceeds the limit of {limit} bytes of this call"
         limit_mb = self.max_bytes / (1 << 20)
         return (
             f"request body of {what} exceeds the limit of {self.max_bytes} bytes "

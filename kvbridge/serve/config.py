@@ -18,6 +18,7 @@ from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
+from kvbridge.serve.isolation import PrefixCacheIsolation
 from kvbridge.transfer.config import TransferConfig, is_loopback, load_token
 
 
@@ -168,10 +169,15 @@ class ProxyConfig:
     kv_token_file: str | None = None  # signs calls to the instances (else the environment)
     api_key: str | None = None  # required on /v1/... when set
     insecure: bool = False  # allow a non-loopback host without a shared token
+    #: who shares cached prefixes (`isolation.py`); None: per API key with --api-key
+    prefix_cache_isolation: PrefixCacheIsolation | None = None
+    hide_cached_tokens: bool = False  # leave cache figures out of responses
 
     def __post_init__(self) -> None:
         _check_body_limit(self.max_body_mb)
         _check_exposure(self.host, self.token(), self.insecure)
+        isolation = PrefixCacheIsolation.resolve(self.prefix_cache_isolation, bool(self.api_key))
+        object.__setattr__(self, "prefix_cache_isolation", isolation)
 
     def token(self) -> bytes | None:
         return load_token(path=self.kv_token_file)
@@ -196,6 +202,11 @@ class DeploymentConfig:
     port: int = 8300
     start_timeout_s: float = 900.0
     api_key: str | None = None
+    prefix_cache_isolation: PrefixCacheIsolation | None = None
+    hide_cached_tokens: bool = False
+
+    def __post_init__(self) -> None:  # refused before any instance starts
+        PrefixCacheIsolation.resolve(self.prefix_cache_isolation, bool(self.api_key))
 
     def proxy(self, prefill_urls: list[str], decode_urls: list[str]) -> ProxyConfig:
         return ProxyConfig(
@@ -209,4 +220,6 @@ class DeploymentConfig:
             self.decode.kv_token_file,
             self.api_key,
             self.decode.insecure,
+            prefix_cache_isolation=self.prefix_cache_isolation,
+            hide_cached_tokens=self.hide_cached_tokens,
         )

@@ -20,11 +20,10 @@ import msgspec
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import DeploymentConfig
-from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment, LaunchError, free_port
-from kvbridge.serve.proxy import make_app
+from kvbridge.serve.proxy_main import proxy_app, proxy_banner
 
 
 def colocated_text(
@@ -134,14 +133,7 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
         decode = dep.start_instance("decode", replace(cfg.decode, host=cfg.host))
         dep.wait_healthy(cfg.start_timeout_s, say=say)
         proxy_cfg = cfg.proxy([prefill.url], [decode.url])
-        backend = DisaggBackend(
-            list(proxy_cfg.prefill_urls),
-            list(proxy_cfg.decode_urls),
-            proxy_cfg.model,
-            recompute_on_failure=proxy_cfg.recompute_on_failure,
-            token=proxy_cfg.token(),
-        )
-        app = make_app(backend, max_body_bytes=proxy_cfg.max_body_bytes, api_key=proxy_cfg.api_key)
+        app = proxy_app(proxy_cfg)
         port = cfg.port
         try:
             proxy = ServerThread(app, cfg.host, port).start()
@@ -149,6 +141,8 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
             port = free_port(cfg.host)
             say(f"port {cfg.port} is busy; the proxy uses {port}")
             proxy = ServerThread(app, cfg.host, port).start()
+        for line in proxy_banner(proxy_cfg, port):
+            say(line)
         return ask(
             proxy.url,
             decode.url,

@@ -85,9 +85,17 @@ class Instance:
         fut: concurrent.futures.Future[wire.PrefillResult] = concurrent.futures.Future()
         if engine.kv is not None:
             handover = RemoteDecode(gen.kv_reader or "", gen.kv_start_token)
-            engine.add_request(ids, gen.sampling, gen.request_id, kv_transfer_params=handover)
+            engine.add_request(
+                ids,
+                gen.sampling,
+                gen.request_id,
+                kv_transfer_params=handover,
+                cache_salt=gen.cache_salt,
+            )
         else:  # nothing to expose: the decode side computes the prompt
-            engine.add_request(ids, gen.sampling, gen.request_id, prefill_only=True)
+            engine.add_request(
+                ids, gen.sampling, gen.request_id, prefill_only=True, cache_salt=gen.cache_salt
+            )
         pending = PendingPrefill(fut, ids, self.instance_id, self._finished)
         self.loop.waiters[gen.request_id] = pending
         return fut
@@ -101,15 +109,20 @@ class Instance:
         if pf is None:
             ids = self.prompt_ids(engine, gen)
             stream.prompt_tokens = len(ids)
-            engine.add_request(ids, gen.sampling, rid)
+            engine.add_request(ids, gen.sampling, rid, cache_salt=gen.cache_salt)
         elif engine.kv is None:  # nothing can be pulled here: compute prompt + first token
             sampling = gen.sampling.replace(max_tokens=max(gen.sampling.max_tokens - 1, 1))
-            engine.add_request([*pf.prompt_token_ids, pf.first_token_id], sampling, rid)
+            ids = [*pf.prompt_token_ids, pf.first_token_id]
+            engine.add_request(ids, sampling, rid, cache_salt=gen.cache_salt)
         else:
             handover = pf.kv or RemotePrefill(pf.first_token_id)  # empty: nothing to pull
             try:
                 engine.add_request(
-                    pf.prompt_token_ids, gen.sampling, rid, kv_transfer_params=handover
+                    pf.prompt_token_ids,
+                    gen.sampling,
+                    rid,
+                    kv_transfer_params=handover,
+                    cache_salt=gen.cache_salt,
                 )
             except CapabilityRefused as exc:
                 raise Refused(403, str(exc), code="capability_refused") from None
@@ -129,7 +142,7 @@ class Instance:
         return engine.cancel_kv(rid, reason)
 
     def lookup(self, engine: LLMEngine, gen: GenerateRequest) -> wire.Lookup:
-        hit = engine.lookup(self.prompt_ids(engine, gen))
+        hit = engine.lookup(self.prompt_ids(engine, gen), gen.cache_salt)
         held = self.admission.num_held
         return wire.Lookup(
             self.instance_id,

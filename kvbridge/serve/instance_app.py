@@ -63,6 +63,10 @@ class _CancelBody(msgspec.Struct, frozen=True):
     reason: Annotated[str, msgspec.Meta(max_length=4000)] = ""
 
 
+#: Bodies of the small control calls: far less than a prompt (`max_body_bytes`).
+CONTROL_BODY_LIMITS = {
+    path: 64 << 10 for path in ("/internal/reserve", "/internal/cancel", "/internal/connect")
+}
 _connect_decoder = msgspec.json.Decoder(_ConnectBody)
 _cancel_decoder = msgspec.json.Decoder(_CancelBody)
 
@@ -70,9 +74,9 @@ _cancel_decoder = msgspec.json.Decoder(_CancelBody)
 def build_app(inst: Instance) -> FastAPI:
     app = FastAPI(title=f"kvbridge {inst.role.value} instance")
     app.state.instance = inst
-    if inst.token is not None:  # inside the body limit: the body it buffers is bounded
+    app.add_middleware(BodyLimit, max_bytes=inst.max_body_bytes, path_limits=CONTROL_BODY_LIMITS)
+    if inst.token is not None:  # outermost: refuses from the headers, before any read
         app.add_middleware(RequireSignature, token=inst.token)
-    app.add_middleware(BodyLimit, max_bytes=inst.max_body_bytes)
     install_error_handlers(app)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/internal/info", info, methods=["GET"])

@@ -12,13 +12,20 @@ from pathlib import Path
 
 import uvicorn
 
-from kvbridge.connector import ConnectorRole, ConnectorSpec, KVConnectorConfig, net_device_of
+from kvbridge.connector import (
+    ConnectorRole,
+    ConnectorSpec,
+    KVConnectorConfig,
+    is_loopback,
+    net_device_of,
+)
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.engine_loop import EngineLoop
 from kvbridge.serve.instance import Instance
 from kvbridge.serve.instance_app import build_app
+from kvbridge.serve.proxy_main import reach
 
 
 def _progress(stage: str, done: int, total: int) -> None:
@@ -69,13 +76,15 @@ def run_instance(cfg: InstanceConfig) -> int:
         max_queued_requests=cfg.max_queued_requests,
     )
     devices = os.environ.get("UCX_NET_DEVICES") or net_device_of(transfer.reachable_host) or "all"
+    who = "anyone on this host" if is_loopback(cfg.host) else f"anyone who can reach {cfg.host}"
     security = (
         "shared token: encrypted, authenticated KV plane and signed internal calls"
         if transfer.token is not None
-        else "NO shared token: anyone on this host may handshake and call the internal API"
+        else f"NO shared token: {who} may call the internal API, anyone on this host may "
+        "handshake with the KV side channel"
     )
     print(
-        f"[{instance_id}] serving on http://{cfg.host}:{port}"
+        f"[{instance_id}] internal API on http://{cfg.host}:{port} ({reach(cfg.host)})"
         + (f", KV side channel {inst.endpoint}" if inst.endpoint else "")
         + f"; UCX devices {devices}; {security}",
         file=sys.stderr,

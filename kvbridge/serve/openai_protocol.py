@@ -108,6 +108,9 @@ class _Sampling(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    #: vLLM's prefix-cache namespace: blocks are shared only between requests with the
+    #: same salt (`isolation.py`); a non-empty string when given
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -27,14 +27,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; `cached_tokens`: prompt tokens served from a prefix cache."""
-    return {
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = 0
+) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from a prefix cache
+    (None: not said, as with the proxy's --hide-cached-tokens)."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def completion_body(

@@ -9,6 +9,11 @@ over the limit, `BodyLimit`); a 5xx means the backend failed (503: no instance c
 serve the request now; with the code "overloaded" and a `Retry-After` header when every
 instance is full), and the app keeps serving after any of them. A client that goes away
 stops its request at once, even before its first token (`disconnect.py`).
+
+Prefix caching is isolated by `isolation` (`isolation.py`): each request's blocks are
+shared only within its namespace (the client's `cache_salt`, and by policy its API key
+or `user`); with `hide_cached_tokens` responses leave out
+`usage.prompt_tokens_details` and the `kvbridge_stages` figures that show cache hits.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -41,8 +46,9 @@ from kvbridge.serve.body_limit import (
     mib_to_bytes,
 )
 from kvbridge.serve.disconnect import ClientGone, ClosingStreamingResponse, until_disconnected
-from kvbridge.serve.http_auth import RequireApiKey
+from kvbridge.serve.http_auth import RequireApiKey, bearer_key
 from kvbridge.serve.http_errors import error_response, install_error_handlers
+from kvbridge.serve.isolation import IsolationError, PrefixCacheIsolation, namespace
 from kvbridge.serve.metrics import CONTENT_TYPE_LATEST, ProxyMetrics, merge_expositions
 
 log = logging.getLogger("kvbridge.serve")
@@ -58,13 +64,19 @@ def make_app(
     *,
     max_body_bytes: int = mib_to_bytes(DEFAULT_MAX_BODY_MB),
     body_timeout_s: float = BODY_TIMEOUT_S,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
+    isolation: PrefixCacheIsolation | str | None = None,
+    hide_cached_tokens: bool = False,
 ) -> FastAPI:
     """The proxy's app over `backend`. Request bodies over `max_body_bytes` are refused
     with 413 before they are read whole, and bodies not complete after `body_timeout_s`
     with 408 (`BodyLimit`); a body is JSON whatever Content-Type it declares
-    (`curl URL -d '{...}'` declares a form). With `api_key`, /v1/... answers 401 unless
-    the request carries 'Authorization: Bearer <api_key>'."""
+    (`curl URL -d '{...}'` declares a form). With `api_key` (one key or several),
+    /v1/... answers 401 unless the request carries 'Authorization: Bearer <key>' with
+    one of them. `isolation`: the prefix-cache policy (default: per API key when there
+    is one, else none); `hide_cached_tokens`: leave cache figures out of responses."""
+    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    policy = PrefixCacheIsolation.resolve(isolation, bool(api_keys))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -80,8 +92,8 @@ def make_app(
     def count_refused(status: int) -> None:
         m.requests.labels("invalid", str(status)).inc()
 
-    if api_key:
-        app.add_middleware(RequireApiKey, api_key=api_key)
+    if api_keys:
+        app.add_middleware(RequireApiKey, api_keys=api_keys)
 
     app.add_middleware(
         BodyLimit,
@@ -130,6 +142,19 @@ def make_app(
                 code="model_not_found",
             )
 
+    def _namespace(
+        request: Request, req: oai.CompletionRequest | oai.ChatCompletionRequest
+    ) -> str | None:
+        try:
+            return namespace(
+                policy,
+                cache_salt=req.cache_salt,
+                api_key=bearer_key(request.headers.get("authorization")),
+                user=req.user,
+            )
+        except IsolationError as exc:
+            raise oai.ProtocolError(str(exc), exc.param) from None
+
     def _sampling(
         req: oai.CompletionRequest | oai.ChatCompletionRequest, max_tokens: int | None
     ) -> SamplingParams:
@@ -157,6 +182,7 @@ def make_app(
                         f"prompt holds {len(prompt)} prompts; send one per request", "prompt"
                     )
                 prompt = prompt[0]
+            salt = _namespace(request, req)
         except oai.ProtocolError as exc:
             return _refuse(exc)
         gen = GenerateRequest(
@@ -164,6 +190,7 @@ def make_app(
             sampling=_sampling(req, req.max_tokens),
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=[int(t) for t in prompt] if isinstance(prompt, list) else None,
+            cache_salt=salt,
         )
         return await _run(
             request, gen, bool(req.stream), req.stream_options, chat=False, endpoint="completions"
@@ -174,16 +201,21 @@ def make_app(
         try:
             req = oai.parse_request(await request.body(), oai.ChatCompletionRequest)
             _check_model(req)
+            salt = _namespace(request, req)
         except oai.ProtocolError as exc:
             return _refuse(exc)
         gen = GenerateRequest(
             request_id=resp.new_id("chatcmpl"),
             sampling=_sampling(req, req.max_completion_tokens or req.max_tokens),
             messages=[{"role": msg.role, "content": msg.text()} for msg in req.messages],
+            cache_salt=salt,
         )
         return await _run(
             request, gen, bool(req.stream), req.stream_options, chat=True, endpoint="chat"
         )
+
+    def _cached(ev: GenerateEvent) -> int | None:
+        return None if hide_cached_tokens else ev.cached_tokens
 
     async def _run(
         request: Request,
@@ -272,7 +304,7 @@ def make_app(
             tracker.finish(endpoint, str(last.error_status), failed=True)
             return error_response(last.error_status, last.error)
         tracker.finish(endpoint, "200")
-        use = resp.usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
+        use = resp.usage(last.prompt_tokens, last.completion_tokens, _cached(last))
         text = "".join(parts)
         if chat:
             body = resp.chat_body(gen.request_id, backend.model_name, text, last.finish_reason, use)
@@ -280,7 +312,7 @@ def make_app(
             body = resp.completion_body(
                 gen.request_id, backend.model_name, text, last.finish_reason, use
             )
-        if tracker.stages or last.route:  # an extra field (OpenAI clients ignore it)
+        if (tracker.stages or last.route) and not hide_cached_tokens:  # OpenAI clients ignore it
             body["kvbridge_stages"] = {**tracker.stages, **last.route}
         if last.kv_load_error:  # and why the KV pull failed, when it did
             body["kvbridge_kv_load_error"] = last.kv_load_error
@@ -317,7 +349,7 @@ def make_app(
                             )
                         )
                 if ev.finish_reason and include_usage:
-                    use = resp.usage(ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens)
+                    use = resp.usage(ev.prompt_tokens, ev.completion_tokens, _cached(ev))
                     body = (
                         resp.chat_chunk(rid, model, {}, None, use)
                         if chat

@@ -7,21 +7,29 @@ instance pulls only with a valid capability addressed to itself, and takes the b
 from it rather than from whoever called. The producer, told the reader at `expose`,
 takes completion notifications from that instance only.
 
+A capability binds the prompt it was computed for (`prompt_digest` of its token ids)
+as well as the block range, so it opens the KV of that prompt only: a holder who sends
+other token ids of the same length is refused. It opens one pull: the reader redeems it
+(`Redeemed`) and refuses it a second time until it expires.
+
 Signed with a key derived from the shared token (`auth.derive`); without a token
 (loopback only) the key is public, so a capability then proves nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
+import numpy as np
 
 from kvbridge.transfer.auth import derive, sign, verify
 from kvbridge.transfer.errors import AuthError
 
-_VERSION = 2
+_VERSION = 3
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 
 
@@ -37,6 +45,14 @@ class Capability(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the blocks from the one holding token `start_token` on
     start_token: int = 0
     block_size: int = 0  # tokens per block of the producer (0: not said)
+    #: `prompt_digest` of the prompt's token ids (b"": bound to no prompt, refused)
+    prompt_digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """The digest a capability binds: BLAKE2b of the token ids as little-endian int64."""
+    data = np.asarray(token_ids, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=16, person=b"kvbridge-prompt").digest()
 
 
 class _Signed(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -88,3 +104,28 @@ def check(data: bytes, token: bytes | None, reader: str, now: float | None = Non
             f"capability for {cap.request_id!r} expired {now - cap.expires_at:.1f} s ago"
         )
     return cap
+
+
+class Redeemed:
+    """The capabilities one reader has taken, each remembered until it expires (then
+    `check` refuses it anyway): a capability opens one pull. Owned by the reader (a decode
+    instance); called from one thread."""
+
+    def __init__(self) -> None:
+        self._until: dict[bytes, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def redeem(self, cap: Capability, now: float | None = None) -> None:
+        """Take `cap`; AuthError if it was taken before."""
+        now = time.time() if now is None else now
+        for key in [k for k, until in self._until.items() if until < now]:
+            del self._until[key]
+        key = hashlib.blake2b(_encoder.encode(cap), digest_size=16).digest()
+        if key in self._until:
+            raise AuthError(
+                f"capability for {cap.request_id!r} was used before: a capability opens one "
+                "pull; the prefill instance issues a new one with each prefill"
+            )
+        self._until[key] = cap.expires_at

@@ -139,6 +139,13 @@ def test_bad_requests_are_refused_with_reasons(engine_tp1: LLMEngine) -> None:
         engine_tp1.add_request([1] * 2000)  # fits the context, not the 96-block cache
     with pytest.raises(RequestError, match="outside"):
         engine_tp1.add_request([10**6])
+    # issue #21: max_tokens 2**62 ran to the context end; prompt + max_tokens must fit
+    with pytest.raises(
+        RequestError,
+        match=r"prompt has 10 tokens and max_tokens=4611686018427387904: together .* exceed "
+        r"the model's context of max_model_len=4096 tokens; ask for at most max_tokens=4086",
+    ):
+        engine_tp1.add_request([1] * 10, SamplingParams(max_tokens=2**62))
     assert not engine_tp1.has_unfinished()
 
 

@@ -16,12 +16,12 @@ from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 
 
-def _sequence(bm: BlockManager, tokens: list[int]) -> list[int]:
+def _sequence(bm: BlockManager, tokens: list[int], cache_salt: str | None = None) -> list[int]:
     """Blocks for `tokens`, computed and registered, as a finished prefill leaves them."""
-    hit = bm.match_prefix(tokens)
+    hit = bm.match_prefix(tokens, cache_salt=cache_salt)
     bm.acquire(hit)
     ids = hit + bm.allocate(bm.blocks_for(len(tokens)) - len(hit))
-    bm.cache_blocks(ids, tokens)
+    bm.cache_blocks(ids, tokens, cache_salt)
     return ids
 
 
@@ -56,6 +56,25 @@ def test_the_salt_separates_caches_and_disabled_caching_never_hits() -> None:
     off = BlockManager(8, 4)
     _sequence(off, [1, 2, 3, 4])
     assert off.match_prefix([1, 2, 3, 4]) == [] and off.num_cached_blocks == 0
+
+
+def test_a_cache_salt_shares_blocks_only_with_requests_of_the_same_salt() -> None:
+    """vLLM's cache_salt: the salt enters the first block's hash, so every block of a
+    salted request chains to its namespace; another salt, or none, never finds it."""
+    bm = BlockManager(16, 4, enable_prefix_caching=True)
+    secret = [7, 7, 7, 7, 1, 2, 3, 4, 9]
+    victim = _sequence(bm, secret, cache_salt="tenant-a")
+    assert bm.match_prefix(secret, cache_salt="tenant-a") == victim[:2]
+    for other in ("tenant-b", "", None):
+        assert bm.match_prefix(secret, cache_salt=other) == [], other
+    # another namespace computes and registers its own copy; neither sees the other's
+    attacker = _sequence(bm, secret, cache_salt="tenant-b")
+    assert set(attacker).isdisjoint(victim)
+    assert bm.match_prefix(secret, cache_salt="tenant-b") == attacker[:2]
+    assert bm.match_prefix(secret, cache_salt="tenant-a") == victim[:2]
+    shared = _sequence(bm, secret)  # unsalted requests share among themselves only
+    assert set(shared).isdisjoint(victim + attacker)
+    assert bm.match_prefix(secret) == shared[:2]
 
 
 def test_cached_free_blocks_count_as_free_and_are_evicted_least_recently_used_first() -> None:

@@ -54,12 +54,14 @@ def test_bad_callers_are_refused_while_good_ones_are_served(three_hosts: ThreeHo
                 r = httpx.post(url, content=body, timeout=30)
                 assert r.status_code == 401, r.text
                 assert r.json()["error"]["code"] == "unauthenticated"
-            for url in (
-                f"{dep.url(dep.proxy)}/v1/completions",
-                f"{dep.url(dep.decode)}/internal/generate",
+            # over the limit: 413 from the proxy; an instance refuses an unsigned body
+            # from its headers before the limit is even looked at (issue #21)
+            for url, status in (
+                (f"{dep.url(dep.proxy)}/v1/completions", 413),
+                (f"{dep.url(dep.decode)}/internal/generate", 401),
             ):
                 r = httpx.post(url, content=huge, timeout=60)
-                assert r.status_code == 413, r.text
+                assert r.status_code == status, r.text
         assert good.result(timeout=300) == want
 
 

@@ -4,8 +4,10 @@ channel), a real proxy on 127.0.0.1, and the answers compared with colocated gen
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import json
 import os
+import secrets
 import signal
 import time
 
@@ -17,10 +19,19 @@ import pytest
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import KVLoadFailure
+from kvbridge.serve.http_auth import (
+    DIGEST_HEADER,
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    TIME_HEADER,
+    http_key,
+    signature,
+)
 from kvbridge.serve.launcher import Deployment
 from kvbridge.serve.metrics import metric_value
 from tests.serve.helpers import (
     AUTH,
+    TOKEN,
     colocated,
     complete,
     instance_id,
@@ -148,10 +159,25 @@ def test_bad_input_is_refused_by_real_instances(instances):
     raw = b'{"request_id": "r-sur", "sampling": {}, "prompt": "\\ud800x"}'
     r = httpx.post(f"{prefill}/internal/prefill", content=raw, timeout=60, auth=AUTH)
     assert r.status_code == 400 and "malformed request" in r.json()["error"]["message"]
+    big = b"Content-Length: 17000000\r\n"
     for instance in (prefill, decode):
-        _, answer = raw_post(instance, "/internal/generate", b"Content-Length: 17000000\r\n", [])
+        # unsigned: refused from its headers (401); signed: over the limit (413)
+        _, answer = raw_post(instance, "/internal/generate", big, [])
+        assert answer.startswith(b"HTTP/1.1 401") and b"unauthenticated" in answer
+        signed = _signed_headers("/internal/generate", hashlib.sha256(b"").hexdigest())
+        _, answer = raw_post(instance, "/internal/generate", big + signed, [])
         assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer
         assert httpx.get(f"{instance}/health", timeout=10).status_code == 200
+
+
+def _signed_headers(path: str, digest: str) -> bytes:
+    """Header lines of a POST to `path` signed with the test token (for a body whose
+    SHA-256 is `digest`), as `SignedRequests` writes them."""
+    stamp, nonce = f"{time.time():.3f}", secrets.token_hex(16)
+    sig = signature(http_key(TOKEN), "POST", path, "", stamp, nonce, digest)
+    fields = {TIME_HEADER: stamp, NONCE_HEADER: nonce, DIGEST_HEADER: digest}
+    fields[SIGNATURE_HEADER] = sig
+    return "".join(f"{k}: {v}\r\n" for k, v in fields.items()).encode()
 
 
 def test_duplicate_request_ids_are_refused_while_in_use(instances):

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import msgspec
 import pytest
 
 from kvbridge.plan.layout import InstanceLayout
@@ -298,3 +299,22 @@ def test_a_capability_holds_only_for_its_reader_its_token_and_its_lifetime() -> 
         check(forged, TOKEN, "D")
     with pytest.raises(AuthError, match="malformed"):
         check(b"\x93garbage", TOKEN, "D")
+
+
+def test_a_capability_binds_its_prompt_and_opens_one_pull() -> None:
+    from kvbridge.transfer.capability import Capability, Redeemed, check, issue, prompt_digest
+    from kvbridge.transfer.errors import AuthError
+
+    ids = [5, 17, 4812, 9]
+    digest = prompt_digest(ids)
+    assert digest != prompt_digest([1, 1, 1, 1]) and digest != prompt_digest(ids[:3])
+    cap = Capability("r1", "P", "tcp://127.0.0.1:5000", [3], 4, "D", time.time() + 60)
+    cap = msgspec.structs.replace(cap, prompt_digest=digest)
+    assert check(issue(cap, TOKEN), TOKEN, "D").prompt_digest == digest  # signed with it
+    redeemed = Redeemed()
+    redeemed.redeem(cap)
+    with pytest.raises(AuthError, match="used before"):
+        redeemed.redeem(cap)
+    redeemed.redeem(msgspec.structs.replace(cap, request_id="r2"))  # another one is new
+    redeemed.redeem(cap, now=cap.expires_at + 1)  # expired: forgotten (check refuses it)
+    assert len(redeemed) == 1
