@@ -127,6 +127,10 @@ class _ConnectBody(msgspec.Struct, frozen=True):
     endpoints: Annotated[
         list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=64)
     ]
+    # instance_ids[i]: the id of the prefill instance at endpoints[i] (optional)
+    instance_ids: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=64)
+    ] = []
 
 
 _connect_decoder = msgspec.json.Decoder(_ConnectBody)
@@ -607,7 +611,9 @@ class Instance:
         @app.post("/internal/connect")
         async def connect(request: Request) -> Response:
             """Meet prefill instances ahead of their first request (decode instances):
-            body {"endpoints": [side channel, ...]}; returns at once."""
+            body {"endpoints": [side channel, ...], "instance_ids": [their ids]
+            (optional)}; returns at once with the endpoints every worker has met
+            ("connected"): the caller repeats the call until all are."""
             if self.role is not Role.DECODE or not self.loop.has_connector:
                 return error_response(404, "only a decode instance with a KV connector connects")
             try:
@@ -615,16 +621,22 @@ class Instance:
             except msgspec.DecodeError as exc:
                 return error_response(400, f"malformed request: {exc}")
 
-            def start(engine: LLMEngine) -> None:
-                for endpoint in body.endpoints:
-                    engine.connector_call(Connect(endpoint))
+            ids = body.instance_ids + [""] * (len(body.endpoints) - len(body.instance_ids))
+
+            def start(engine: LLMEngine) -> list[str]:
+                met = [
+                    endpoint
+                    for endpoint, iid in zip(body.endpoints, ids, strict=False)
+                    if all(r.connected for r in engine.connector_call(Connect(endpoint, iid)))
+                ]
                 self.loop.busy_until = time.monotonic() + CONNECT_POLL_S
+                return met
 
             try:
-                await self.loop.acall(start, timeout=30.0)
+                connected = await self.loop.acall(start, timeout=30.0)
             except Exception as exc:
                 return _failure(exc)
-            return JSONResponse({"connecting": body.endpoints})
+            return JSONResponse({"connecting": body.endpoints, "connected": connected})
 
         @app.post("/internal/prefill")
         async def prefill(request: Request) -> Response:

@@ -209,13 +209,36 @@ class KVConsumer:
             decline=reason[:1000],
         )
 
-    def connect(self, endpoint: str) -> None:
+    def connect(self, endpoint: str, instance_id: str = "") -> bool:
         """Meet the producer instance at `endpoint` ahead of its first request: handshake
         with the workers this worker will read from and prepare the descriptor lists, so
-        the first pull costs what a later one does. Returns at once; `poll` advances it,
-        and a failure is logged and forgotten (a later pull tries again)."""
+        the first pull costs what a later one does. Returns at once: whether this worker
+        has met it already (so a caller may repeat the call until it has); `poll`
+        advances it, and a failure is logged and forgotten (the next call or pull tries
+        again). With `instance_id` (the producer instance's, as its handshake names it),
+        a producer met before under another id (it restarted at the same address) or
+        whose side channel is down is forgotten and met afresh, unless a pull still
+        reads from it (that pull fails or ends first; call again then)."""
         inst = self.directory.instance(endpoint)
+        welcome = inst.worker0.welcome
+        stale = welcome is not None and (
+            (instance_id and welcome.instance_id != instance_id)
+            or not inst.worker0.client.is_connected
+        )
+        if stale and not any(p.instance is inst for p in self._pulls.values()):
+            assert welcome is not None
+            why = (
+                f"producer {endpoint} is now instance {instance_id!r}, not {welcome.instance_id!r}"
+                if instance_id and welcome.instance_id != instance_id
+                else f"the side channel to producer {endpoint} is down"
+            )
+            for w in {id(w): w for w in inst.workers()}.values():  # worker 0 may read too
+                self.directory.drop(w, f"{why}; meeting it afresh", quiet=True)
+            inst = self.directory.instance(endpoint)
+        if inst.is_ready and inst.prepared:
+            return True
         self._connecting[endpoint] = inst
+        return False
 
     @property
     def is_busy(self) -> bool:

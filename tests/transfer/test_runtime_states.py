@@ -406,6 +406,49 @@ def test_connect_meets_a_producer_before_its_first_request(producer, clock) -> N
     assert isinstance(c.transport, FakeTransport) and len(c.transport.reads) == 1
 
 
+def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(producer, clock) -> None:
+    """`connect` answers whether this worker has met the producer (the proxy asks again
+    until it has). A producer instance restarted at the same address (a new instance
+    id) is forgotten and met afresh: the next pull reads from the new agent."""
+    p, _ = producer
+    c = consumer(0, clock)
+    assert c.connect(p.endpoint, "P") is False
+    for _ in range(20):
+        p.poll(5)
+        c.poll()
+    assert c.connect(p.endpoint, "P") is True
+    port = int(p.endpoint.rsplit(":", 1)[1])
+    p.close()
+    p2 = KVProducer(
+        model=MODEL,
+        layout=PREFILL,
+        rank=0,
+        regions=regions(PREFILL, 0),
+        num_blocks=NUM_BLOCKS,
+        transport=FakeTransport("prefill0-restarted"),
+        config=TransferConfig(base_port=port, lease_s=10, handshake_timeout_s=2),
+        instance_id="P2",
+        clock=clock,
+    )
+    try:
+        assert p2.endpoint == p.endpoint
+        assert c.connect(p2.endpoint, "P2") is False  # the one met before is not P2
+        for _ in range(40):
+            p2.poll(5)
+            c.poll()
+            if c.connect(p2.endpoint, "P2"):
+                break
+        assert c.connect(p2.endpoint, "P2") is True
+        assert isinstance(c.transport, FakeTransport)
+        assert c.transport.peers == ["prefill0-restarted"]  # the old agent was unloaded
+        p2.expose("r1", [3], 4)
+        c.pull("r1", p2.endpoint, [3], [5], 4)
+        c.poll()
+        assert len(c.transport.reads) == 1
+    finally:
+        p2.close()
+
+
 def test_connect_to_nobody_gives_up_quietly(clock) -> None:
     c = consumer(0, clock)
     c.connect("tcp://127.0.0.1:9")
