@@ -629,7 +629,8 @@ class Instance:
                     for endpoint, iid in zip(body.endpoints, ids, strict=False)
                     if all(r.connected for r in engine.connector_call(Connect(endpoint, iid)))
                 ]
-                self.loop.busy_until = time.monotonic() + CONNECT_POLL_S
+                if len(met) < len(body.endpoints):  # handshakes to progress (tp 1: here)
+                    self.loop.busy_until = time.monotonic() + CONNECT_POLL_S
                 return met
 
             try:
