@@ -31,7 +31,7 @@ from kvbridge.plan.layout import (
     InstanceLayout,
     WorkerShard,
 )
-from kvbridge.plan.planner import TransferPlan, make_plan
+from kvbridge.plan.planner import Read, TransferPlan, make_plan
 from kvbridge.plan.verifier import VerificationError, VerifyReport, verify_plan
 
 
@@ -172,6 +172,16 @@ def _layout_json(layout: InstanceLayout) -> dict[str, Any]:
     }
 
 
+def _read_json(r: Read) -> dict[str, Any]:
+    return {
+        "decode_rank": r.decode_rank,
+        "prefill_rank": r.prefill_rank,
+        "kv_heads": _range(r.kv_heads),
+        "layers": _range(r.layers),
+        "bytes_per_token": r.bytes_per_token,
+    }
+
+
 def decode_hosts(world_size: int, num_hosts: int | str) -> list[str]:
     """Host names of the decode ranks spread over `num_hosts` hosts, consecutive ranks on
     each (as evenly as they divide); LayoutError naming --decode-hosts when invalid."""
@@ -189,16 +199,7 @@ def fan_out_json(fan: TransferPlan, verified: bool | None) -> dict[str, Any]:
     return {
         "executed_by_runtime": False,
         "decode_hosts": list(fan.decode_hosts),
-        "reads": [
-            {
-                "decode_rank": r.decode_rank,
-                "prefill_rank": r.prefill_rank,
-                "kv_heads": _range(r.kv_heads),
-                "layers": _range(r.layers),
-                "bytes_per_token": r.bytes_per_token,
-            }
-            for r in fan.reads
-        ],
+        "reads": [_read_json(r) for r in fan.reads],
         "local_copies": [
             {
                 "decode_rank": c.decode_rank,
@@ -243,16 +244,7 @@ def plan_to_json(
             "prefill": [_worker_json(w) for w in plan.prefill_workers],
             "decode": [_worker_json(w) for w in plan.decode_workers],
         },
-        "reads": [
-            {
-                "decode_rank": r.decode_rank,
-                "prefill_rank": r.prefill_rank,
-                "kv_heads": _range(r.kv_heads),
-                "layers": _range(r.layers),
-                "bytes_per_token": r.bytes_per_token,
-            }
-            for r in plan.reads
-        ],
+        "reads": [_read_json(r) for r in plan.reads],
         "expected_notifications": list(plan.expected_notifications),
         "verified": verified,
         "distinct_bytes_per_token": m.bytes_per_token,

@@ -334,11 +334,17 @@ def copy_lists(
     d_ids = check_block_ids(
         decode_block_ids, num_tokens, plan.decode.block_size, "decode", start_token
     )
-    out = []
-    for read in plan.reads_for(decode_rank):
-        pieces = _pieces(plan, read, p_ids, d_ids, num_tokens, start_token)
-        out.append(CopyList(read, *merge_runs(*pieces), num_unmerged=len(pieces[0])))
-    return out
+    return [
+        _copy_list(plan, read, p_ids, d_ids, num_tokens, start_token)
+        for read in plan.reads_for(decode_rank)
+    ]
+
+
+def _copy_list(
+    plan: TransferPlan, read: R, p_ids: IntArray, d_ids: IntArray, num_tokens: int, start: int
+) -> CopyList[R]:
+    pieces = _pieces(plan, read, p_ids, d_ids, num_tokens, start)
+    return CopyList(read, *merge_runs(*pieces), num_unmerged=len(pieces[0]))
 
 
 def local_copy_lists(
@@ -353,12 +359,11 @@ def local_copy_lists(
     request's tokens [start_token, num_tokens); arguments as `copy_lists`. Source and
     destination hold the same shard in the same layout and blocks, so each run's source
     and destination offsets are equal."""
-    _check_request(plan, decode_rank, num_tokens, start_token)
+    num_tokens, start_token = _check_request(plan, decode_rank, num_tokens, start_token)
     d_ids = check_block_ids(
         decode_block_ids, num_tokens, plan.decode.block_size, "decode", start_token
     )
-    out = []
-    for copy in plan.local_copies_for(decode_rank):
-        pieces = _pieces(plan, copy, d_ids, d_ids, num_tokens, start_token)
-        out.append(CopyList(copy, *merge_runs(*pieces), num_unmerged=len(pieces[0])))
-    return out
+    return [
+        _copy_list(plan, copy, d_ids, d_ids, num_tokens, start_token)
+        for copy in plan.local_copies_for(decode_rank)
+    ]

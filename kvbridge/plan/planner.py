@@ -42,8 +42,23 @@ from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, WorkerShard
 
 
+class _Cells:
+    """Half-open global `kv_heads` x `layers` of a read or a local copy."""
+
+    kv_heads: tuple[int, int]
+    layers: tuple[int, int]
+
+    @property
+    def num_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
 @dataclass(frozen=True)
-class Read:
+class Read(_Cells):
     """One decode worker's read from one prefill worker, for every request.
 
     `kv_heads` are global head indices and `layers` global layer indices (half-open);
@@ -56,17 +71,9 @@ class Read:
     layers: tuple[int, int]
     bytes_per_token: int
 
-    @property
-    def num_heads(self) -> int:
-        return self.kv_heads[1] - self.kv_heads[0]
-
-    @property
-    def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
-
 
 @dataclass(frozen=True)
-class LocalCopy:
+class LocalCopy(_Cells):
     """A decode worker's copy of cells that another decode worker on its host reads over
     the link (the second hop of a fan-out), for every request.
 
@@ -80,14 +87,6 @@ class LocalCopy:
     kv_heads: tuple[int, int]
     layers: tuple[int, int]
     bytes_per_token: int
-
-    @property
-    def num_heads(self) -> int:
-        return self.kv_heads[1] - self.kv_heads[0]
-
-    @property
-    def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
 
 
 @dataclass(frozen=True)

@@ -53,20 +53,27 @@ def clock() -> Clock:
 @pytest.fixture
 def producer(clock: Clock) -> Iterator[tuple[KVProducer, list[Release]]]:
     released: list[Release] = []
-    p = KVProducer(
+    p = make_producer(clock, "prefill0", "P", on_release=released.append)
+    yield p, released
+    p.close()
+
+
+def make_producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVProducer:
+    """Prefill worker 0 of a tp-1 instance over a fake transport named `agent`."""
+    return KVProducer(
         model=MODEL,
         layout=PREFILL,
         rank=0,
         regions=regions(PREFILL, 0),
         num_blocks=NUM_BLOCKS,
-        transport=FakeTransport("prefill0"),
-        config=TransferConfig(lease_s=10, transfer_timeout_s=5, handshake_timeout_s=2),
-        instance_id="P",
-        on_release=released.append,
+        transport=FakeTransport(agent),
+        config=TransferConfig(
+            lease_s=10, transfer_timeout_s=5, handshake_timeout_s=2, **kw.pop("config", {})
+        ),
+        instance_id=instance_id,
         clock=clock,
+        **kw,
     )
-    yield p, released
-    p.close()
 
 
 def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL) -> KVConsumer:
@@ -419,17 +426,7 @@ def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(producer, c
     assert c.connect(p.endpoint, "P") is True
     port = int(p.endpoint.rsplit(":", 1)[1])
     p.close()
-    p2 = KVProducer(
-        model=MODEL,
-        layout=PREFILL,
-        rank=0,
-        regions=regions(PREFILL, 0),
-        num_blocks=NUM_BLOCKS,
-        transport=FakeTransport("prefill0-restarted"),
-        config=TransferConfig(base_port=port, lease_s=10, handshake_timeout_s=2),
-        instance_id="P2",
-        clock=clock,
-    )
+    p2 = make_producer(clock, "prefill0-restarted", "P2", config={"base_port": port})
     try:
         assert p2.endpoint == p.endpoint
         assert c.connect(p2.endpoint, "P2") is False  # the one met before is not P2
