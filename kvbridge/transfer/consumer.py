@@ -180,6 +180,7 @@ class KVConsumer:
                 f"tokens [{start_token}, {num_tokens}) of {request_id!r} do not fit "
                 f"{len(local)} local blocks of {bd} tokens"
             )
+        self._forget_unreachable()  # never start a pull on a peer known to be gone
         inst = self.directory.instance(endpoint)
         self._pulls[request_id] = _Pull(
             request_id,
@@ -216,24 +217,23 @@ class KVConsumer:
         has met it already (so a caller may repeat the call until it has); `poll`
         advances it, and a failure is logged and forgotten (the next call or pull tries
         again). With `instance_id` (the producer instance's, as its handshake names it),
-        a producer met before under another id (it restarted at the same address) or
-        whose side channel is down is forgotten and met afresh, unless a pull still
-        reads from it (that pull fails or ends first; call again then)."""
+        a producer met before under another id (it restarted at the same address) is
+        forgotten and met afresh, unless a pull still reads from it (that pull fails or
+        ends first; call again then). One whose side channel went down is forgotten by
+        `poll` already."""
         inst = self.directory.instance(endpoint)
         welcome = inst.worker0.welcome
-        stale = welcome is not None and (
-            (instance_id and welcome.instance_id != instance_id)
-            or not inst.worker0.client.is_connected
-        )
-        if stale and not any(p.instance is inst for p in self._pulls.values()):
-            assert welcome is not None
-            why = (
-                f"producer {endpoint} is now instance {instance_id!r}, not {welcome.instance_id!r}"
-                if instance_id and welcome.instance_id != instance_id
-                else f"the side channel to producer {endpoint} is down"
+        if (
+            welcome is not None
+            and instance_id
+            and welcome.instance_id != instance_id
+            and not any(p.instance is inst for p in self._pulls.values())
+        ):
+            self.directory.forget(
+                inst,
+                f"producer {endpoint} is now instance {instance_id!r}, not "
+                f"{welcome.instance_id!r}; meeting it afresh",
             )
-            for w in {id(w): w for w in inst.workers()}.values():  # worker 0 may read too
-                self.directory.drop(w, f"{why}; meeting it afresh", quiet=True)
             inst = self.directory.instance(endpoint)
         if inst.is_ready and inst.prepared:
             return True
@@ -272,6 +272,7 @@ class KVConsumer:
             if endpoint not in self._connecting:
                 del self._connect_deadline[endpoint]
         self._abandon_lost()
+        self._forget_unreachable()
         for pull in list(self._pulls.values()):
             self._advance_pull(pull, now)
         # Without NIXL's progress thread, our standalone notifications (to replicas
@@ -343,6 +344,12 @@ class KVConsumer:
                 return
         if now >= pull.deadline:
             self._finish(pull, TransferState.FAILED, self._timeout_reason(pull))
+
+    def _forget_unreachable(self) -> None:
+        """Forget idle producers whose side channel is down (`forget_unreachable`)."""
+        self.directory.forget_unreachable(
+            [p.instance for p in self._pulls.values()] + list(self._connecting.values())
+        )
 
     def _abandon_lost(self) -> None:
         """Fail the pulls reading from a producer worker whose side channel is down (its

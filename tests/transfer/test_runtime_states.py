@@ -17,6 +17,7 @@ from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
+from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.messages import ReadDone, decode_signed, encode
 from kvbridge.transfer.peers import ProducerWorker
 from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
@@ -60,6 +61,19 @@ def producer(clock: Clock) -> Iterator[tuple[KVProducer, list[Release]]]:
 
 def make_producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVProducer:
     """Prefill worker 0 of a tp-1 instance over a fake transport named `agent`."""
+    if kw.get("config", {}).get("base_port"):  # a restart: the old socket may linger
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                return _producer(clock, agent, instance_id, **kw)
+            except HandshakeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    return _producer(clock, agent, instance_id, **kw)
+
+
+def _producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVProducer:
     return KVProducer(
         model=MODEL,
         layout=PREFILL,
@@ -413,7 +427,9 @@ def test_connect_meets_a_producer_before_its_first_request(producer, clock) -> N
     assert isinstance(c.transport, FakeTransport) and len(c.transport.reads) == 1
 
 
-def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(producer, clock) -> None:
+def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(
+    producer, clock, request
+) -> None:
     """`connect` answers whether this worker has met the producer (the proxy asks again
     until it has). A producer instance restarted at the same address (a new instance
     id) is forgotten and met afresh: the next pull reads from the new agent."""
@@ -426,6 +442,7 @@ def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(producer, c
     assert c.connect(p.endpoint, "P") is True
     port = int(p.endpoint.rsplit(":", 1)[1])
     p.close()
+    request.addfinalizer(c.close)
     p2 = make_producer(clock, "prefill0-restarted", "P2", config={"base_port": port})
     try:
         assert p2.endpoint == p.endpoint
@@ -444,6 +461,49 @@ def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(producer, c
         assert len(c.transport.reads) == 1
     finally:
         p2.close()
+
+
+def test_a_producer_gone_while_idle_is_forgotten_and_met_again_when_back(clock, request) -> None:
+    """A met producer whose side channel goes down (its host, the link, or itself) is
+    forgotten while nothing reads from it (its agent unloaded), so the next
+    introduction or pull meets it afresh instead of reusing stale endpoints."""
+    p = make_producer(clock, "prefill0", "P")
+    c = KVConsumer(
+        model=MODEL,
+        layout=DECODE,
+        rank=0,
+        regions=regions(DECODE, 0),
+        num_blocks=NUM_BLOCKS,
+        transport=FakeTransport("decode0"),
+        config=TransferConfig(handshake_timeout_s=2, liveness_timeout_s=0.3),
+        instance_id="D",
+        clock=clock,
+    )
+    request.addfinalizer(c.close)
+    request.addfinalizer(p.close)
+    assert isinstance(c.transport, FakeTransport)
+    c.connect(p.endpoint, "P")
+    for _ in range(20):
+        p.poll(5)
+        c.poll()
+    assert c.connect(p.endpoint, "P") and c.transport.peers == ["prefill0"]
+    port = int(p.endpoint.rsplit(":", 1)[1])
+    p.close()
+    deadline = time.monotonic() + 10
+    while c.transport.peers and time.monotonic() < deadline:
+        c.poll()
+        time.sleep(0.05)
+    assert c.transport.peers == []  # forgotten: nothing of the producer stays loaded
+    back = make_producer(clock, "prefill0-back", "P", config={"base_port": port})
+    try:
+        for _ in range(40):
+            back.poll(5)
+            c.poll()
+            if c.connect(back.endpoint, "P"):
+                break
+        assert c.connect(back.endpoint, "P") and c.transport.peers == ["prefill0-back"]
+    finally:
+        back.close()
 
 
 def test_connect_to_nobody_gives_up_quietly(clock) -> None:
