@@ -59,6 +59,10 @@ from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
 
 log = logging.getLogger("kvbridge.transfer.consumer")
 
+#: How long an introduced producer is still polled at the busy cadence once met, so the
+#: connections NIXL makes to its workers complete before the first pull (seconds).
+CONNECT_SETTLE_S = 0.3
+
 
 class TransferState(enum.Enum):
     HANDSHAKING = "handshaking"  # waiting for the producer's workers to answer
@@ -129,6 +133,7 @@ class KVConsumer:
         self._results: list[TransferResult] = []
         self._connecting: dict[str, ProducerInstance] = {}  # introductions in flight
         self._connect_deadline: dict[str, float] = {}
+        self._settle_until: dict[str, float] = {}  # met; connections still being made
         hello = Hello(
             instance_id=instance_id,
             rank=rank,
@@ -263,14 +268,20 @@ class KVConsumer:
                     log.warning(
                         "decode worker %d: preparing %s failed: %s", self.rank, endpoint, exc
                     )
-                del self._connecting[endpoint]
+                    del self._connecting[endpoint]
+                    continue
+                # met: stay busy (polled every millisecond) a moment longer, since NIXL
+                # connects to the peers it was told to (`Transport.add_peer`) only while
+                # this worker progresses; the first pull then finds the connections made
+                if now >= self._settle_until.setdefault(endpoint, now + CONNECT_SETTLE_S):
+                    del self._connecting[endpoint]
             elif now >= self._connect_deadline.setdefault(
                 endpoint, now + self.config.handshake_timeout_s + 1
             ):
                 del self._connecting[endpoint]  # the directory reports its own timeout
-        for endpoint in list(self._connect_deadline):
-            if endpoint not in self._connecting:
-                del self._connect_deadline[endpoint]
+        for waits in (self._connect_deadline, self._settle_until):
+            for endpoint in [e for e in waits if e not in self._connecting]:
+                del waits[endpoint]
         self._abandon_lost()
         self._forget_unreachable()
         for pull in list(self._pulls.values()):

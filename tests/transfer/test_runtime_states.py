@@ -16,7 +16,12 @@ from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, num_regions, region_nbytes
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
-from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
+from kvbridge.transfer.consumer import (
+    CONNECT_SETTLE_S,
+    KVConsumer,
+    TransferResult,
+    TransferState,
+)
 from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.messages import ReadDone, decode_signed, encode
 from kvbridge.transfer.peers import ProducerWorker
@@ -418,6 +423,9 @@ def test_connect_meets_a_producer_before_its_first_request(producer, clock) -> N
     for _ in range(20):
         p.poll(5)
         c.poll()
+    assert c.is_busy  # met, still polled often while NIXL makes its connections
+    clock.now += CONNECT_SETTLE_S
+    c.poll()
     assert not c.is_busy and c.transport.peers == ["prefill0"]
     inst = c.directory.instance(p.endpoint)
     assert inst.is_ready and inst.prepared
@@ -487,6 +495,8 @@ def test_a_producer_gone_while_idle_is_forgotten_and_met_again_when_back(clock, 
         p.poll(5)
         c.poll()
     assert c.connect(p.endpoint, "P") and c.transport.peers == ["prefill0"]
+    clock.now += CONNECT_SETTLE_S
+    c.poll()  # settled: nothing in flight
     port = int(p.endpoint.rsplit(":", 1)[1])
     p.close()
     deadline = time.monotonic() + 10
