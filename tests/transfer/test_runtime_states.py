@@ -95,7 +95,7 @@ def _producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVProduc
     )
 
 
-def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL) -> KVConsumer:
+def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL, **config: Any) -> KVConsumer:
     return KVConsumer(
         model=model,
         layout=DECODE,
@@ -103,7 +103,7 @@ def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL) -> KVConsumer:
         regions=regions(DECODE, rank, model),
         num_blocks=NUM_BLOCKS,
         transport=FakeTransport(f"decode{rank}"),
-        config=TransferConfig(transfer_timeout_s=5, handshake_timeout_s=2),
+        config=TransferConfig(**{"transfer_timeout_s": 5, "handshake_timeout_s": 2, **config}),
         instance_id="D",
         clock=clock,
     )
@@ -476,17 +476,7 @@ def test_a_producer_gone_while_idle_is_forgotten_and_met_again_when_back(clock, 
     forgotten while nothing reads from it (its agent unloaded), so the next
     introduction or pull meets it afresh instead of reusing stale endpoints."""
     p = make_producer(clock, "prefill0", "P")
-    c = KVConsumer(
-        model=MODEL,
-        layout=DECODE,
-        rank=0,
-        regions=regions(DECODE, 0),
-        num_blocks=NUM_BLOCKS,
-        transport=FakeTransport("decode0"),
-        config=TransferConfig(handshake_timeout_s=2, liveness_timeout_s=0.3),
-        instance_id="D",
-        clock=clock,
-    )
+    c = consumer(0, clock, liveness_timeout_s=0.3)
     request.addfinalizer(c.close)
     request.addfinalizer(p.close)
     assert isinstance(c.transport, FakeTransport)
