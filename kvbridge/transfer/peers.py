@@ -152,6 +152,7 @@ class ProducerDirectory:
     def forget(self, inst: ProducerInstance, reason: str) -> None:
         """Forget a producer instance and its workers (quietly; a later pull or
         introduction meets it afresh). Only when no pull reads from it."""
+        log.info("decode worker %d forgets producer %s: %s", self.rank, inst.endpoint, reason)
         for w in {id(w): w for w in inst.workers()}.values():  # worker 0 may read too
             self.drop(w, reason, quiet=True)
 
