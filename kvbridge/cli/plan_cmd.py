@@ -2,7 +2,10 @@
 
 Prints which bytes every decode worker reads from which prefill worker, what each
 prefill worker waits for, and (with --verify) proves the plan byte-exact on a
-synthetic multi-block request. `--json` prints exactly one object (a contract: see
+synthetic multi-block request. It also plans the fan-out on the decode hosts
+(`--decode-hosts`): decode workers of one host that hold the same bytes read them over
+the link once and copy them on the host; that plan is shown apart (link and local
+bytes), since the runtime does not execute it yet. `--json` prints exactly one object (a contract: see
 `plan_to_json`); `--svg FILE` also draws the plan (see `plan_map`). Exit 0 when the
 pair is supported, 2 when it is not (or the config is bad, or --svg cannot be
 written), 1 if verification found wrong bytes (a bug).
@@ -29,7 +32,7 @@ from kvbridge.plan.layout import (
     InstanceLayout,
     WorkerShard,
 )
-from kvbridge.plan.planner import TransferPlan, make_plan
+from kvbridge.plan.planner import Read, TransferPlan, make_plan
 from kvbridge.plan.verifier import VerificationError, VerifyReport, verify_plan
 
 
@@ -128,6 +131,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="T",
         help="tokens of the synthetic request (default: 3.5 blocks of the larger size)",
     )
+    p.add_argument(
+        "--decode-hosts",
+        type=_int_or_raw,
+        default=1,
+        metavar="N",
+        help="hosts the decode workers run on, consecutive ranks on each (default 1), "
+        "for the fan-out plan: prefill and decode on different hosts, each byte over the "
+        "link once per decode host",
+    )
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument(
         "--svg",
@@ -161,8 +173,61 @@ def _layout_json(layout: InstanceLayout) -> dict[str, Any]:
     }
 
 
-def plan_to_json(plan: TransferPlan, verified: bool | None) -> dict[str, Any]:
-    """The `--json` contract (field names are stable; more may be added)."""
+def _read_json(r: Read) -> dict[str, Any]:
+    return {
+        "decode_rank": r.decode_rank,
+        "prefill_rank": r.prefill_rank,
+        "kv_heads": _range(r.kv_heads),
+        "layers": _range(r.layers),
+        "bytes_per_token": r.bytes_per_token,
+    }
+
+
+def decode_hosts(world_size: int, num_hosts: int | str) -> list[str]:
+    """Host names of the decode ranks spread over `num_hosts` hosts, consecutive ranks on
+    each (as evenly as they divide); LayoutError naming --decode-hosts when invalid."""
+    if isinstance(num_hosts, str) or not 1 <= num_hosts <= world_size:
+        raise LayoutError(
+            f"--decode-hosts={num_hosts!r} must be an integer in [1, {world_size}] (the "
+            "decode workers); use 1 for one decode host"
+        )
+    return [f"decode-host{r * num_hosts // world_size}" for r in range(world_size)]
+
+
+def fan_out_json(fan: TransferPlan, verified: bool | None) -> dict[str, Any]:
+    """The fan-out plan's part of the `--json` contract."""
+    assert fan.decode_hosts is not None
+    return {
+        "executed_by_runtime": False,
+        "decode_hosts": list(fan.decode_hosts),
+        "reads": [_read_json(r) for r in fan.reads],
+        "local_copies": [
+            {
+                "decode_rank": c.decode_rank,
+                "source_rank": c.source_rank,
+                "kv_heads": _range(c.kv_heads),
+                "layers": _range(c.layers),
+                "bytes_per_token": c.bytes_per_token,
+            }
+            for c in fan.local_copies
+        ],
+        "expected_notifications": list(fan.expected_notifications),
+        "link_bytes_per_token": fan.link_bytes_per_token,
+        "local_bytes_per_token": fan.local_bytes_per_token,
+        "verified": verified,
+    }
+
+
+def plan_to_json(
+    plan: TransferPlan,
+    verified: bool | None,
+    fan: TransferPlan | None = None,
+    fan_verified: bool | None = None,
+) -> dict[str, Any]:
+    """The `--json` contract (field names are stable; more may be added). `reads`,
+    `link_bytes_per_token` and `local_bytes_per_token` are what the runtime does (prefill
+    and decode on different hosts: every read crosses the link); `fan_out` is the plan
+    with each byte over the link once per decode host, not executed by the runtime yet."""
     m = plan.model
     return {
         "supported": True,
@@ -180,18 +245,13 @@ def plan_to_json(plan: TransferPlan, verified: bool | None) -> dict[str, Any]:
             "prefill": [_worker_json(w) for w in plan.prefill_workers],
             "decode": [_worker_json(w) for w in plan.decode_workers],
         },
-        "reads": [
-            {
-                "decode_rank": r.decode_rank,
-                "prefill_rank": r.prefill_rank,
-                "kv_heads": _range(r.kv_heads),
-                "layers": _range(r.layers),
-                "bytes_per_token": r.bytes_per_token,
-            }
-            for r in plan.reads
-        ],
+        "reads": [_read_json(r) for r in plan.reads],
         "expected_notifications": list(plan.expected_notifications),
         "verified": verified,
+        "distinct_bytes_per_token": m.bytes_per_token,
+        "link_bytes_per_token": plan.link_bytes_per_token,
+        "local_bytes_per_token": plan.local_bytes_per_token,
+        "fan_out": None if fan is None else fan_out_json(fan, fan_verified),
     }
 
 
@@ -222,6 +282,10 @@ def _error_json(error: str, args: argparse.Namespace, model: ModelKVSpec | None)
         "reads": [],
         "expected_notifications": [],
         "verified": None,
+        "distinct_bytes_per_token": None,
+        "link_bytes_per_token": None,
+        "local_bytes_per_token": None,
+        "fan_out": None,
     }
 
 
@@ -250,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
         model = load_model_spec(args.config, dtype=args.dtype)
         prefill, decode = layouts_from_args(args)
         plan = make_plan(model, prefill, decode)
+        hosts = decode_hosts(len(plan.decode_workers), args.decode_hosts)
+        fan = make_plan(model, prefill, decode, decode_hosts=hosts)
     except KVBridgeError as exc:
         if args.json:
             print(json.dumps(_error_json(str(exc), args, model)))
@@ -263,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     report: VerifyReport | None = None
+    fan_report: VerifyReport | None = None
     verified: bool | None = None
+    fan_verified: bool | None = None
     failure = None
     if args.verify:
         try:
@@ -271,6 +339,11 @@ def run(args: argparse.Namespace) -> int:
             verified = True
         except VerificationError as exc:
             verified, failure = False, str(exc)
+        try:
+            fan_report = verify_plan(fan, tokens)
+            fan_verified = True
+        except VerificationError as exc:
+            fan_verified, failure = False, f"fan-out plan: {exc}"
     num_arrows: int | None = None
     if args.svg is not None:
         # drawn before anything is printed: without matplotlib (ConfigError, exit 2) or
@@ -287,13 +360,14 @@ def run(args: argparse.Namespace) -> int:
             return 2
 
     if args.json:
-        print(json.dumps(plan_to_json(plan, verified)))
+        print(json.dumps(plan_to_json(plan, verified, fan, fan_verified)))
     else:
-        from kvbridge.cli.plan_report import print_plan
+        from kvbridge.cli.plan_report import print_fan_out, print_plan
 
         # runs per block of a whole-block request: what the layout pair costs per block
         whole = 4 * math.lcm(plan.prefill.block_size, plan.decode.block_size)
         print_plan(plan, descriptor_counts(plan, whole), whole, report)
+        print_fan_out(plan, fan, tokens, fan_report)
     if num_arrows is not None:
         # stdout holds exactly one JSON object with --json
         print(

@@ -104,3 +104,62 @@ def print_plan(
             f"{report.descriptors} descriptors ({report.descriptors_unmerged} before merging); "
             "every other byte on the decode workers unchanged"
         )
+
+
+def print_fan_out(
+    plan: TransferPlan,
+    fan: TransferPlan,
+    num_tokens: int,
+    report: VerifyReport | None,
+    console: Console | None = None,
+) -> None:
+    """The bytes over the link and on the decode hosts per token and per request of
+    `num_tokens`, for prefill and decode on different hosts: what the runtime does (every
+    decode worker reads its bytes) and the fan-out plan (each byte over the link once per
+    decode host, then copied on the host), which the runtime does not execute yet."""
+    console = console or Console(highlight=False, width=max(Console().width, 110))
+    distinct = plan.model.bytes_per_token
+    assert fan.decode_hosts is not None
+    num_hosts = len(set(fan.decode_hosts))
+    if fan.local_copies:
+        copies = Table(
+            title=f"Fan-out plan on {num_hosts} decode host(s) (planned; the runtime "
+            "reads every replica over the link today)"
+        )
+        for col in ("decode rank", "host", "heads", "layers", "copies from decode rank"):
+            copies.add_column(col, justify="right")
+        for c in fan.local_copies:
+            copies.add_row(
+                str(c.decode_rank),
+                fan.decode_hosts[c.decode_rank],
+                _r(c.kv_heads),
+                _r(c.layers),
+                str(c.source_rank),
+            )
+        console.print(copies)
+    rows = (
+        ("runtime (today)", plan.link_bytes_per_token, plan.local_bytes_per_token),
+        ("fan-out plan", fan.link_bytes_per_token, fan.local_bytes_per_token),
+    )
+    table = Table(
+        title=f"Bytes with prefill and decode on different hosts (distinct KV "
+        f"{format_bytes(distinct)}/token; a request of {num_tokens} tokens)"
+    )
+    for col in ("", "link/token", "x distinct", "local/token", "link/request", "local/request"):
+        table.add_column(col, justify="right")
+    for name, link, local in rows:
+        table.add_row(
+            name,
+            format_bytes(link),
+            f"{link / distinct:.2f}",
+            format_bytes(local),
+            format_bytes(link * num_tokens),
+            format_bytes(local * num_tokens),
+        )
+    console.print(table)
+    if report is not None:
+        console.print(
+            f"[bold green]fan-out plan verified byte-exact[/]: {report.num_tokens}-token "
+            f"request; {format_bytes(report.link_bytes)} read over the link, "
+            f"{format_bytes(report.local_bytes)} copied on the decode hosts"
+        )

@@ -76,6 +76,8 @@ class KVWorkerOutput(msgspec.Struct, frozen=True):
     pinned_blocks: int = 0  # producer: blocks pinned; consumer: blocks being pulled into
     replays_refused: int = 0  # producer: forged, replayed or misdirected messages so far
     error: str = ""  # a connector error on this worker (the orders were not all carried out)
+    #: consumer: introduced producer endpoints (`peers_to_connect`) this worker has met
+    connected: list[str] = msgspec.field(default_factory=list)
 
 
 metadata_decoder = msgspec.msgpack.Decoder(ConnectorMetadata)

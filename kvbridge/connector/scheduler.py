@@ -130,6 +130,8 @@ class KVConnectorScheduler:
         self.log: collections.deque[Transition] = collections.deque(maxlen=1024)
         self.pinned_blocks = 0
         self.replays_refused = 0
+        #: consumer: introduced endpoints every worker had met at the last report
+        self.connected: list[str] = []
         self.nbytes_total = 0
         self.busy_until = 0.0  # time.monotonic() until which the host polls busily
         #: orders naming no request that a worker could not carry out, last report
@@ -267,10 +269,15 @@ class KVConnectorScheduler:
         """The record of a hand-over a call has just ended (RECOMPUTE, FAILED, RELEASED)."""
         return self._ended.pop(request_id)
 
-    def connect(self, endpoints: Iterable[str]) -> None:
-        """Decode: meet producer instances ahead of their first request."""
+    def connect(self, endpoints: Iterable[str], instance_ids: Iterable[str] = ()) -> None:
+        """Decode: meet producer instances ahead of their first request (`instance_ids`,
+        when given, name them: one restarted at the same address is met afresh). The
+        next `update_connector_output` says which every worker has met (`connected`)."""
         self._need(ConnectorRole.CONSUMER, "connect")
-        self._meta.connect += [Connect(e) for e in endpoints]
+        ids = list(instance_ids)
+        eps = list(endpoints)
+        ids += [""] * (len(eps) - len(ids))
+        self._meta.connect += [Connect(e, i) for e, i in zip(eps, ids, strict=True)]
         self.busy_until = time.monotonic() + CONNECT_POLL_S
 
     # -- prefill: exposing --------------------------------------------------------------
@@ -353,6 +360,8 @@ class KVConnectorScheduler:
                 rec = self.requests.get(ev.request_id)
                 if rec is not None and rec.remaining and self._fold(rec, ev):
                     ended.append(self._ended.pop(rec.request_id))
+        met = [set(o.connected) for o in outputs]
+        self.connected = sorted(set.intersection(*met)) if met else []
         self.pinned_blocks = sum(o.pinned_blocks for o in outputs)
         self.replays_refused = sum(o.replays_refused for o in outputs)
         return ended

@@ -52,6 +52,7 @@ class KVConnectorWorker:
         self._meta: ConnectorMetadata | None = None
         self._load_blocks: dict[str, list[int]] = {}  # pulls in flight: local blocks
         self._load_errors: set[int] = set()
+        self._connected: list[str] = []  # introduced producers met, since the last report
         self._refused: list[ConnectorEvent] = []  # orders that raised: reported as failed
         self._errors: list[str] = []  # other orders that raised
 
@@ -93,7 +94,11 @@ class KVConnectorWorker:
         """Start the bound pulls; meet introduced producers; decline what will not be read."""
         meta = self._bound()
         for connect in meta.peers_to_connect:
-            self._try(connect)
+            try:
+                if self._handle(connect).connected:
+                    self._connected.append(connect.endpoint)
+            except Exception as exc:
+                self._errors.append(f"Connect failed on worker {self.rank}: {exc}")
         for decline in meta.reqs_to_decline:
             self._try(decline)
         for pull in meta.reqs_to_recv:
@@ -128,8 +133,14 @@ class KVConnectorWorker:
                 if not ev.ok:
                     self._load_errors.update(blocks)
         error, self._errors = "; ".join(self._errors), []
+        connected, self._connected = self._connected, []
         return KVWorkerOutput(
-            sending, recving, reply.pinned_blocks, reply.replays_refused, error=error
+            sending,
+            recving,
+            reply.pinned_blocks,
+            reply.replays_refused,
+            error=error,
+            connected=connected,
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -312,12 +312,14 @@ class LLMEngine:
         self._pending_outputs += self._kv_flush(poll=True)
         return True
 
-    def connect_kv(self, endpoints: list[str]) -> None:
-        """Decode: meet producer instances before their first request (returns at once)."""
+    def connect_kv(self, endpoints: list[str], instance_ids: list[str] | None = None) -> list[str]:
+        """Decode: meet producer instances before their first request (returns at once,
+        with the endpoints every worker has met already: repeat until all have)."""
         if self.kv is None:
             raise RequestError("this engine has no KV connector")
-        self.kv.connect(endpoints)
+        self.kv.connect(endpoints, instance_ids or ())
         self._pending_outputs += self._kv_flush(poll=False)
+        return [e for e in endpoints if e in self.kv.connected]
 
     def lookup(self, prompt_ids: list[int], cache_salt: str | None = None) -> PrefixHit:
         """What this engine's prefix cache holds of a prompt now under `cache_salt`, and

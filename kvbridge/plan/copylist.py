@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -37,22 +38,27 @@ import numpy.ma
 
 from kvbridge.errors import LayoutError
 from kvbridge.plan.layout import InstanceLayout, WorkerShard, cache_strides
-from kvbridge.plan.planner import Read, TransferPlan
+from kvbridge.plan.planner import LocalCopy, Read, TransferPlan
 
 IntArray = np.ndarray
 
 
-@dataclass(frozen=True)
-class CopyList:
-    """The byte copies of one `Read` for one request.
+#: What a copy list copies: a `Read` from a prefill worker, or a decode host's `LocalCopy`.
+R = TypeVar("R", Read, LocalCopy)
 
-    Descriptor i copies `lengths[i]` bytes from offset `src_offsets[i]` of prefill
-    region `src_regions[i]` to offset `dst_offsets[i]` of decode region `dst_regions[i]`
-    (all int64 arrays of one length). `num_unmerged` counts descriptors before merging
-    adjacent runs (one per unit contiguous on both sides within one segment).
+
+@dataclass(frozen=True)
+class CopyList(Generic[R]):
+    """The byte copies of one `Read` (or one `LocalCopy`) for one request.
+
+    Descriptor i copies `lengths[i]` bytes from offset `src_offsets[i]` of source
+    region `src_regions[i]` (a prefill worker's; a `LocalCopy`'s: its source decode
+    worker's) to offset `dst_offsets[i]` of decode region `dst_regions[i]` (all int64
+    arrays of one length). `num_unmerged` counts descriptors before merging adjacent
+    runs (one per unit contiguous on both sides within one segment).
     """
 
-    read: Read
+    read: R
     src_regions: IntArray
     src_offsets: IntArray
     dst_regions: IntArray
@@ -68,7 +74,7 @@ class CopyList:
     def nbytes(self) -> int:
         return int(self.lengths.sum())
 
-    def select(self, mask: IntArray) -> CopyList:
+    def select(self, mask: IntArray) -> CopyList[R]:
         """The copies where `mask` holds."""
         return CopyList(
             self.read,
@@ -137,7 +143,7 @@ class _Side:
         plan: TransferPlan,
         layout: InstanceLayout,
         shard: WorkerShard,
-        read: Read,
+        read: Read | LocalCopy,
         ids: IntArray,
         start_token: int,
     ) -> _Side:
@@ -200,20 +206,29 @@ def _segment_group(
 
 def _pieces(
     plan: TransferPlan,
-    read: Read,
+    read: Read | LocalCopy,
     p_ids: IntArray,
     d_ids: IntArray,
     num_tokens: int,
     start_token: int,
 ) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
-    """Unmerged runs of one read over tokens [start_token, num_tokens): (src regions, src
-    offsets, dst regions, dst offsets, lengths), each contiguous on both sides and inside
-    one segment."""
-    p = plan.prefill_workers[read.prefill_rank]
+    """Unmerged runs of one read (or local copy) over tokens [start_token, num_tokens):
+    (src regions, src offsets, dst regions, dst offsets, lengths), each contiguous on
+    both sides and inside one segment. A local copy's source is a decode worker, whose
+    blocks are `d_ids` too (every worker of an instance has the same block ids)."""
     d = plan.decode_workers[read.decode_rank]
-    src = _Side.of(plan, plan.prefill, p, read, p_ids, start_token)
     dst = _Side.of(plan, plan.decode, d, read, d_ids, start_token)
-    bp, bd = plan.prefill.block_size, plan.decode.block_size
+    if isinstance(read, LocalCopy):
+        src_layout = plan.decode
+        src = _Side.of(
+            plan, src_layout, plan.decode_workers[read.source_rank], read, d_ids, start_token
+        )
+    else:
+        src_layout = plan.prefill
+        src = _Side.of(
+            plan, src_layout, plan.prefill_workers[read.prefill_rank], read, p_ids, start_token
+        )
+    bp, bd = src_layout.block_size, plan.decode.block_size
     first_p, first_d = -(-start_token // bp) * bp, -(-start_token // bd) * bd
     cuts = np.union1d(
         np.union1d(np.arange(first_p, num_tokens, bp), np.arange(first_d, num_tokens, bd)),
@@ -272,21 +287,10 @@ def merge_runs(
     )
 
 
-def copy_lists(
-    plan: TransferPlan,
-    decode_rank: int,
-    prefill_block_ids: Sequence[int] | IntArray,
-    decode_block_ids: Sequence[int] | IntArray,
-    num_tokens: int,
-    start_token: int = 0,
-) -> list[CopyList]:
-    """The copy lists of every read of decode worker `decode_rank` for one request's
-    tokens [start_token, num_tokens) (a partial pull: the decode side holds the rest).
-
-    Block ids are the request's blocks in token order on each instance (the same ids on
-    every worker of an instance), from the block holding token `start_token` on; only as
-    many as those tokens need are used. `start_token` may fall inside a block on either side.
-    """
+def _check_request(
+    plan: TransferPlan, decode_rank: int, num_tokens: int, start_token: int
+) -> tuple[int, int]:
+    """(num_tokens, start_token) as ints, validated."""
     if (
         isinstance(num_tokens, bool)
         or not isinstance(num_tokens, (int, np.integer))
@@ -305,14 +309,61 @@ def copy_lists(
             "a pull copies at least one token"
         )
     start_token = int(start_token)
+    return num_tokens, start_token
+
+
+def copy_lists(
+    plan: TransferPlan,
+    decode_rank: int,
+    prefill_block_ids: Sequence[int] | IntArray,
+    decode_block_ids: Sequence[int] | IntArray,
+    num_tokens: int,
+    start_token: int = 0,
+) -> list[CopyList[Read]]:
+    """The copy lists of every read of decode worker `decode_rank` for one request's
+    tokens [start_token, num_tokens) (a partial pull: the decode side holds the rest).
+
+    Block ids are the request's blocks in token order on each instance (the same ids on
+    every worker of an instance), from the block holding token `start_token` on; only as
+    many as those tokens need are used. `start_token` may fall inside a block on either side.
+    """
+    num_tokens, start_token = _check_request(plan, decode_rank, num_tokens, start_token)
     p_ids = check_block_ids(
         prefill_block_ids, num_tokens, plan.prefill.block_size, "prefill", start_token
     )
     d_ids = check_block_ids(
         decode_block_ids, num_tokens, plan.decode.block_size, "decode", start_token
     )
-    out = []
-    for read in plan.reads_for(decode_rank):
-        pieces = _pieces(plan, read, p_ids, d_ids, num_tokens, start_token)
-        out.append(CopyList(read, *merge_runs(*pieces), num_unmerged=len(pieces[0])))
-    return out
+    return [
+        _copy_list(plan, read, p_ids, d_ids, num_tokens, start_token)
+        for read in plan.reads_for(decode_rank)
+    ]
+
+
+def _copy_list(
+    plan: TransferPlan, read: R, p_ids: IntArray, d_ids: IntArray, num_tokens: int, start: int
+) -> CopyList[R]:
+    pieces = _pieces(plan, read, p_ids, d_ids, num_tokens, start)
+    return CopyList(read, *merge_runs(*pieces), num_unmerged=len(pieces[0]))
+
+
+def local_copy_lists(
+    plan: TransferPlan,
+    decode_rank: int,
+    decode_block_ids: Sequence[int] | IntArray,
+    num_tokens: int,
+    start_token: int = 0,
+) -> list[CopyList[LocalCopy]]:
+    """The copy lists of every `LocalCopy` of decode worker `decode_rank` (the second hop
+    of a fan-out: from its source decode worker's cache, on the same host) for one
+    request's tokens [start_token, num_tokens); arguments as `copy_lists`. Source and
+    destination hold the same shard in the same layout and blocks, so each run's source
+    and destination offsets are equal."""
+    num_tokens, start_token = _check_request(plan, decode_rank, num_tokens, start_token)
+    d_ids = check_block_ids(
+        decode_block_ids, num_tokens, plan.decode.block_size, "decode", start_token
+    )
+    return [
+        _copy_list(plan, copy, d_ids, d_ids, num_tokens, start_token)
+        for copy in plan.local_copies_for(decode_rank)
+    ]

@@ -13,22 +13,52 @@ holding the KV of its layers x its KV heads. The plan covers that set exactly wi
 Each decode worker notifies every prefill worker it read from once per request, so
 a prefill worker expects as many notifications as it has distinct readers; an unused
 replica expects none and may free its blocks as soon as prefill is done.
+
+Fan-out on a decode host (`decode_hosts` given: each decode worker's host identity).
+Decode workers that hold the same layers and heads (GQA heads replicated when decode tp
+> num_kv_heads; MLA's latent, held by every tp worker of a pp stage) need the same
+bytes. When several of them share a host, only the first (lowest rank) reads them over
+the link; each other one gets a `LocalCopy` from it, a second hop on the host once the
+reader's reads are done:
+
+    SmolLM2 (3 KV heads), decode tp 9 on one host:
+        workers 0, 1, 2 hold head 0: worker 0 reads it; 1 and 2 copy from worker 0
+        link bytes per token: 1x the distinct KV (3x without fan-out)
+
+Only the link readers notify the prefill workers. Without `decode_hosts` every decode
+worker reads its own bytes, as before.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.errors import IncompatibleError
+from kvbridge.errors import IncompatibleError, LayoutError
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, WorkerShard
 
 
+class _Cells:
+    """Half-open global `kv_heads` x `layers` of a read or a local copy."""
+
+    kv_heads: tuple[int, int]
+    layers: tuple[int, int]
+
+    @property
+    def num_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+
 @dataclass(frozen=True)
-class Read:
+class Read(_Cells):
     """One decode worker's read from one prefill worker, for every request.
 
     `kv_heads` are global head indices and `layers` global layer indices (half-open);
@@ -41,13 +71,22 @@ class Read:
     layers: tuple[int, int]
     bytes_per_token: int
 
-    @property
-    def num_heads(self) -> int:
-        return self.kv_heads[1] - self.kv_heads[0]
 
-    @property
-    def num_layers(self) -> int:
-        return self.layers[1] - self.layers[0]
+@dataclass(frozen=True)
+class LocalCopy(_Cells):
+    """A decode worker's copy of cells that another decode worker on its host reads over
+    the link (the second hop of a fan-out), for every request.
+
+    `source_rank` holds the same `layers` x `kv_heads` (global, half-open) and reads them
+    itself; the copy may start once the source's reads of the request are done, and
+    covers the same tokens. `bytes_per_token` counts K and V (MLA: the latent).
+    """
+
+    decode_rank: int
+    source_rank: int
+    kv_heads: tuple[int, int]
+    layers: tuple[int, int]
+    bytes_per_token: int
 
 
 @dataclass(frozen=True)
@@ -56,7 +95,9 @@ class TransferPlan:
 
     Built by `make_plan`; immutable and request-independent, so one plan serves every
     request between the same two instances. `expected_notifications[p]` is how many
-    decode workers notify prefill worker `p` per request.
+    decode workers notify prefill worker `p` per request. `reads` cross from the prefill
+    instance (over the link when it runs on another host); `local_copies` are the
+    second hops on a decode host (empty unless planned with `decode_hosts`).
     """
 
     model: ModelKVSpec
@@ -66,17 +107,34 @@ class TransferPlan:
     decode_workers: tuple[WorkerShard, ...]
     reads: tuple[Read, ...]
     expected_notifications: tuple[int, ...]
+    local_copies: tuple[LocalCopy, ...] = ()
+    decode_hosts: tuple[str, ...] | None = None  # decode rank -> host identity
 
     def reads_for(self, decode_rank: int) -> tuple[Read, ...]:
         return tuple(r for r in self.reads if r.decode_rank == decode_rank)
+
+    def local_copies_for(self, decode_rank: int) -> tuple[LocalCopy, ...]:
+        return tuple(c for c in self.local_copies if c.decode_rank == decode_rank)
 
     def readers_of(self, prefill_rank: int) -> tuple[int, ...]:
         return tuple(sorted({r.decode_rank for r in self.reads if r.prefill_rank == prefill_rank}))
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes all decode workers read per token (replicas each read their copy)."""
+        """Bytes all decode workers receive per token (replicas each get their copy),
+        over the link and on the host together."""
+        return self.link_bytes_per_token + self.local_bytes_per_token
+
+    @property
+    def link_bytes_per_token(self) -> int:
+        """Bytes read from the prefill workers per token: what crosses the link when the
+        prefill and decode instances run on different hosts."""
         return sum(r.bytes_per_token for r in self.reads)
+
+    @property
+    def local_bytes_per_token(self) -> int:
+        """Bytes copied between decode workers of one host per token (the second hop)."""
+        return sum(c.bytes_per_token for c in self.local_copies)
 
 
 def check_compatible(
@@ -108,12 +166,16 @@ def make_plan(
     prefill: InstanceLayout,
     decode: InstanceLayout,
     decode_model: ModelKVSpec | None = None,
+    *,
+    decode_hosts: Sequence[str] | None = None,
 ) -> TransferPlan:
-    """Plan the reads between two instance layouts of the same model.
+    """Plan the reads between two instance layouts of the same model; with
+    `decode_hosts` (decode rank -> host identity), decode workers holding the same cells
+    on one host fan out: one reads, the others copy from it (`LocalCopy`).
 
-    Raises LayoutError when a layout is invalid for the model and IncompatibleError
-    when the two sides differ in model or cache dtype; both name the values and what
-    would work.
+    Raises LayoutError when a layout is invalid for the model (or `decode_hosts` does
+    not name one host per decode worker) and IncompatibleError when the two sides
+    differ in model or cache dtype; both name the values and what would work.
     """
     decode_model = decode_model or prefill_model
     check_compatible(prefill_model, decode_model, prefill, decode)
@@ -121,6 +183,22 @@ def make_plan(
     p_workers = prefill.workers(model, "prefill")
     d_workers = decode.workers(model, "decode")
     p_stages = prefill.layer_ranges(model, "prefill")
+    hosts = _check_hosts(decode_hosts, len(d_workers))
+
+    # fan-out: the first decode worker holding a shard's cells on a host reads them
+    source: dict[tuple[str, tuple[int, int], tuple[int, int]], int] = {}
+    local: list[LocalCopy] = []
+    readers_d = []
+    for d in d_workers:
+        if hosts is None:
+            readers_d.append(d)
+            continue
+        src = source.setdefault((hosts[d.rank], d.kv_heads, d.layers), d.rank)
+        if src == d.rank:
+            readers_d.append(d)
+            continue
+        per_token = d.num_local_layers * model.num_kv_tensors * d.num_local_heads * model.head_bytes
+        local.append(LocalCopy(d.rank, src, d.kv_heads, d.layers, per_token))
 
     # holders[(pp_rank, head)] -> prefill ranks holding that head in that stage (replicas)
     holders: dict[tuple[int, int], list[int]] = defaultdict(list)
@@ -130,7 +208,7 @@ def make_plan(
     load: dict[int, int] = defaultdict(int)  # reads assigned per prefill worker
 
     reads: list[Read] = []
-    for d in d_workers:
+    for d in readers_d:
         for pp_rank, (s0, s1) in enumerate(p_stages):
             la, lb = max(d.layers[0], s0), min(d.layers[1], s1)
             if la >= lb:
@@ -151,15 +229,41 @@ def make_plan(
         readers[r.prefill_rank].add(r.decode_rank)
     expected = tuple(len(readers[w.rank]) for w in p_workers)
     plan = TransferPlan(
-        model, prefill, decode, tuple(p_workers), tuple(d_workers), tuple(reads), expected
+        model,
+        prefill,
+        decode,
+        tuple(p_workers),
+        tuple(d_workers),
+        tuple(reads),
+        expected,
+        tuple(local),
+        hosts,
     )
     _check_cover(plan)
     return plan
 
 
+def _check_hosts(decode_hosts: Sequence[str] | None, num_workers: int) -> tuple[str, ...] | None:
+    if decode_hosts is None:
+        return None
+    hosts = tuple(decode_hosts)
+    if len(hosts) != num_workers or not all(isinstance(h, str) and h for h in hosts):
+        raise LayoutError(
+            f"decode_hosts={list(hosts)!r} must name one host (a non-empty string) per "
+            f"decode worker: {num_workers} of them, in rank order"
+        )
+    return hosts
+
+
 def _check_cover(plan: TransferPlan) -> None:
-    """Internal invariant: every decode worker's (layer, head) cells are read exactly
-    once, each from a prefill worker that holds them."""
+    """Internal invariant: every decode worker's (layer, head) cells are read or copied
+    exactly once, each from a prefill worker that holds them or from a decode worker on
+    the same host that holds them and reads them itself."""
+    for c in plan.local_copies:
+        src = plan.decode_workers[c.source_rank]
+        assert plan.decode_hosts is not None, c
+        assert plan.decode_hosts[c.source_rank] == plan.decode_hosts[c.decode_rank], c
+        assert src.holds(c.layers, c.kv_heads) and not plan.local_copies_for(src.rank), c
     for d in plan.decode_workers:
         covered = np.zeros((d.num_local_layers, d.num_local_heads), dtype=np.int64)
         for r in plan.reads_for(d.rank):
@@ -168,5 +272,11 @@ def _check_cover(plan: TransferPlan) -> None:
             covered[
                 r.layers[0] - d.layers[0] : r.layers[1] - d.layers[0],
                 r.kv_heads[0] - d.kv_heads[0] : r.kv_heads[1] - d.kv_heads[0],
+            ] += 1
+        for c in plan.local_copies_for(d.rank):
+            assert d.holds(c.layers, c.kv_heads), (d, c)
+            covered[
+                c.layers[0] - d.layers[0] : c.layers[1] - d.layers[0],
+                c.kv_heads[0] - d.kv_heads[0] : c.kv_heads[1] - d.kv_heads[0],
             ] += 1
         assert (covered == 1).all(), (d, covered)

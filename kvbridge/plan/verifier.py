@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
-from kvbridge.plan.copylist import CopyList, check_block_ids, copy_lists
+from kvbridge.plan.copylist import CopyList, check_block_ids, copy_lists, local_copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, WorkerShard, cache_shape, num_regions
 from kvbridge.plan.planner import TransferPlan
@@ -181,7 +181,9 @@ class VerifyReport:
     """What `verify_plan` checked."""
 
     num_tokens: int
-    bytes_copied: int = 0
+    bytes_copied: int = 0  # link and local together
+    link_bytes: int = 0  # read from prefill workers
+    local_bytes: int = 0  # copied between decode workers of one host (the second hop)
     descriptors_unmerged: int = 0
     descriptors: int = 0
     per_decode_rank: dict[int, tuple[int, int]] = field(default_factory=dict)
@@ -217,7 +219,9 @@ def verify_plan(
     """Run the plan for one synthetic request with shuffled, non-contiguous block ids
     on both sides and check every decode worker byte for byte; with `start_token`, a
     partial pull of tokens [start_token, num_tokens) that must leave the decode side's
-    earlier tokens as they were. Raises VerificationError."""
+    earlier tokens as they were. A plan with local copies (a fan-out on a decode host)
+    runs them after their source's reads, from the source's cache as the reads left it.
+    Raises VerificationError."""
     rng = np.random.default_rng(seed)
     model = plan.model
 
@@ -237,7 +241,10 @@ def verify_plan(
         for w in plan.prefill_workers
     ]
     report = VerifyReport(num_tokens)
-    for d in plan.decode_workers:
+    done: dict[int, np.ndarray] = {}  # decode rank -> its cache once its reads are done
+    # a local copy's source reads over the link itself, so sources come first
+    order = sorted(plan.decode_workers, key=lambda w: bool(plan.local_copies_for(w.rank)))
+    for d in order:
         initial = fill_worker_cache(model, plan.decode, d, d_blocks, [], salt=5000 + d.rank)
         cache = initial.copy()
         lists = copy_lists(
@@ -252,20 +259,34 @@ def verify_plan(
         for cl in lists:
             p = plan.prefill_workers[cl.read.prefill_rank]
             src = region_bytes(p_caches[p.rank], num_regions(model, plan.prefill, p))
-            report.bytes_copied += apply_copy_lists(src, dst, [cl])
-        unmerged = sum(cl.num_unmerged for cl in lists)
-        merged = sum(cl.num_descriptors for cl in lists)
+            report.link_bytes += apply_copy_lists(src, dst, [cl])
+        local = local_copy_lists(plan, d.rank, d_req.block_ids[d_first:], num_tokens, start_token)
+        for lc in local:
+            s = plan.decode_workers[lc.read.source_rank]
+            if s.rank not in done:
+                raise VerificationError(
+                    f"decode rank {d.rank} copies from decode rank {s.rank} before its reads"
+                )
+            src = region_bytes(done[s.rank], num_regions(model, plan.decode, s))
+            report.local_bytes += apply_copy_lists(src, dst, [lc])
+        done[d.rank] = cache
+        unmerged = sum(c.num_unmerged for c in lists) + sum(c.num_unmerged for c in local)
+        merged = sum(c.num_descriptors for c in lists) + sum(c.num_descriptors for c in local)
         report.descriptors_unmerged += unmerged
         report.descriptors += merged
         report.per_decode_rank[d.rank] = (unmerged, merged)
         want = expected_decode_cache(model, plan.decode, d, initial, [d_req])
         if not np.array_equal(cache, want):
             raise VerificationError(_first_mismatch(model, plan.decode, d, cache, want))
-    expected_bytes = (num_tokens - start_token) * plan.bytes_per_token
-    if report.bytes_copied != expected_bytes:
-        raise VerificationError(
-            f"copied {report.bytes_copied} bytes, the plan's reads account for {expected_bytes}"
-        )
+    report.bytes_copied = report.link_bytes + report.local_bytes
+    n = num_tokens - start_token
+    for what, got, planned in (
+        ("read", report.link_bytes, n * plan.link_bytes_per_token),
+        ("copied locally", report.local_bytes, n * plan.local_bytes_per_token),
+    ):
+        if got != planned:
+            raise VerificationError(f"{what} {got} bytes, the plan accounts for {planned}")
+    report.per_decode_rank = dict(sorted(report.per_decode_rank.items()))
     return report
 
 

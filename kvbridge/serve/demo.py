@@ -120,6 +120,22 @@ def ask(
     return 0
 
 
+def wait_introduced(proxy_url: str, timeout_s: float) -> str:
+    """Wait (at most `timeout_s`) until the proxy says every decode instance has met
+    every prefill instance (its /health `introductions`); the last state seen."""
+    deadline = time.monotonic() + timeout_s
+    states: list[str] = []
+    while True:
+        try:
+            intro = httpx.get(f"{proxy_url}/health", timeout=5.0).json().get("introductions", {})
+            states = [state for peers in intro.values() for state in peers.values()]
+        except (httpx.HTTPError, ValueError) as exc:
+            states = [repr(exc)]
+        if all(s in ("connected", "unsupported") for s in states) or time.monotonic() > deadline:
+            return "; ".join(states) or "nothing to introduce"
+        time.sleep(0.1)
+
+
 def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
     say = print
     dep = Deployment()
@@ -143,6 +159,8 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
             proxy = ServerThread(app, cfg.host, port).start()
         for line in proxy_banner(proxy_cfg, port):
             say(line)
+        # the first request meets peers already met (no handshake in its pull)
+        say(f"introductions: {wait_introduced(proxy.url, 30.0)}")
         return ask(
             proxy.url,
             decode.url,

@@ -49,6 +49,7 @@ from kvbridge.serve.backend import (
     RequestStages,
 )
 from kvbridge.serve.http_auth import SignedRequests
+from kvbridge.serve.introducer import Introducer
 
 log = logging.getLogger("kvbridge.serve")
 
@@ -147,7 +148,12 @@ class DisaggBackend(Backend):
             ),
         )
         self._instance_ids: dict[str, str] = {}  # decode url -> its instance id
-        self._introduction: asyncio.Task[None] | None = None
+        self.introducer = Introducer(
+            self.prefill.urls,
+            self.decode.urls,
+            self._info,
+            lambda url, body: self._call(url, "/internal/connect", body),
+        )
         self._background: set[asyncio.Future[None]] = set()
 
     async def _post(
@@ -203,34 +209,28 @@ class DisaggBackend(Backend):
         return None
 
     async def start(self) -> None:
-        """Introduce every prefill instance to every decode instance in the background,
-        so the first request pays no handshake (decode workers meet the prefill workers
-        they will read from: `/internal/connect`)."""
-        self._introduction = asyncio.create_task(self.introduce())
+        """Keep every prefill instance introduced to every decode instance, in the
+        background, whatever the order they come up in (`Introducer`), so a first
+        request pays no handshake."""
+        self.introducer.start()
 
-    async def introduce(self) -> None:
-        """Tell each decode instance every prefill instance's side channel; best effort
-        (an instance not up yet meets its peers on its first request instead)."""
-        endpoints = []
-        for url in self.prefill.urls:
-            try:
-                resp = await self._client.get(f"{url}/internal/info", timeout=PROBE_TIMEOUT_S)
-                resp.raise_for_status()
-                if resp.json().get("endpoint"):
-                    endpoints.append(str(resp.json()["endpoint"]))
-            except (httpx.HTTPError, ValueError) as exc:
-                log.warning("prefill instance %s did not tell its endpoint: %r", url, exc)
-        if not endpoints:
-            return
-        for url in self.decode.urls:
-            try:
-                resp = await self._call(url, "/internal/connect", {"endpoints": endpoints})
-                resp.raise_for_status()
-            except httpx.HTTPError as exc:
-                log.warning("could not introduce the prefill instances to %s: %r", url, exc)
+    async def _info(self, url: str) -> Mapping[str, object] | str:
+        """An instance's /internal/info, or why it gave none."""
+        try:
+            resp = await self._client.get(f"{url}/internal/info", timeout=PROBE_TIMEOUT_S)
+            resp.raise_for_status()
+            answer = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            return f"unreachable: {exc!r}"
+        return answer if isinstance(answer, dict) else f"answered {answer!r}"
 
     async def _instance_id(self, url: str) -> str | None:
-        """A decode instance's id (it names the reader of a pull capability), cached."""
+        """A decode instance's id (it names the reader of a pull capability): as the
+        introducer's last probe found it (a restarted instance has a new one), else
+        asked once and cached."""
+        probed = self.introducer.instance_id(url)
+        if probed is not None:
+            return probed
         if url not in self._instance_ids:
             try:
                 resp = await self._client.get(f"{url}/internal/info", timeout=PROBE_TIMEOUT_S)
@@ -487,7 +487,7 @@ class DisaggBackend(Backend):
             status = "degraded"
         else:
             status = "unavailable"
-        return {"status": status, "instances": states}
+        return {"status": status, "instances": states, "introductions": self.introducer.snapshot()}
 
     async def instance_metrics(self) -> dict[str, str | None]:
         urls = self.prefill.urls + self.decode.urls
@@ -498,8 +498,7 @@ class DisaggBackend(Backend):
         }
 
     async def close(self) -> None:
-        if self._introduction is not None and not self._introduction.done():
-            self._introduction.cancel()
+        await self.introducer.close()
         await self._client.aclose()
 
 

@@ -56,6 +56,8 @@ _Name = Annotated[str, msgspec.Meta(max_length=256)]
 
 class _ConnectBody(msgspec.Struct, frozen=True):
     endpoints: Annotated[list[_Name], msgspec.Meta(max_length=64)]
+    #: instance_ids[i]: the id of the prefill instance at endpoints[i] (optional)
+    instance_ids: Annotated[list[_Name], msgspec.Meta(max_length=64)] = []
 
 
 class _CancelBody(msgspec.Struct, frozen=True):
@@ -207,18 +209,22 @@ async def lookup(request: Request) -> Response:
 
 async def connect(request: Request) -> Response:
     """Meet prefill instances ahead of their first request (decode instances): body
-    {"endpoints": [side channel, ...]}; returns at once."""
+    {"endpoints": [side channel, ...], "instance_ids": [their ids] (optional)}; returns
+    at once with the endpoints every worker has met ("connected"): the caller repeats
+    the call until all are."""
     inst = _inst(request)
     if inst.role is not Role.DECODE or inst.loop.engine.kv is None:
         return error_response(404, "only a decode instance with a KV connector connects")
     try:
         body = _connect_decoder.decode(await request.body())
-        await inst.loop.acall(lambda e: e.connect_kv(body.endpoints), timeout=30.0)
+        connected = await inst.loop.acall(
+            lambda e: e.connect_kv(body.endpoints, body.instance_ids), timeout=30.0
+        )
     except msgspec.DecodeError as exc:
         return error_response(400, f"malformed request: {exc}")
     except Exception as exc:
         return _failure(exc)
-    return JSONResponse({"connecting": body.endpoints})
+    return JSONResponse({"connecting": body.endpoints, "connected": connected})
 
 
 async def prefill(request: Request) -> Response:

@@ -108,7 +108,12 @@ class NixlTransport:
             name = self._agent.add_remote_agent(metadata)
         except Exception as exc:
             raise TransferError(f"NIXL rejected the peer's agent metadata: {exc}") from exc
-        return name.decode() if isinstance(name, bytes) else str(name)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        try:  # connect now, not on the first READ (it completes while we progress)
+            self._agent.make_connection(name)
+        except Exception as exc:  # the first READ connects, as without it
+            log.debug("NIXL could not connect to %s ahead: %s", name, exc)
+        return name
 
     def remove_peer(self, peer: str) -> None:
         try:

@@ -14,6 +14,7 @@ talks to all of its workers with typed requests and gets one typed reply per wor
     Decline(request, ...)     consumer workers tell a producer they will not read it
     Connect(endpoint)         consumer workers meet a producer instance ahead of its
                               first request (handshakes, descriptor lists)
+                              -> reply.connected: whether this worker has met it
     Poll                      -> reply.events: requests finished since (released on a
                               producer, DONE/FAILED on a consumer), reply.pinned_blocks
 
@@ -134,9 +135,13 @@ class Decline(msgspec.Struct, frozen=True, tag="decline"):
 
 class Connect(msgspec.Struct, frozen=True, tag="connect"):
     """Consumer workers: meet the producer instance at `endpoint` before its first
-    request (handshakes, prepared descriptor lists); returns at once."""
+    request (handshakes, prepared descriptor lists); returns at once, each reply's
+    `connected` saying whether that worker has met it already (repeat until all have).
+    `instance_id`, when given, is the producer instance's: one met before under another
+    id (restarted at the same address) is met afresh."""
 
     endpoint: str
+    instance_id: str = ""
 
 
 class Poll(msgspec.Struct, frozen=True, tag="poll"):
@@ -166,6 +171,7 @@ class ConnectorReply(msgspec.Struct, frozen=True):
     events: list[ConnectorEvent] = msgspec.field(default_factory=list)
     pinned_blocks: int = 0  # producer: blocks pinned; consumer: blocks being pulled into
     replays_refused: int = 0  # producer: forged, replayed or misdirected messages so far
+    connected: bool = False  # Connect: this consumer worker has met that producer instance
 
 
 request_decoder = msgspec.msgpack.Decoder(ConnectorRequest)
@@ -305,8 +311,9 @@ class WorkerConnector:
             )
             self._last_poll = 0.0
         elif isinstance(request, Connect):
-            self._need(self.consumer, request).connect(request.endpoint)
+            met = self._need(self.consumer, request).connect(request.endpoint, request.instance_id)
             self._last_poll = 0.0
+            return ConnectorReply(connected=met)
         elif isinstance(request, Poll):
             self._last_poll = 0.0  # the driver asks: poll now
             self._poll_if_due()

@@ -60,6 +60,10 @@ from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
 
 log = logging.getLogger("kvbridge.transfer.consumer")
 
+#: How long an introduced producer is still polled at the busy cadence once met, so the
+#: connections NIXL makes to its workers complete before the first pull (seconds).
+CONNECT_SETTLE_S = 0.3
+
 
 class TransferState(enum.Enum):
     HANDSHAKING = "handshaking"  # waiting for the producer's workers to answer
@@ -130,6 +134,7 @@ class KVConsumer:
         self._results: list[TransferResult] = []
         self._connecting: dict[str, ProducerInstance] = {}  # introductions in flight
         self._connect_deadline: dict[str, float] = {}
+        self._settle_until: dict[str, float] = {}  # met; connections still being made
         hello = Hello(
             instance_id=instance_id,
             rank=rank,
@@ -181,6 +186,7 @@ class KVConsumer:
                 f"tokens [{start_token}, {num_tokens}) of {request_id!r} do not fit "
                 f"{len(local)} local blocks of {bd} tokens"
             )
+        self._forget_unreachable()  # never start a pull on a peer known to be gone
         inst = self.directory.instance(endpoint)
         self._pulls[request_id] = _Pull(
             request_id,
@@ -210,13 +216,35 @@ class KVConsumer:
             decline=reason[:1000],
         )
 
-    def connect(self, endpoint: str) -> None:
+    def connect(self, endpoint: str, instance_id: str = "") -> bool:
         """Meet the producer instance at `endpoint` ahead of its first request: handshake
         with the workers this worker will read from and prepare the descriptor lists, so
-        the first pull costs what a later one does. Returns at once; `poll` advances it,
-        and a failure is logged and forgotten (a later pull tries again)."""
+        the first pull costs what a later one does. Returns at once: whether this worker
+        has met it already (so a caller may repeat the call until it has); `poll`
+        advances it, and a failure is logged and forgotten (the next call or pull tries
+        again). With `instance_id` (the producer instance's, as its handshake names it),
+        a producer met before under another id (it restarted at the same address) is
+        forgotten and met afresh, unless a pull still reads from it (that pull fails or
+        ends first; call again then). One whose side channel went down is forgotten by
+        `poll` already."""
         inst = self.directory.instance(endpoint)
+        welcome = inst.worker0.welcome
+        if (
+            welcome is not None
+            and instance_id
+            and welcome.instance_id != instance_id
+            and not any(p.instance is inst for p in self._pulls.values())
+        ):
+            self.directory.forget(
+                inst,
+                f"producer {endpoint} is now instance {instance_id!r}, not "
+                f"{welcome.instance_id!r}; meeting it afresh",
+            )
+            inst = self.directory.instance(endpoint)
+        if inst.is_ready and inst.prepared:
+            return True
         self._connecting[endpoint] = inst
+        return False
 
     @property
     def is_busy(self) -> bool:
@@ -241,15 +269,22 @@ class KVConsumer:
                     log.warning(
                         "decode worker %d: preparing %s failed: %s", self.rank, endpoint, exc
                     )
-                del self._connecting[endpoint]
+                    del self._connecting[endpoint]
+                    continue
+                # met: stay busy (polled every millisecond) a moment longer, since NIXL
+                # connects to the peers it was told to (`Transport.add_peer`) only while
+                # this worker progresses; the first pull then finds the connections made
+                if now >= self._settle_until.setdefault(endpoint, now + CONNECT_SETTLE_S):
+                    del self._connecting[endpoint]
             elif now >= self._connect_deadline.setdefault(
                 endpoint, now + self.config.handshake_timeout_s + 1
             ):
                 del self._connecting[endpoint]  # the directory reports its own timeout
-        for endpoint in list(self._connect_deadline):
-            if endpoint not in self._connecting:
-                del self._connect_deadline[endpoint]
+        for waits in (self._connect_deadline, self._settle_until):
+            for endpoint in [e for e in waits if e not in self._connecting]:
+                del waits[endpoint]
         self._abandon_lost()
+        self._forget_unreachable()
         for pull in list(self._pulls.values()):
             self._advance_pull(pull, now)
         # Without NIXL's progress thread, our standalone notifications (to replicas
@@ -321,6 +356,12 @@ class KVConsumer:
                 return
         if now >= pull.deadline:
             self._finish(pull, TransferState.FAILED, self._timeout_reason(pull))
+
+    def _forget_unreachable(self) -> None:
+        """Forget idle producers whose side channel is down (`forget_unreachable`)."""
+        self.directory.forget_unreachable(
+            [p.instance for p in self._pulls.values()] + list(self._connecting.values())
+        )
 
     def _abandon_lost(self) -> None:
         """Fail the pulls reading from a producer worker whose side channel is down (its

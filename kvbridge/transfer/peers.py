@@ -149,6 +149,27 @@ class ProducerDirectory:
                 inst.reason = inst.reason or reason
                 del self._instances[inst.endpoint]
 
+    def forget(self, inst: ProducerInstance, reason: str) -> None:
+        """Forget a producer instance and its workers (quietly; a later pull or
+        introduction meets it afresh). Only when no pull reads from it."""
+        log.info("decode worker %d forgets producer %s: %s", self.rank, inst.endpoint, reason)
+        for w in {id(w): w for w in inst.workers()}.values():  # worker 0 may read too
+            self.drop(w, reason, quiet=True)
+
+    def forget_unreachable(self, in_use: list[ProducerInstance]) -> None:
+        """Forget the producer instances met before whose worker 0's side channel is
+        down now (its host or the link is down, or it is gone) and that no pull in
+        `in_use` reads from: the next pull or introduction handshakes afresh instead of
+        reusing UCX endpoints that may be stale, and nothing of a producer gone for good
+        stays loaded."""
+        for inst in list(self._instances.values()):
+            if (
+                inst.worker0.state is PeerState.READY
+                and not any(i is inst for i in in_use)
+                and inst.worker0.client.is_lost
+            ):
+                self.forget(inst, f"the side channel to producer {inst.endpoint} is down")
+
     def close(self) -> None:
         for w in list(self._workers.values()):
             self.drop(w, "consumer closed", quiet=True)

@@ -161,7 +161,7 @@ class SideChannelClient:
             self._monitor = sock.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
             )
-        self._connected = False
+        self._connected = self._lost = False
         if self._token is not None:
             sock.curve_serverkey = curve_server_keys(self._token)[0]
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
@@ -206,10 +206,22 @@ class SideChannelClient:
                 return reply
 
     @property
+    def is_lost(self) -> bool:
+        """Whether the connection was up and went down since (heartbeats unanswered for
+        `liveness_timeout_s`, or closed by the peer) and has not come back; False while
+        it is first being made. Always False without `liveness_timeout_s`."""
+        self._drain_monitor()
+        return self._lost
+
+    @property
     def is_connected(self) -> bool:
         """Whether the connection is up, as far as ZMQ knows: handshaken and not dropped
         since (its heartbeats unanswered for `liveness_timeout_s`, or closed by the
         peer); ZMQ reconnects by itself. Always True without `liveness_timeout_s`."""
+        self._drain_monitor()
+        return self._connected or self._monitor is None
+
+    def _drain_monitor(self) -> None:
         while self._monitor is not None:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
@@ -217,7 +229,7 @@ class SideChannelClient:
                 break
             if event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
                 self._connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
-        return self._connected or self._monitor is None
+                self._lost = event == zmq.EVENT_DISCONNECTED
 
     def reset(self) -> None:
         self.close()

@@ -294,3 +294,51 @@ def test_svg_map_errors_exit_2(tmp_path):
     out = kvbridge(*plan, "--svg", str(tmp_path / "missing" / "plan.svg"))
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
     assert f"cannot write --svg {tmp_path / 'missing' / 'plan.svg'}" in out.stderr
+
+
+@pytest.mark.parametrize(
+    "config, decode_tp, before", [("smollm2-135m", 9, 3.0), ("deepseek-v2-lite", 8, 8.0)]
+)
+def test_json_shows_link_and_local_bytes_with_and_without_the_fan_out(config, decode_tp, before):
+    """Prefill and decode on different hosts: today every decode worker reads its bytes
+    over the link (3x the distinct KV for SmolLM2 tp 3 -> 9, 8x for MLA at decode tp 8);
+    the fan-out plan reads each byte once per decode host and copies the rest there."""
+    out = kvbridge(
+        "plan",
+        "--config",
+        config,
+        "--prefill-tp",
+        "3" if config == "smollm2-135m" else "1",
+        "--decode-tp",
+        str(decode_tp),
+        "--verify",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    distinct = obj["distinct_bytes_per_token"]
+    assert obj["link_bytes_per_token"] == before * distinct and obj["local_bytes_per_token"] == 0
+    fan = obj["fan_out"]
+    assert fan["executed_by_runtime"] is False and fan["verified"] is True
+    assert fan["link_bytes_per_token"] == distinct
+    assert fan["local_bytes_per_token"] == (before - 1) * distinct
+    assert len(fan["local_copies"]) == decode_tp - decode_tp / before
+    # on as many hosts as replicas, every worker reads its own bytes again
+    out = kvbridge(
+        "plan",
+        "--config",
+        config,
+        "--decode-tp",
+        str(decode_tp),
+        "--decode-hosts",
+        str(decode_tp),
+        "--json",
+    )
+    fan = json.loads(out.stdout)["fan_out"]
+    assert fan["local_copies"] == [] and fan["link_bytes_per_token"] == before * distinct
+
+
+def test_a_bad_decode_hosts_count_is_refused_with_what_works():
+    out = kvbridge("plan", "--config", "smollm2-135m", "--decode-tp", "9", "--decode-hosts", "10")
+    assert out.returncode == 2
+    assert "--decode-hosts=10 must be an integer in [1, 9]" in out.stderr

@@ -8,7 +8,8 @@ from kvbridge.plan.planner import TransferPlan
 
 
 def check_plan_structure(plan: TransferPlan) -> None:
-    # each decode worker reads exactly its (layer, head) cells, each from a holder
+    # each decode worker reads or copies exactly its (layer, head) cells, each from a
+    # holder: a prefill worker, or a decode worker on its host that reads them itself
     for d in plan.decode_workers:
         cells = Counter()
         for r in plan.reads_for(d.rank):
@@ -16,6 +17,15 @@ def check_plan_structure(plan: TransferPlan) -> None:
             assert p.holds(r.layers, r.kv_heads) and d.holds(r.layers, r.kv_heads)
             for layer in range(*r.layers):
                 for head in range(*r.kv_heads):
+                    cells[(layer, head)] += 1
+        for c in plan.local_copies_for(d.rank):
+            assert plan.decode_hosts is not None
+            assert plan.decode_hosts[c.source_rank] == plan.decode_hosts[d.rank]
+            source = plan.decode_workers[c.source_rank]
+            assert source.holds(c.layers, c.kv_heads) and d.holds(c.layers, c.kv_heads)
+            assert not plan.local_copies_for(source.rank)  # the source reads them itself
+            for layer in range(*c.layers):
+                for head in range(*c.kv_heads):
                     cells[(layer, head)] += 1
         want = {(la, h) for la in range(*d.layers) for h in range(*d.kv_heads)}
         assert set(cells) == want and set(cells.values()) == {1}

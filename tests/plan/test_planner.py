@@ -7,7 +7,7 @@ import pytest
 from kvbridge.errors import IncompatibleError, LayoutError
 from kvbridge.plan.geometry import from_hf_config, load_model_spec
 from kvbridge.plan.layout import InstanceLayout
-from kvbridge.plan.planner import Read, make_plan
+from kvbridge.plan.planner import LocalCopy, Read, make_plan
 from kvbridge.plan.verifier import verify_plan
 from tests.plan.helpers import check_plan_structure
 
@@ -150,3 +150,42 @@ def test_dtype_mismatch_and_bad_tp_refused():
         LayoutError, match=r"decode tp_size=5 does not divide.*use one of 1, 2, 4, 8, 16, 32"
     ):
         make_plan(m, InstanceLayout(2), InstanceLayout(5))
+
+
+def test_replicas_on_one_decode_host_read_once_and_copy_locally():
+    """SmolLM2 (3 KV heads) tp 3 -> tp 9 on one decode host: each head crosses the link
+    once (the first of its three replicas reads it) instead of three times."""
+    m = load_model_spec("smollm2-135m")
+    per_token = 30 * 2 * 64 * 2
+    plan = make_plan(m, InstanceLayout(3), InstanceLayout(9), decode_hosts=["h2"] * 9)
+    assert plan.reads == tuple(
+        Read(d, d // 3, (d // 3, d // 3 + 1), (0, 30), per_token) for d in (0, 3, 6)
+    )
+    assert plan.local_copies == tuple(
+        LocalCopy(d, d - d % 3, (d // 3, d // 3 + 1), (0, 30), per_token) for d in range(9) if d % 3
+    )
+    assert plan.expected_notifications == (1, 1, 1)  # only the link readers notify
+    flat = make_plan(m, InstanceLayout(3), InstanceLayout(9))
+    assert flat.link_bytes_per_token == 3 * m.bytes_per_token
+    assert plan.link_bytes_per_token == m.bytes_per_token
+    assert plan.local_bytes_per_token == 2 * m.bytes_per_token
+    # split over three hosts of three workers: one reader per head and host
+    hosts = ["a", "b", "c"] * 3
+    plan = make_plan(m, InstanceLayout(3), InstanceLayout(9), decode_hosts=hosts)
+    assert plan.link_bytes_per_token == 3 * m.bytes_per_token and not plan.local_copies
+
+
+def test_mla_latent_crosses_the_link_once_per_decode_host():
+    m = load_model_spec("deepseek-v2-lite")
+    flat = make_plan(m, InstanceLayout(1), InstanceLayout(8))
+    plan = make_plan(m, InstanceLayout(1), InstanceLayout(8), decode_hosts=["h"] * 8)
+    assert flat.link_bytes_per_token == 8 * m.bytes_per_token
+    assert plan.link_bytes_per_token == m.bytes_per_token
+    assert plan.local_bytes_per_token == 7 * m.bytes_per_token
+    assert verify_plan(plan, 37, start_token=5).local_bytes == 32 * 7 * m.bytes_per_token
+
+
+def test_decode_hosts_must_name_one_host_per_worker():
+    m = load_model_spec("smollm2-135m")
+    with pytest.raises(LayoutError, match=r"decode_hosts=\['a'\] must name one host .* 9 of them"):
+        make_plan(m, InstanceLayout(3), InstanceLayout(9), decode_hosts=["a"])

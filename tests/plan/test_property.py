@@ -87,3 +87,45 @@ def test_every_layout_pair_verifies_or_is_refused(data: st.DataObject):
     start = data.draw(st.one_of(st.just(0), st.integers(0, tokens - 1)))
     report = verify_plan(plan, tokens, seed=data.draw(st.integers(0, 2**16)), start_token=start)
     assert report.bytes_copied == (tokens - start) * plan.bytes_per_token
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_fan_out_on_decode_hosts_verifies_and_reads_each_cell_once_per_host(
+    data: st.DataObject,
+):
+    """With decode workers spread over hosts, every decode worker still ends up with
+    exactly its bytes (the local hop copies from a worker that read them), and the link
+    carries each (layer, head) cell once per decode host that holds it."""
+    model = data.draw(models())
+    prefill = data.draw(layouts(model))
+    decode = data.draw(layouts(model))
+    if not (is_valid(model, prefill) and is_valid(model, decode)):
+        return
+    num_hosts = data.draw(st.integers(1, 3))
+    hosts = data.draw(
+        st.lists(
+            st.sampled_from([f"host{i}" for i in range(num_hosts)]),
+            min_size=decode.world_size,
+            max_size=decode.world_size,
+        )
+    )
+    plan = make_plan(model, prefill, decode, decode_hosts=hosts)
+    check_plan_structure(plan)
+    flat = make_plan(model, prefill, decode)
+    assert plan.bytes_per_token == flat.bytes_per_token  # every worker still gets its bytes
+    cell = model.with_dtype(prefill.kv_dtype(model)).num_kv_tensors * (
+        model.head_dim * model.with_dtype(prefill.kv_dtype(model)).itemsize
+    )
+    per_host = {
+        (hosts[d.rank], layer, head)
+        for d in plan.decode_workers
+        for layer in range(*d.layers)
+        for head in range(*d.kv_heads)
+    }
+    assert plan.link_bytes_per_token == len(per_host) * cell
+    tokens = data.draw(st.integers(1, 3 * max(prefill.block_size, decode.block_size) + 2))
+    start = data.draw(st.one_of(st.just(0), st.integers(0, tokens - 1)))
+    report = verify_plan(plan, tokens, seed=data.draw(st.integers(0, 2**16)), start_token=start)
+    assert report.link_bytes == (tokens - start) * plan.link_bytes_per_token
+    assert report.local_bytes == (tokens - start) * plan.local_bytes_per_token

@@ -14,7 +14,12 @@ import pytest
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
-from kvbridge.transfer.consumer import KVConsumer, TransferState
+from kvbridge.transfer.consumer import (
+    CONNECT_SETTLE_S,
+    KVConsumer,
+    TransferState,
+)
+from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.messages import ReadDone, decode_signed, encode
 from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
 
@@ -41,23 +46,43 @@ def clock() -> Clock:
 @pytest.fixture
 def producer(clock: Clock) -> Iterator[tuple[KVProducer, list[Release]]]:
     released: list[Release] = []
-    p = KVProducer(
+    p = make_producer(clock, "prefill0", "P", on_release=released.append)
+    yield p, released
+    p.close()
+
+
+def make_producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVProducer:
+    """Prefill worker 0 of a tp-1 instance over a fake transport named `agent`."""
+    if kw.get("config", {}).get("base_port"):  # a restart: the old socket may linger
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                return _producer(clock, agent, instance_id, **kw)
+            except HandshakeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    return _producer(clock, agent, instance_id, **kw)
+
+
+def _producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVProducer:
+    return KVProducer(
         model=MODEL,
         layout=PREFILL,
         rank=0,
         regions=regions(PREFILL, 0),
         num_blocks=NUM_BLOCKS,
-        transport=FakeTransport("prefill0"),
-        config=TransferConfig(lease_s=10, transfer_timeout_s=5, handshake_timeout_s=2),
-        instance_id="P",
-        on_release=released.append,
+        transport=FakeTransport(agent),
+        config=TransferConfig(
+            lease_s=10, transfer_timeout_s=5, handshake_timeout_s=2, **kw.pop("config", {})
+        ),
+        instance_id=instance_id,
         clock=clock,
+        **kw,
     )
-    yield p, released
-    p.close()
 
 
-def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL) -> KVConsumer:
+def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL, **config: Any) -> KVConsumer:
     return KVConsumer(
         model=model,
         layout=DECODE,
@@ -65,7 +90,7 @@ def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL) -> KVConsumer:
         regions=regions(DECODE, rank, model),
         num_blocks=NUM_BLOCKS,
         transport=FakeTransport(f"decode{rank}"),
-        config=TransferConfig(transfer_timeout_s=5, handshake_timeout_s=2),
+        config=TransferConfig(**{"transfer_timeout_s": 5, "handshake_timeout_s": 2, **config}),
         instance_id="D",
         clock=clock,
     )
@@ -350,6 +375,9 @@ def test_connect_meets_a_producer_before_its_first_request(producer, clock) -> N
     for _ in range(20):
         p.poll(5)
         c.poll()
+    assert c.is_busy  # met, still polled often while NIXL makes its connections
+    clock.now += CONNECT_SETTLE_S
+    c.poll()
     assert not c.is_busy and c.transport.peers == ["prefill0"]
     inst = c.directory.instance(p.endpoint)
     assert inst.is_ready and inst.prepared
@@ -357,6 +385,77 @@ def test_connect_meets_a_producer_before_its_first_request(producer, clock) -> N
     c.pull("r1", p.endpoint, [3], [5], 4)
     c.poll()  # no handshake to wait for
     assert isinstance(c.transport, FakeTransport) and len(c.transport.reads) == 1
+
+
+def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(
+    producer, clock, request
+) -> None:
+    """`connect` answers whether this worker has met the producer (the proxy asks again
+    until it has). A producer instance restarted at the same address (a new instance
+    id) is forgotten and met afresh: the next pull reads from the new agent."""
+    p, _ = producer
+    c = consumer(0, clock)
+    assert c.connect(p.endpoint, "P") is False
+    for _ in range(20):
+        p.poll(5)
+        c.poll()
+    assert c.connect(p.endpoint, "P") is True
+    port = int(p.endpoint.rsplit(":", 1)[1])
+    p.close()
+    request.addfinalizer(c.close)
+    p2 = make_producer(clock, "prefill0-restarted", "P2", config={"base_port": port})
+    try:
+        assert p2.endpoint == p.endpoint
+        assert c.connect(p2.endpoint, "P2") is False  # the one met before is not P2
+        for _ in range(40):
+            p2.poll(5)
+            c.poll()
+            if c.connect(p2.endpoint, "P2"):
+                break
+        assert c.connect(p2.endpoint, "P2") is True
+        assert isinstance(c.transport, FakeTransport)
+        assert c.transport.peers == ["prefill0-restarted"]  # the old agent was unloaded
+        p2.expose("r1", [3], 4)
+        c.pull("r1", p2.endpoint, [3], [5], 4)
+        c.poll()
+        assert len(c.transport.reads) == 1
+    finally:
+        p2.close()
+
+
+def test_a_producer_gone_while_idle_is_forgotten_and_met_again_when_back(clock, request) -> None:
+    """A met producer whose side channel goes down (its host, the link, or itself) is
+    forgotten while nothing reads from it (its agent unloaded), so the next
+    introduction or pull meets it afresh instead of reusing stale endpoints."""
+    p = make_producer(clock, "prefill0", "P")
+    c = consumer(0, clock, liveness_timeout_s=0.3)
+    request.addfinalizer(c.close)
+    request.addfinalizer(p.close)
+    assert isinstance(c.transport, FakeTransport)
+    c.connect(p.endpoint, "P")
+    for _ in range(20):
+        p.poll(5)
+        c.poll()
+    assert c.connect(p.endpoint, "P") and c.transport.peers == ["prefill0"]
+    clock.now += CONNECT_SETTLE_S
+    c.poll()  # settled: nothing in flight
+    port = int(p.endpoint.rsplit(":", 1)[1])
+    p.close()
+    deadline = time.monotonic() + 10
+    while c.transport.peers and time.monotonic() < deadline:
+        c.poll()
+        time.sleep(0.05)
+    assert c.transport.peers == []  # forgotten: nothing of the producer stays loaded
+    back = make_producer(clock, "prefill0-back", "P", config={"base_port": port})
+    try:
+        for _ in range(40):
+            back.poll(5)
+            c.poll()
+            if c.connect(back.endpoint, "P"):
+                break
+        assert c.connect(back.endpoint, "P") and c.transport.peers == ["prefill0-back"]
+    finally:
+        back.close()
 
 
 def test_connect_to_nobody_gives_up_quietly(clock) -> None:

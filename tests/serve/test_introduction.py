@@ -1,0 +1,45 @@
+"""A proxy started before its instances introduces them once they come up: the decode
+workers have met the prefill workers before the first request, and that request's KV
+comes over and its answer equals colocated generation."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from kvbridge.serve.launcher import Deployment
+from tests.serve.helpers import colocated, complete, instance_args, proxy_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_proxy_started_first_introduces_the_instances_once_they_are_up():
+    dep = Deployment()
+    proxy = None
+    try:
+        prefill = dep.start_instance("prefill", instance_args("prefill", 1))
+        decode = dep.start_instance("decode", instance_args("decode", 3))
+        # the ports are known before the models load: the proxy comes up first
+        proxy = proxy_for([prefill.url], [decode.url])
+        early = httpx.get(f"{proxy.url}/health", timeout=30).json()["introductions"]
+        assert early[decode.url][prefill.url] != "connected"
+        dep.wait_healthy(900, say=None)
+        deadline = time.monotonic() + 120
+        state = ""
+        while time.monotonic() < deadline:
+            intro = httpx.get(f"{proxy.url}/health", timeout=30).json()["introductions"]
+            state = intro[decode.url][prefill.url]
+            if state == "connected":
+                break
+            time.sleep(0.2)
+        assert state == "connected"  # every decode worker met the prefill instance
+        prompt = "The three primary colors are red, yellow and"
+        out = complete(proxy.url, prompt, 8)
+        assert out["kvbridge_stages"]["kv_bytes"] > 0  # the KV came over
+        assert out["choices"][0]["text"] == colocated(decode.url, prompt, 8)
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        dep.stop()
