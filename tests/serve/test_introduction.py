@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvbridge.serve.launcher import Deployment
-from tests.serve.helpers import colocated, complete, instance_args, proxy_for
+from tests.serve.helpers import colocated, complete, proxy_for, small_instance
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +19,8 @@ def test_a_proxy_started_first_introduces_the_instances_once_they_are_up():
     dep = Deployment()
     proxy = None
     try:
-        prefill = dep.start_instance("prefill", instance_args("prefill", 1))
-        decode = dep.start_instance("decode", instance_args("decode", 3))
+        prefill = dep.start_instance("prefill", small_instance("prefill", 1))
+        decode = dep.start_instance("decode", small_instance("decode", 3))
         # the ports are known before the models load: the proxy comes up first
         proxy = proxy_for([prefill.url], [decode.url])
         early = httpx.get(f"{proxy.url}/health", timeout=30).json()["introductions"]
