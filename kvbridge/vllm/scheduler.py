@@ -109,7 +109,22 @@ class SchedulerSide:
             log.warning("request %s: KV capability refused (%s); computing the prompt", rid, exc)
             params["do_remote_prefill"] = False
             return None
-        if cap.num_tokens != request.num_prompt_tokens or cap.block_size <= 0:
+        if cap.block_size != self.block_size:
+            log.warning(
+                "request %s: the prefill instance's block_size=%d differs from this decode "
+                "instance's %d; vLLM's CPU cache keeps K channel-major within a block, so "
+                "KVBridgeConnector moves whole blocks and needs equal block sizes: start both "
+                "with the same --block-size. Computing the prompt",
+                rid,
+                cap.block_size,
+                self.block_size,
+            )
+            self._orders.declines.append(
+                Decline(cap.request_id, cap.endpoint, "block sizes differ")
+            )
+            params["do_remote_prefill"] = False
+            return None
+        if cap.num_tokens != request.num_prompt_tokens:
             log.warning(
                 "request %s: its capability covers %d tokens of block %d, the prompt has %d; "
                 "computing the prompt",
@@ -134,7 +149,7 @@ class SchedulerSide:
             return 0, False
         # the producer exposed tokens [cap.start_token, num_tokens); we hold
         # [0, num_computed_tokens) (vLLM's prefix cache hit, whole local blocks)
-        if num_computed_tokens < cap.start_token:
+        if num_computed_tokens < cap.start_token or num_computed_tokens % self.block_size:
             return 0, False
         count = cap.num_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -150,11 +165,14 @@ class SchedulerSide:
                 Decline(cap.request_id, cap.endpoint, "the decode instance holds the prompt")
             )
             return
-        start = cap.num_tokens - num_external_tokens
-        bd, bp = self.block_size, cap.block_size
-        local = block_ids[start // bd : math.ceil(cap.num_tokens / bd)]
-        remote = cap.block_ids[start // bp - cap.start_token // bp :]
-        pull = Pull(cap.request_id, cap.endpoint, list(remote), list(local), cap.num_tokens, start)
+        start = cap.num_tokens - num_external_tokens  # a whole number of local blocks
+        bd = self.block_size
+        # whole pages only (cache.py: vLLM's CPU page keeps K channel-major): the tail
+        # of the last block is copied too, and overwritten as the decode goes on
+        end = math.ceil(cap.num_tokens / bd) * bd
+        local = block_ids[start // bd : end // bd]
+        remote = cap.block_ids[start // bd - cap.start_token // bd :]
+        pull = Pull(cap.request_id, cap.endpoint, list(remote), list(local), end, start)
         self._orders.pulls.append(PullOrder(request.request_id, pull))
 
     def finished_unscheduled(self, request: Any) -> None:
@@ -185,8 +203,15 @@ class SchedulerSide:
             return False, None
         reader = params.get(READER_KEY) or ""
         rid = request.request_id
+        # whole blocks (see after_alloc); the capability names the prompt's tokens
         self._orders.exposes.append(
-            Expose(rid, ids, n, reader=reader or None, lease_s=self.settings.lease_s)
+            Expose(
+                rid,
+                ids,
+                len(ids) * self.block_size,
+                reader=reader or None,
+                lease_s=self.settings.lease_s,
+            )
         )
         cap = Capability(
             rid,

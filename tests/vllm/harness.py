@@ -92,6 +92,9 @@ class VLLMServer:
             "--seed",
             "0",
             "--enforce-eager",
+            # a small cache: fewer descriptors to prepare per peer on a loaded 2-core host
+            "--num-gpu-blocks-override",
+            "128",
             "--disable-log-stats",
         ]
         if kv_role is not None:
@@ -175,6 +178,44 @@ class VLLMServer:
                 self.proc.wait(timeout=30)
         with contextlib.suppress(ProcessLookupError):  # workers that outlived the server
             os.killpg(self.proc.pid, signal.SIGKILL)
+        self._log.close()
+
+
+class Proxy:
+    """`python -m kvbridge.vllm.proxy` in front of a prefill and a decode instance."""
+
+    def __init__(self, prefill: VLLMServer, decode: VLLMServer, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = decode.model
+        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
+        cmd = [sys.executable, "-m", "kvbridge.vllm.proxy", "--prefill", prefill.url]
+        cmd += ["--decode", decode.url, "--port", str(self.port)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                httpx.get(self.url + "/health", timeout=5)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError(f"proxy did not start; log {log_path}")
+
+    def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
+        body |= {"temperature": 0, "return_token_ids": True}
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=600)
+        assert r.status_code == 200, (r.status_code, r.text)
+        return dict(r.json())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
         self._log.close()
 
 

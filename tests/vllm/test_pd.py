@@ -8,8 +8,8 @@ two-step P/D request, and checks that
   * the decode workers pulled the prompt's KV (bytes logged per worker, summed, equal
     tokens x layers x K/V x head_dim x itemsize x heads each decode worker holds),
     so the decode instance did not compute it;
-  * a second prompt extending the first pulls only the tokens past the decode
-    instance's prefix cache hit.
+  * a second prompt extending the first, sent through `kvbridge.vllm.proxy`, pulls
+    only the tokens past the decode instance's prefix cache hit.
 Run in .venv-vllm (`make test-vllm`), one pair at a time under the heavy lock.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.harness import MODELS, VLLMServer, pd_completion, text, token_ids
+from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_completion, text, token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +64,6 @@ CASES = [
     Case("tiny-kv1", 2, 1),
     Case("tiny-kv6", 2, 3),
     Case("tiny-kv6", 3, 2),
-    Case("smollm2-135m", 1, 1, 64, 32),
 ]
 
 
@@ -104,23 +103,83 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         n = out["usage"]["prompt_tokens"]
         pulls = decode.pulled(since)
         assert sorted(p.rank for p in pulls) == list(range(case.decode_tp)), decode.log_tail()
-        assert {(p.start_token, p.num_tokens) for p in pulls} == {(0, n)}
-        assert sum(p.nbytes for p in pulls) == n * bytes_per_token(case.model, case.decode_tp)
+        # whole blocks move (the CPU page keeps K channel-major): the last one whole
+        end = math.ceil(n / case.decode_block) * case.decode_block
+        assert {(p.start_token, p.num_tokens) for p in pulls} == {(0, end)}
+        assert sum(p.nbytes for p in pulls) == end * bytes_per_token(case.model, case.decode_tp)
 
         # the decode instance holds the first prompt's whole blocks: it pulls the rest
+        # (asked through the proxy, as a client would)
         since = len(decode.log_text())
         longer = PROMPT + MORE
-        _, out2 = pd_completion(prefill, decode, longer, MAX_TOKENS)
+        proxy = Proxy(prefill, decode, tmp_path / "proxy.log")
+        try:
+            out2 = proxy.complete(longer, MAX_TOKENS)
+        finally:
+            proxy.stop()
         ref2 = prefill.complete(longer, MAX_TOKENS, cache_salt="colocated")
         assert token_ids(out2) == token_ids(ref2), (text(out2), text(ref2))
         n2 = out2["usage"]["prompt_tokens"]
         hit = n // case.decode_block * case.decode_block
         pulls = decode.pulled(since)
-        assert {(p.start_token, p.num_tokens) for p in pulls} == {(hit, n2)}, pulls
-        assert sum(p.nbytes for p in pulls) == (n2 - hit) * bytes_per_token(
+        end2 = math.ceil(n2 / case.decode_block) * case.decode_block
+        assert hit > 0 and {(p.start_token, p.num_tokens) for p in pulls} == {(hit, end2)}
+        assert sum(p.nbytes for p in pulls) == (end2 - hit) * bytes_per_token(
             case.model, case.decode_tp
         )
-        assert math.ceil(n2 / case.decode_block) > hit // case.decode_block
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_unequal_block_sizes_are_computed_not_pulled(tmp_path: Path) -> None:
+    """Prefill block 64 -> decode block 32: vLLM's CPU page keeps K channel-major, so
+    kvbridge moves whole pages and refuses the pair; the decode instance says why,
+    releases the prefill's blocks (Decline) and computes the prompt: the same tokens."""
+    prefill = VLLMServer("smollm2-135m", 1, 64, tmp_path / "prefill.log", first_core=0)
+    decode = VLLMServer("smollm2-135m", 1, 32, tmp_path / "decode.log", first_core=1)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        since = len(decode.log_text())
+        _, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
+        ref = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
+        assert token_ids(out) == token_ids(ref) and text(out).startswith(" Paris.")
+        log = decode.log_text()[since:]
+        assert "block_size=64 differs from this decode instance's 32" in log
+        assert not decode.pulled(since)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_lost_prefill_is_recomputed_under_the_recompute_policy(tmp_path: Path) -> None:
+    """kv_load_failure_policy "recompute": the prefill instance dies after answering;
+    the decode workers' pull fails (handshake unanswered), its blocks are reported as
+    load errors and vLLM computes the prompt itself: the same tokens, and the reason
+    in the decode instance's log."""
+    fast = {"handshake_timeout_s": 5, "liveness_timeout_s": 5, "transfer_timeout_s": 20}
+    prefill = VLLMServer("tiny-kv1", 1, 32, tmp_path / "prefill.log", first_core=0)
+    decode = VLLMServer(
+        "tiny-kv1",
+        1,
+        32,
+        tmp_path / "decode.log",
+        first_core=1,
+        extra=fast,
+        failure_policy="recompute",
+    )
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        first = prefill.complete(PROMPT, 1, kv_transfer_params={"do_remote_decode": True})
+        prefill.stop()
+        since = len(decode.log_text())
+        out = decode.complete(PROMPT, MAX_TOKENS, kv_transfer_params=first["kv_transfer_params"])
+        ref = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
+        assert token_ids(out) == token_ids(ref)
+        log = decode.log_text()[since:]
+        assert "failed to pull" in log and not decode.pulled(since)
     finally:
         prefill.stop()
         decode.stop()
