@@ -79,7 +79,7 @@ class SchedulerSide:
         self.instance_id = instance_id
         self.is_producer, self.is_consumer = ROLES[kv_role]
         self.block_size = block_size
-        self.token = settings.transfer_config().token
+        self.token = settings.transfer.token
         self.endpoints: list[str] = []
         self._orders = StepOrders()
         self._caps: dict[str, Capability] = {}  # decode: checked capabilities by request
@@ -119,10 +119,7 @@ class SchedulerSide:
                 cap.block_size,
                 self.block_size,
             )
-            self._orders.declines.append(
-                Decline(cap.request_id, cap.endpoint, "block sizes differ")
-            )
-            params["do_remote_prefill"] = False
+            self._refuse(cap, params, "block sizes differ")
             return None
         if cap.num_tokens != request.num_prompt_tokens:
             log.warning(
@@ -133,13 +130,15 @@ class SchedulerSide:
                 cap.block_size,
                 request.num_prompt_tokens,
             )
-            self._orders.declines.append(
-                Decline(cap.request_id, cap.endpoint, "prompt differs from the capability")
-            )
-            params["do_remote_prefill"] = False
+            self._refuse(cap, params, "prompt differs from the capability")
             return None
         self._caps[rid] = cap
         return cap
+
+    def _refuse(self, cap: Capability, params: dict[str, Any], why: str) -> None:
+        """Compute the prompt here; the producer releases its blocks now (Decline)."""
+        self._orders.declines.append(Decline(cap.request_id, cap.endpoint, why))
+        params["do_remote_prefill"] = False
 
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.is_consumer:
@@ -210,7 +209,7 @@ class SchedulerSide:
                 ids,
                 len(ids) * self.block_size,
                 reader=reader or None,
-                lease_s=self.settings.lease_s,
+                lease_s=self.settings.transfer.lease_s,
             )
         )
         cap = Capability(

@@ -9,7 +9,7 @@ are refused the same way (`check_vllm`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.errors import ConfigError
@@ -23,66 +23,58 @@ ROLES = {
 }
 
 
+#: extra-config keys that are `TransferConfig` fields (the token comes from token_file)
+TRANSFER_KEYS = tuple(f.name for f in dataclasses.fields(TransferConfig) if f.name != "token")
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
-    """`kv_connector_extra_config` of a KVBridgeConnector (all optional).
+    """`kv_connector_extra_config` of a KVBridgeConnector (every key optional).
 
     Attributes:
+        transfer: the runtime's settings; the extra config may set any of
+            `TRANSFER_KEYS` (host, advertise_host, base_port, lease_s, ...), each
+            declared and checked by `TransferConfig`.
         instance_id: names this instance to its peers (default: vLLM's engine_id).
-        host, advertise_host, base_port, lease_s, transfer_timeout_s,
-        liveness_timeout_s, handshake_timeout_s: as `TransferConfig`.
         token_file: a file holding the shared token (else KVBRIDGE_TRANSFER_TOKEN or
             KVBRIDGE_TRANSFER_TOKEN_FILE); required unless the side channel is on loopback.
         claim_s: how long a pull capability stays valid after the prefill (seconds).
     """
 
+    transfer: TransferConfig = field(default_factory=TransferConfig)
     instance_id: str | None = None
-    host: str = "127.0.0.1"
-    advertise_host: str | None = None
-    base_port: int = 0
     token_file: str | None = None
-    lease_s: float = 120.0
-    transfer_timeout_s: float = 30.0
-    liveness_timeout_s: float = 5.0
-    handshake_timeout_s: float = 5.0
     claim_s: float = 120.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        fields = {f.name: f for f in dataclasses.fields(cls)}
+        own = ("instance_id", "token_file", "claim_s")
         for key, value in extra.items():
-            if key not in fields:
+            if key not in own and key not in TRANSFER_KEYS:
                 raise ConfigError(
                     f"kv_connector_extra_config.{key}={value!r} is not a KVBridgeConnector "
-                    f"setting; use any of {', '.join(fields)}"
+                    f"setting; use any of {', '.join(own + TRANSFER_KEYS)}"
                 )
-            want = fields[key].type
-            if "float" in str(want) and not (
-                isinstance(value, int | float) and not isinstance(value, bool) and value > 0
-            ):
+        for key in ("instance_id", "token_file"):
+            if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise ConfigError(
-                    f"kv_connector_extra_config.{key}={value!r} must be a positive number "
-                    "of seconds"
+                    f"kv_connector_extra_config.{key}={extra[key]!r} must be a string"
                 )
-            if "int" in str(want) and "float" not in str(want) and not isinstance(value, int):
-                raise ConfigError(f"kv_connector_extra_config.{key}={value!r} must be an integer")
-            if "str" in str(want) and value is not None and not isinstance(value, str):
-                raise ConfigError(f"kv_connector_extra_config.{key}={value!r} must be a string")
-        out = cls(**extra)
-        out.transfer_config()  # refuse a bad host/port/token now
-        return out
-
-    def transfer_config(self) -> TransferConfig:
-        return TransferConfig(
-            host=self.host,
-            advertise_host=self.advertise_host,
-            base_port=self.base_port,
-            token=load_token(path=self.token_file),
-            lease_s=self.lease_s,
-            transfer_timeout_s=self.transfer_timeout_s,
-            liveness_timeout_s=self.liveness_timeout_s,
-            handshake_timeout_s=self.handshake_timeout_s,
-        )
+        claim_s = extra.get("claim_s", 120.0)
+        if isinstance(claim_s, bool) or not isinstance(claim_s, int | float) or claim_s <= 0:
+            raise ConfigError(
+                f"kv_connector_extra_config.claim_s={claim_s!r} must be a positive number of "
+                "seconds"
+            )
+        kw = {k: v for k, v in extra.items() if k in TRANSFER_KEYS}
+        try:
+            transfer = TransferConfig(**kw, token=load_token(path=extra.get("token_file")))
+        except TypeError as exc:
+            raise ConfigError(
+                f"kv_connector_extra_config {kw} has a value of the wrong type ({exc}); "
+                "seconds and ports are numbers, hosts are strings"
+            ) from None
+        return cls(transfer, extra.get("instance_id"), extra.get("token_file"), float(claim_s))
 
 
 def check_vllm(vllm_config: Any) -> None:
@@ -107,10 +99,10 @@ def check_vllm(vllm_config: Any) -> None:
             1,
         ),
     ]
-    for field, value, ok in checks:
+    for name, value, ok in checks:
         if value != ok:
             raise ConfigError(
-                f"{field}={value} is not supported by KVBridgeConnector yet; use {ok} "
+                f"{name}={value} is not supported by KVBridgeConnector yet; use {ok} "
                 "(kvbridge's planner handles pp, this connector does not wire it up)"
             )
     if getattr(vllm_config.model_config, "use_mla", False):

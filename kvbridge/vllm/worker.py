@@ -73,28 +73,28 @@ class WorkerSide:
         self.rank = rank
         self.cache = cache
         is_producer, is_consumer = ROLES[kv_role]
-        transfer = settings.transfer_config()
+        transfer = settings.transfer
         self.producer: WorkerConnector | None = None
         self.consumer: WorkerConnector | None = None
         try:
-            if is_producer:
-                self.producer = WorkerConnector(
-                    ConnectorSpec(ConnectorRole.PRODUCER, instance_id, transfer),
+            for role, wanted in (
+                (ConnectorRole.PRODUCER, is_producer),
+                (ConnectorRole.CONSUMER, is_consumer),
+            ):
+                if not wanted:
+                    continue
+                wc = WorkerConnector(
+                    ConnectorSpec(role, instance_id, transfer),
                     model,
                     cache.layout,
                     rank,
                     cache.regions,
                     cache.num_blocks,
                 )
-            if is_consumer:
-                self.consumer = WorkerConnector(
-                    ConnectorSpec(ConnectorRole.CONSUMER, instance_id, transfer),
-                    model,
-                    cache.layout,
-                    rank,
-                    cache.regions,
-                    cache.num_blocks,
-                )
+                if role is ConnectorRole.PRODUCER:
+                    self.producer = wc
+                else:
+                    self.consumer = wc
         except BaseException:
             self._close_runtime()
             raise
