@@ -9,12 +9,8 @@ the decode instance with the params the prefill returned.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,22 +20,12 @@ from typing import Any
 
 import httpx
 
+from kvbridge.vllm.launch import free_port, kv_transfer_config, start, stop, vllm_command, vllm_env
+
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = Path(os.environ.get("KVBRIDGE_VLLM_MODELS", ROOT / ".cache" / "vllm-models"))
 #: "kvbridge decode worker R pulled ID: tokens [S, N), B bytes in T ms"
 PULLED = re.compile(r"decode worker (\d+) pulled (\S+): tokens \[(\d+), (\d+)\), (\d+) bytes")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def omp_bind(tp_size: int, first_core: int) -> str:
-    """One core per TP rank, alternating over this machine's two (one NUMA node)."""
-    ncores = os.cpu_count() or 1
-    return "|".join(str((first_core + r) % ncores) for r in range(tp_size))
 
 
 @dataclass
@@ -69,63 +55,25 @@ class VLLMServer:
         self.model = str(MODELS / model)
         self.log_path = log_path
         self.tp_size = tp_size
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--tensor-parallel-size",
-            str(tp_size),
-            "--block-size",
-            str(block_size),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "1024",
-            "--max-num-seqs",
-            "4",
-            "--seed",
-            "0",
-            "--enforce-eager",
-            # a small cache: fewer descriptors to prepare per peer on a loaded 2-core host
-            "--num-gpu-blocks-override",
-            "128",
-            "--disable-log-stats",
-        ]
+        kv = None
         if kv_role is not None:
-            kv = {
-                "kv_connector": "KVBridgeConnector",
-                "kv_connector_module_path": "kvbridge.vllm",
-                "kv_role": kv_role,
-                "kv_load_failure_policy": failure_policy,
-                "kv_connector_extra_config": {
-                    "lease_s": 300,
-                    "transfer_timeout_s": 120,
-                    "handshake_timeout_s": 60,
-                    "liveness_timeout_s": 60,
-                    **(extra or {}),
-                },
+            settings = {
+                "lease_s": 300,
+                "transfer_timeout_s": 120,
+                "handshake_timeout_s": 60,
+                "liveness_timeout_s": 60,
+                **(extra or {}),
             }
-            cmd += ["--kv-transfer-config", json.dumps(kv)]
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=str(ROOT),
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=omp_bind(tp_size, first_core),
-            VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="900",
-            VLLM_ENGINE_READY_TIMEOUT_S="900",
-            NIXL_LOG_LEVEL="WARN",
-            TOKENIZERS_PARALLELISM="false",
-        )
+            kv = kv_transfer_config(kv_role, settings, failure_policy)
+        more = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4"]
+        more += ["--seed", "0", "--enforce-eager", "--disable-log-stats"]
+        # a small cache: fewer descriptors to prepare per peer on a loaded 2-core host
+        more += ["--num-gpu-blocks-override", "128"]
+        cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *more)
+        env = vllm_env(tp_size, first_core)
+        env["PYTHONPATH"] = str(ROOT)
         self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+        self.proc = start(cmd, env, self._log)
 
     def wait_ready(self, timeout_s: float = 600) -> None:
         deadline = time.monotonic() + timeout_s
@@ -168,16 +116,7 @@ class VLLMServer:
         return dict(r.json())
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):  # workers that outlived the server
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        stop(self.proc)
         self._log.close()
 
 
