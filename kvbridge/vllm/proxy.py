@@ -18,17 +18,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from kvbridge.vllm.scheduler import READER_KEY
 
 #: Longest a prefill or a whole non-streamed decode may take (seconds).
 TIMEOUT_S = 600.0
 
 
-def make_app(prefill: str, decode: str, reader: str | None = None) -> Any:
-    import httpx
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-
+def make_app(prefill: str, decode: str, reader: str | None = None) -> FastAPI:
     app = FastAPI(title="kvbridge proxy for vLLM")
     client = httpx.AsyncClient(timeout=TIMEOUT_S)
 
