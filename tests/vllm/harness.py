@@ -62,6 +62,7 @@ class VLLMServer:
                 "transfer_timeout_s": 120,
                 "handshake_timeout_s": 60,
                 "liveness_timeout_s": 60,
+                "claim_s": 900,
                 **(extra or {}),
             }
             kv = kv_transfer_config(kv_role, settings, failure_policy)
