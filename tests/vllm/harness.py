@@ -59,9 +59,9 @@ class VLLMServer:
         if kv_role is not None:
             settings = {
                 "lease_s": 300,
-                "transfer_timeout_s": 120,
-                "handshake_timeout_s": 60,
-                "liveness_timeout_s": 60,
+                "transfer_timeout_s": 300,
+                "handshake_timeout_s": 180,
+                "liveness_timeout_s": 180,
                 "claim_s": 900,
                 **(extra or {}),
             }
