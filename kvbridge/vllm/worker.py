@@ -1,0 +1,201 @@
+"""The connector's worker side: one per vLLM worker (TP rank), in the worker process.
+
+It registers the worker's KV caches once (`cache.describe_kv_caches` names their
+layout), then runs kvbridge's transfer runtime over them: a `WorkerConnector` per role
+(producer and/or consumer, each with its own NIXL agent), driven with the orders the
+scheduler side sends each step. vLLM's worker thread calls `start_load_kv` and
+`get_finished` once per engine step, and a step on CPU may be long, so a small thread
+also polls the runtime at the rate its state needs (every `IDLE_POLL_S` while idle, at
+most every `MIN_POLL_S` while a transfer is pending): reads of a producer's memory
+and its notifications progress only while it polls. One lock serialises the runtime
+between the two threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.transfer.connector import (
+    ConnectorRole,
+    ConnectorSpec,
+    GetEndpoint,
+    Poll,
+    SetEndpoints,
+    WorkerConnector,
+)
+from kvbridge.vllm.cache import RegisteredCache
+from kvbridge.vllm.scheduler import StepOrders
+from kvbridge.vllm.settings import ROLES, ConnectorSettings
+
+#: under vLLM's "vllm" logger, so vLLM's handlers print it
+log = logging.getLogger("vllm.kvbridge")
+
+#: The poll thread waits at least this long between polls (no busy spin on a loaded host).
+MIN_POLL_S = 0.002
+#: ... and at most this long (an idle producer still answers handshakes).
+MAX_POLL_S = 0.05
+
+
+@dataclass
+class _PullState:
+    request_id: str  # vLLM's id
+    local_block_ids: list[int]
+    num_tokens: int
+    start_token: int
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class StepResults:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_block_ids: set[int] = field(default_factory=set)
+
+
+class WorkerSide:
+    """One TP rank's transfer runtime; built by `register_kv_caches`, closed by
+    `close` (the connector's `shutdown`). Methods are called from vLLM's worker thread;
+    the poll thread shares the runtime under `_lock`."""
+
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        instance_id: str,
+        kv_role: str,
+        model: ModelKVSpec,
+        cache: RegisteredCache,
+        rank: int,
+    ) -> None:
+        self.rank = rank
+        self.cache = cache
+        is_producer, is_consumer = ROLES[kv_role]
+        transfer = settings.transfer
+        self.producer: WorkerConnector | None = None
+        self.consumer: WorkerConnector | None = None
+        try:
+            for role, wanted in (
+                (ConnectorRole.PRODUCER, is_producer),
+                (ConnectorRole.CONSUMER, is_consumer),
+            ):
+                if not wanted:
+                    continue
+                wc = WorkerConnector(
+                    ConnectorSpec(role, instance_id, transfer),
+                    model,
+                    cache.layout,
+                    rank,
+                    cache.regions,
+                    cache.num_blocks,
+                )
+                if role is ConnectorRole.PRODUCER:
+                    self.producer = wc
+                else:
+                    self.consumer = wc
+        except BaseException:
+            self._close_runtime()
+            raise
+        self.endpoint = self.producer.handle(GetEndpoint()).endpoint if self.producer else ""
+        self._endpoints_set = False
+        self._pulls: dict[str, _PullState] = {}  # by the producer's request id
+        self._sending: set[str] = set()  # exposed request ids (vLLM's own on a prefill)
+        self._pending = StepResults()
+        self.num_bytes_pulled = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll_loop, name="kvbridge-poll", daemon=True)
+        self._thread.start()
+
+    # -- vLLM's worker thread ------------------------------------------------------------
+    def apply(self, orders: StepOrders) -> None:
+        """Carry out one step's orders (start_load_kv)."""
+        with self._lock:
+            if self.producer is not None and not self._endpoints_set and orders.endpoints:
+                self.producer.handle(SetEndpoints(orders.endpoints))
+                self._endpoints_set = True
+            for expose in orders.exposes:
+                assert self.producer is not None
+                self.producer.handle(expose)
+                self._sending.add(expose.request_id)
+            for order in orders.pulls:
+                assert self.consumer is not None
+                p = order.pull
+                self._pulls[p.request_id] = _PullState(
+                    order.request_id, list(p.local_block_ids), p.num_tokens, p.start_token
+                )
+                try:
+                    self.consumer.handle(p)
+                except Exception as exc:  # refused at once: report it as a failed load
+                    log.warning("decode worker %d: pull of %s refused: %s", self.rank, p, exc)
+                    state = self._pulls.pop(p.request_id)
+                    self._pending.finished_recving.add(state.request_id)
+                    self._pending.failed_block_ids.update(state.local_block_ids)
+            for decline in orders.declines:
+                if self.consumer is not None:
+                    self.consumer.handle(decline)
+
+    def collect(self) -> StepResults:
+        """Requests whose transfers finished since the last call (get_finished)."""
+        with self._lock:
+            self._drain()
+            out, self._pending = self._pending, StepResults()
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            self._close_runtime()
+
+    # -- internals (under _lock) ---------------------------------------------------------
+    def _drain(self) -> None:
+        if self.producer is not None:
+            for ev in self.producer.handle(Poll()).events:
+                if ev.request_id in self._sending:
+                    self._sending.discard(ev.request_id)
+                    self._pending.finished_sending.add(ev.request_id)
+        if self.consumer is not None:
+            for ev in self.consumer.handle(Poll()).events:
+                state = self._pulls.pop(ev.request_id, None)
+                if state is None:
+                    continue
+                self._pending.finished_recving.add(state.request_id)
+                ms = (time.perf_counter() - state.started) * 1e3
+                if ev.ok:
+                    self.num_bytes_pulled += ev.nbytes
+                    log.info(
+                        "kvbridge decode worker %d pulled %s: tokens [%d, %d), %d bytes in %.1f ms",
+                        self.rank,
+                        state.request_id,
+                        state.start_token,
+                        state.num_tokens,
+                        ev.nbytes,
+                        ms,
+                    )
+                else:
+                    self._pending.failed_block_ids.update(state.local_block_ids)
+                    log.warning(
+                        "kvbridge decode worker %d failed to pull %s: %s",
+                        self.rank,
+                        state.request_id,
+                        ev.reason,
+                    )
+
+    def _poll_loop(self) -> None:
+        wait = MAX_POLL_S
+        while not self._stop.wait(wait):
+            with self._lock:
+                waits = [wc.idle_poll() for wc in (self.producer, self.consumer) if wc is not None]
+            wait = min(max(min(waits, default=MAX_POLL_S), MIN_POLL_S), MAX_POLL_S)
+
+    def _close_runtime(self) -> None:
+        for wc in (self.producer, self.consumer):
+            if wc is not None:
+                try:
+                    wc.close()
+                except Exception as exc:
+                    log.warning("kvbridge worker %d: close: %s", self.rank, exc)
+        self.producer = self.consumer = None

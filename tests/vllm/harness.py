@@ -1,0 +1,178 @@
+"""Real vLLM servers (the CPU build, `.venv-vllm`) for the connector's tests.
+
+`VLLMServer` starts `python -m vllm.entrypoints.openai.api_server` in a session of its
+own (stopped by killing that process group), on 127.0.0.1, and waits for /health.
+`pd_completion` is vLLM's two-step P/D request as a proxy makes it: the prefill
+instance with kv_transfer_params {"do_remote_decode": true} and max_tokens 1, then
+the decode instance with the params the prefill returned.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvbridge.vllm.launch import free_port, kv_transfer_config, start, stop, vllm_command, vllm_env
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = Path(os.environ.get("KVBRIDGE_VLLM_MODELS", ROOT / ".cache" / "vllm-models"))
+#: "kvbridge decode worker R pulled ID: tokens [S, N), B bytes in T ms"
+PULLED = re.compile(r"decode worker (\d+) pulled (\S+): tokens \[(\d+), (\d+)\), (\d+) bytes")
+
+
+@dataclass
+class Pulled:
+    rank: int
+    start_token: int
+    num_tokens: int
+    nbytes: int
+
+
+class VLLMServer:
+    """One vLLM instance with KVBridgeConnector (or none: `kv_role=None`)."""
+
+    def __init__(
+        self,
+        model: str,
+        tp_size: int,
+        block_size: int,
+        log_path: Path,
+        kv_role: str | None = "kv_both",
+        extra: dict[str, Any] | None = None,
+        first_core: int = 0,
+        failure_policy: str = "fail",
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = str(MODELS / model)
+        self.log_path = log_path
+        self.tp_size = tp_size
+        kv = None
+        if kv_role is not None:
+            settings = {
+                "lease_s": 300,
+                "transfer_timeout_s": 300,
+                "handshake_timeout_s": 180,
+                "liveness_timeout_s": 180,
+                "claim_s": 900,
+                **(extra or {}),
+            }
+            kv = kv_transfer_config(kv_role, settings, failure_policy)
+        more = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4"]
+        more += ["--seed", "0", "--enforce-eager", "--disable-log-stats"]
+        # a small cache: fewer descriptors to prepare per peer on a loaded 2-core host
+        more += ["--num-gpu-blocks-override", "128"]
+        cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *more)
+        env = vllm_env(tp_size, first_core)
+        env["PYTHONPATH"] = str(ROOT)
+        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
+        self.proc = start(cmd, env, self._log)
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vLLM exited with {self.proc.returncode}; log {self.log_path}:\n"
+                    + self.log_tail()
+                )
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"vLLM not ready after {timeout_s} s; log {self.log_path}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def pulled(self, since: int = 0) -> list[Pulled]:
+        """The decode workers' pulls logged after byte `since` of the log."""
+        text = self.log_text()[since:]
+        return [Pulled(int(m[1]), int(m[3]), int(m[4]), int(m[5])) for m in PULLED.finditer(text)]
+
+    def complete(self, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            **extra,
+        }
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=600)
+        assert r.status_code == 200, (r.status_code, r.text)
+        return dict(r.json())
+
+    def stop(self) -> None:
+        stop(self.proc)
+        self._log.close()
+
+
+class Proxy:
+    """`python -m kvbridge.vllm.proxy` in front of a prefill and a decode instance."""
+
+    def __init__(self, prefill: VLLMServer, decode: VLLMServer, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = decode.model
+        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
+        cmd = [sys.executable, "-m", "kvbridge.vllm.proxy", "--prefill", prefill.url]
+        cmd += ["--decode", decode.url, "--port", str(self.port)]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                httpx.get(self.url + "/health", timeout=5)
+                return
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        raise RuntimeError(f"proxy did not start; log {log_path}")
+
+    def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
+        body |= {"temperature": 0, "return_token_ids": True}
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=600)
+        assert r.status_code == 200, (r.status_code, r.text)
+        return dict(r.json())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def pd_completion(
+    prefill: VLLMServer, decode: VLLMServer, prompt: str, max_tokens: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """vLLM's two-step P/D request; returns (prefill response, decode response)."""
+    first = prefill.complete(prompt, 1, kv_transfer_params={"do_remote_decode": True})
+    params = first.get("kv_transfer_params")
+    assert params, f"the prefill instance returned no kv_transfer_params: {first}"
+    out = decode.complete(prompt, max_tokens, kv_transfer_params=params)
+    return first, out
+
+
+def token_ids(resp: dict[str, Any]) -> list[int]:
+    return list(resp["choices"][0]["token_ids"])
+
+
+def text(resp: dict[str, Any]) -> str:
+    return str(resp["choices"][0]["text"])

@@ -1,0 +1,185 @@
+"""KVBridgeConnector in real vLLM (CPU build): P/D pairs token-exact against colocated vLLM.
+
+Each case starts a prefill and a decode instance with KVBridgeConnector, sends vLLM's
+two-step P/D request, and checks that
+  * the tokens equal colocated vLLM's at the prefill's and at the decode's settings
+    (the same two instances, asked without kv_transfer_params and with a cache salt,
+    so nothing they hold from the P/D request is reused);
+  * the decode workers pulled the prompt's KV (bytes logged per worker, summed, equal
+    tokens x layers x K/V x head_dim x itemsize x heads each decode worker holds),
+    so the decode instance did not compute it;
+  * a second prompt extending the first, sent through `kvbridge.vllm.proxy`, pulls
+    only the tokens past the decode instance's prefix cache hit.
+Run in .venv-vllm (`make test-vllm`), one pair at a time under the heavy lock.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_completion, text, token_ids
+
+pytestmark = pytest.mark.slow
+
+PROMPT = (
+    "Geography quiz. Answer each question with the name of a city.\n"
+    "Q: What is the capital of Italy?\nA: Rome.\n"
+    "Q: What is the capital of Spain?\nA: Madrid.\n"
+    "Q: What is the capital of Germany?\nA: Berlin.\n"
+    "Q: What is the capital of Japan?\nA: Tokyo.\n"
+    "Q: What is the capital of France?\nA:"
+)
+MORE = (
+    " Paris.\nQ: What is the capital of Portugal?\nA: Lisbon.\n"
+    "Q: What is the capital of Austria?\nA:"
+)
+MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    prefill_tp: int
+    decode_tp: int
+    prefill_block: int = 32
+    decode_block: int = 32
+
+    @property
+    def id(self) -> str:
+        return (
+            f"{self.model}-tp{self.prefill_tp}-tp{self.decode_tp}"
+            f"-b{self.prefill_block}-b{self.decode_block}"
+        )
+
+
+CASES = [
+    Case("smollm2-135m", 1, 3),
+    Case("smollm2-135m", 3, 1),
+    Case("tiny-kv1", 1, 2),
+    Case("tiny-kv1", 2, 1),
+    Case("tiny-kv6", 2, 3),
+    Case("tiny-kv6", 3, 2),
+]
+
+
+def bytes_per_token(model: str, tp_size: int) -> int:
+    """KV bytes of one token summed over the workers of an instance at `tp_size`
+    (replicated heads counted on every worker holding them)."""
+    cfg = json.loads((MODELS / model / "config.json").read_text())
+    heads = cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    held = heads if tp_size <= heads else tp_size  # one head per worker when tp > heads
+    return cfg["num_hidden_layers"] * 2 * head_dim * 4 * held
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
+    prefill = VLLMServer(
+        case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log", first_core=0
+    )
+    decode = VLLMServer(
+        case.model, case.decode_tp, case.decode_block, tmp_path / "decode.log", first_core=1
+    )
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        since = len(decode.log_text())
+        first, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
+        ref_p = prefill.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
+        ref_d = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
+        assert token_ids(out) == token_ids(ref_p) == token_ids(ref_d), (
+            text(out),
+            text(ref_p),
+            text(ref_d),
+        )
+        assert token_ids(first) == token_ids(out)[:1]
+        if case.model == "smollm2-135m":
+            assert text(out).startswith(" Paris.")
+        n = out["usage"]["prompt_tokens"]
+        pulls = decode.pulled(since)
+        assert sorted(p.rank for p in pulls) == list(range(case.decode_tp)), decode.log_tail()
+        # whole blocks move (the CPU page keeps K channel-major): the last one whole
+        end = math.ceil(n / case.decode_block) * case.decode_block
+        assert {(p.start_token, p.num_tokens) for p in pulls} == {(0, end)}
+        assert sum(p.nbytes for p in pulls) == end * bytes_per_token(case.model, case.decode_tp)
+
+        # the decode instance holds the first prompt's whole blocks: it pulls the rest
+        # (asked through the proxy, as a client would)
+        since = len(decode.log_text())
+        longer = PROMPT + MORE
+        proxy = Proxy(prefill, decode, tmp_path / "proxy.log")
+        try:
+            out2 = proxy.complete(longer, MAX_TOKENS)
+        finally:
+            proxy.stop()
+        ref2 = prefill.complete(longer, MAX_TOKENS, cache_salt="colocated")
+        assert token_ids(out2) == token_ids(ref2), (text(out2), text(ref2))
+        n2 = out2["usage"]["prompt_tokens"]
+        hit = n // case.decode_block * case.decode_block
+        pulls = decode.pulled(since)
+        end2 = math.ceil(n2 / case.decode_block) * case.decode_block
+        assert hit > 0 and {(p.start_token, p.num_tokens) for p in pulls} == {(hit, end2)}
+        assert sum(p.nbytes for p in pulls) == (end2 - hit) * bytes_per_token(
+            case.model, case.decode_tp
+        )
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_unequal_block_sizes_are_computed_not_pulled(tmp_path: Path) -> None:
+    """Prefill block 64 -> decode block 32: vLLM's CPU page keeps K channel-major, so
+    kvbridge moves whole pages and refuses the pair; the decode instance says why,
+    releases the prefill's blocks (Decline) and computes the prompt: the same tokens."""
+    prefill = VLLMServer("smollm2-135m", 1, 64, tmp_path / "prefill.log", first_core=0)
+    decode = VLLMServer("smollm2-135m", 1, 32, tmp_path / "decode.log", first_core=1)
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        since = len(decode.log_text())
+        _, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
+        ref = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
+        assert token_ids(out) == token_ids(ref) and text(out).startswith(" Paris.")
+        log = decode.log_text()[since:]
+        assert "block_size=64 differs from this decode instance's 32" in log
+        assert not decode.pulled(since)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_a_lost_prefill_is_recomputed_under_the_recompute_policy(tmp_path: Path) -> None:
+    """kv_load_failure_policy "recompute": the prefill instance dies after answering;
+    the decode workers' pull fails (handshake unanswered), its blocks are reported as
+    load errors and vLLM computes the prompt itself: the same tokens, and the reason
+    in the decode instance's log."""
+    fast = {"handshake_timeout_s": 5, "liveness_timeout_s": 5, "transfer_timeout_s": 20}
+    prefill = VLLMServer("tiny-kv1", 1, 32, tmp_path / "prefill.log", first_core=0)
+    decode = VLLMServer(
+        "tiny-kv1",
+        1,
+        32,
+        tmp_path / "decode.log",
+        first_core=1,
+        extra=fast,
+        failure_policy="recompute",
+    )
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        first = prefill.complete(PROMPT, 1, kv_transfer_params={"do_remote_decode": True})
+        prefill.stop()
+        since = len(decode.log_text())
+        out = decode.complete(PROMPT, MAX_TOKENS, kv_transfer_params=first["kv_transfer_params"])
+        ref = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
+        assert token_ids(out) == token_ids(ref)
+        log = decode.log_text()[since:]
+        assert "failed to pull" in log and not decode.pulled(since)
+    finally:
+        prefill.stop()
+        decode.stop()

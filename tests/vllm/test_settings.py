@@ -1,0 +1,32 @@
+"""The connector's settings are refused at start-up with the field, the value and what works."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.errors import ConfigError
+from kvbridge.vllm.settings import ConnectorSettings
+
+
+def test_transfer_keys_reach_the_runtime_config() -> None:
+    s = ConnectorSettings.from_extra_config({"lease_s": 300, "base_port": 7000, "claim_s": 60})
+    assert (s.transfer.lease_s, s.transfer.base_port, s.claim_s) == (300, 7000, 60.0)
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (
+            {"lease": 3},
+            r"kv_connector_extra_config.lease=3 is not a KVBridgeConnector setting; use any of instance_id, token_file, claim_s, host",
+        ),
+        ({"lease_s": 0}, r"lease_s=0 must be a positive number of seconds"),
+        ({"claim_s": "x"}, r"claim_s='x' must be a positive number"),
+        ({"host": "0.0.0.0"}, r"binds every interface"),
+        ({"host": "10.0.0.1", "advertise_host": "10.0.0.1"}, r"needs a shared secret"),
+        ({"instance_id": 3}, r"instance_id=3 must be a string"),
+    ],
+)
+def test_bad_settings_are_refused_with_what_works(extra: dict, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        ConnectorSettings.from_extra_config(extra)
