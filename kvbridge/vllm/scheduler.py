@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.transfer.capability import Capability, check, issue
+from kvbridge.transfer.capability import Capability, Redeemed, check, issue, prompt_digest
 from kvbridge.transfer.connector import Decline, Expose, Pull
 from kvbridge.transfer.errors import AuthError
 from kvbridge.vllm.settings import ROLES, ConnectorSettings
@@ -82,6 +82,7 @@ class SchedulerSide:
         self.endpoints: list[str] = []
         self._orders = StepOrders()
         self._caps: dict[str, Capability] = {}  # decode: checked capabilities by request
+        self._redeemed = Redeemed()  # decode: capabilities taken (each opens one pull)
 
     # -- both ---------------------------------------------------------------------------
     def set_endpoints(self, endpoints: list[str]) -> None:
@@ -130,6 +131,21 @@ class SchedulerSide:
                 request.num_prompt_tokens,
             )
             self._refuse(cap, params, "prompt differs from the capability")
+            return None
+        if cap.prompt_digest != prompt_digest(request.prompt_token_ids):
+            log.warning(
+                "request %s: its capability covers another prompt of %d tokens; computing "
+                "the prompt",
+                rid,
+                cap.num_tokens,
+            )
+            self._refuse(cap, params, "prompt differs from the capability")
+            return None
+        try:
+            self._redeemed.redeem(cap)
+        except AuthError as exc:
+            log.warning("request %s: KV capability refused (%s); computing the prompt", rid, exc)
+            params["do_remote_prefill"] = False
             return None
         self._caps[rid] = cap
         return cap
@@ -221,6 +237,7 @@ class SchedulerSide:
             time.time() + self.settings.claim_s,
             0,
             self.block_size,
+            prompt_digest(request.prompt_token_ids),
         )
         out = {
             "do_remote_prefill": True,

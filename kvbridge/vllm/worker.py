@@ -4,17 +4,15 @@ It registers the worker's KV caches once (`cache.describe_kv_caches` names their
 layout), then runs kvbridge's transfer runtime over them: a `WorkerConnector` per role
 (producer and/or consumer, each with its own NIXL agent), driven with the orders the
 scheduler side sends each step. vLLM's worker thread calls `start_load_kv` and
-`get_finished` once per engine step, and a step on CPU may be long, so a small thread
-also polls the runtime at the rate its state needs (every `IDLE_POLL_S` while idle, at
-most every `MIN_POLL_S` while a transfer is pending): reads of a producer's memory
-and its notifications progress only while it polls. One lock serialises the runtime
-between the two threads.
+`get_finished` once per engine step, and a step on CPU may be long: each
+`WorkerConnector` progresses its transfers in its own thread meanwhile (the transfer
+layer's `ProgressThread`, as in kvbridge's own engine), so reads of a producer's memory
+and its notifications do not wait for the next step.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -33,11 +31,6 @@ from kvbridge.vllm.settings import ROLES, ConnectorSettings
 
 #: under vLLM's "vllm" logger, so vLLM's handlers print it
 log = logging.getLogger("vllm.kvbridge")
-
-#: The poll thread waits at least this long between polls (no busy spin on a loaded host).
-MIN_POLL_S = 0.002
-#: ... and at most this long (an idle producer still answers handshakes).
-MAX_POLL_S = 0.05
 
 
 @dataclass
@@ -59,7 +52,7 @@ class StepResults:
 class WorkerSide:
     """One TP rank's transfer runtime; built by `register_kv_caches`, closed by
     `close` (the connector's `shutdown`). Methods are called from vLLM's worker thread;
-    the poll thread shares the runtime under `_lock`."""
+    each `WorkerConnector` serialises them with its own progress thread."""
 
     def __init__(
         self,
@@ -104,53 +97,44 @@ class WorkerSide:
         self._sending: set[str] = set()  # exposed request ids (vLLM's own on a prefill)
         self._pending = StepResults()
         self.num_bytes_pulled = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll_loop, name="kvbridge-poll", daemon=True)
-        self._thread.start()
 
     # -- vLLM's worker thread ------------------------------------------------------------
     def apply(self, orders: StepOrders) -> None:
         """Carry out one step's orders (start_load_kv)."""
-        with self._lock:
-            if self.producer is not None and not self._endpoints_set and orders.endpoints:
-                self.producer.handle(SetEndpoints(orders.endpoints))
-                self._endpoints_set = True
-            for expose in orders.exposes:
-                assert self.producer is not None
-                self.producer.handle(expose)
-                self._sending.add(expose.request_id)
-            for order in orders.pulls:
-                assert self.consumer is not None
-                p = order.pull
-                self._pulls[p.request_id] = _PullState(
-                    order.request_id, list(p.local_block_ids), p.num_tokens, p.start_token
-                )
-                try:
-                    self.consumer.handle(p)
-                except Exception as exc:  # refused at once: report it as a failed load
-                    log.warning("decode worker %d: pull of %s refused: %s", self.rank, p, exc)
-                    state = self._pulls.pop(p.request_id)
-                    self._pending.finished_recving.add(state.request_id)
-                    self._pending.failed_block_ids.update(state.local_block_ids)
-            for decline in orders.declines:
-                if self.consumer is not None:
-                    self.consumer.handle(decline)
+        if self.producer is not None and not self._endpoints_set and orders.endpoints:
+            self.producer.handle(SetEndpoints(orders.endpoints))
+            self._endpoints_set = True
+        for expose in orders.exposes:
+            assert self.producer is not None
+            self.producer.handle(expose)
+            self._sending.add(expose.request_id)
+        for order in orders.pulls:
+            assert self.consumer is not None
+            p = order.pull
+            self._pulls[p.request_id] = _PullState(
+                order.request_id, list(p.local_block_ids), p.num_tokens, p.start_token
+            )
+            try:
+                self.consumer.handle(p)
+            except Exception as exc:  # refused at once: report it as a failed load
+                log.warning("decode worker %d: pull of %s refused: %s", self.rank, p, exc)
+                state = self._pulls.pop(p.request_id)
+                self._pending.finished_recving.add(state.request_id)
+                self._pending.failed_block_ids.update(state.local_block_ids)
+        for decline in orders.declines:
+            if self.consumer is not None:
+                self.consumer.handle(decline)
 
     def collect(self) -> StepResults:
         """Requests whose transfers finished since the last call (get_finished)."""
-        with self._lock:
-            self._drain()
-            out, self._pending = self._pending, StepResults()
+        self._drain()
+        out, self._pending = self._pending, StepResults()
         return out
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        with self._lock:
-            self._close_runtime()
+        self._close_runtime()
 
-    # -- internals (under _lock) ---------------------------------------------------------
+    # -- internals -----------------------------------------------------------------------
     def _drain(self) -> None:
         if self.producer is not None:
             for ev in self.producer.handle(Poll()).events:
@@ -183,13 +167,6 @@ class WorkerSide:
                         state.request_id,
                         ev.reason,
                     )
-
-    def _poll_loop(self) -> None:
-        wait = MAX_POLL_S
-        while not self._stop.wait(wait):
-            with self._lock:
-                waits = [wc.idle_poll() for wc in (self.producer, self.consumer) if wc is not None]
-            wait = min(max(min(waits, default=MAX_POLL_S), MIN_POLL_S), MAX_POLL_S)
 
     def _close_runtime(self) -> None:
         for wc in (self.producer, self.consumer):
