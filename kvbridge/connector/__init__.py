@@ -9,14 +9,13 @@ Layer 3, above `kvbridge.transfer` and below any engine that hosts it: our engin
 `WorkerConnector`. `KVTransferParams` is a request's hand-over record.
 """
 
-from kvbridge.connector.metadata import (
-    ConnectorMetadata,
-    KVTransferParams,
-    KVWorkerOutput,
-    RemoteDecode,
-    RemotePrefill,
-)
-from kvbridge.connector.scheduler import KVConnectorConfig, KVConnectorScheduler, KVRequest
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Pure modules load at once (the CLI's base install reads KVLoadFailure for its flags);
+# the rest, which needs msgspec and the transfer runtime, on first use.
 from kvbridge.connector.states import (
     TRANSITIONS,
     CapabilityRefused,
@@ -26,13 +25,52 @@ from kvbridge.connector.states import (
     RequestState,
 )
 from kvbridge.transfer.config import TransferConfig, is_loopback
-from kvbridge.transfer.connector import (
-    BUSY_POLL_S,
-    IDLE_POLL_S,
-    ConnectorRole,
-    ConnectorSpec,
-)
-from kvbridge.transfer.netdev import device_of as net_device_of
+
+if TYPE_CHECKING:
+    from kvbridge.connector.metadata import (
+        ConnectorMetadata,
+        KVTransferParams,
+        KVWorkerOutput,
+        RemoteDecode,
+        RemotePrefill,
+    )
+    from kvbridge.connector.scheduler import KVConnectorConfig, KVConnectorScheduler, KVRequest
+    from kvbridge.transfer.connector import (
+        BUSY_POLL_S,
+        IDLE_POLL_S,
+        ConnectorRole,
+        ConnectorSpec,
+    )
+    from kvbridge.transfer.netdev import device_of as net_device_of
+
+_LAZY = {
+    **dict.fromkeys(
+        [
+            "ConnectorMetadata",
+            "KVTransferParams",
+            "KVWorkerOutput",
+            "RemoteDecode",
+            "RemotePrefill",
+        ],
+        "kvbridge.connector.metadata",
+    ),
+    **dict.fromkeys(
+        ["KVConnectorConfig", "KVConnectorScheduler", "KVRequest"], "kvbridge.connector.scheduler"
+    ),
+    **dict.fromkeys(
+        ["BUSY_POLL_S", "IDLE_POLL_S", "ConnectorRole", "ConnectorSpec"],
+        "kvbridge.transfer.connector",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "net_device_of":
+        return importlib.import_module("kvbridge.transfer.netdev").device_of
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvbridge.connector' has no attribute {name!r}")
+
 
 __all__ = [
     "BUSY_POLL_S",
