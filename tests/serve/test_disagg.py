@@ -441,7 +441,7 @@ def test_sigterm_to_serve_stops_its_instances(tmp_path):
         children = [
             int(pid)
             for pid in subprocess.run(
-                ["pgrep", "-P", str(serve.pid), "-f", "kvbridge.cli.main serve --role"],
+                ["pgrep", "-P", str(serve.pid), "-f", "kvbridge.serve.instance_main"],
                 capture_output=True,
                 text=True,
             ).stdout.split()
