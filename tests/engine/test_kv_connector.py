@@ -6,6 +6,7 @@ sides. tests/serve runs the same connector across processes at every layout/TP p
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterator
 
@@ -51,15 +52,25 @@ def make(role: ConnectorRole, instance_id: str, **kwargs: object) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    # an agent made in this process keeps UCX to the KV host's device through the
+    # environment (UCX_NET_DEVICES=lo here); later tests' child processes on test hosts
+    # must not inherit that
+    saved = os.environ.get("UCX_NET_DEVICES")
     prefill = make(ConnectorRole.PRODUCER, "P")
     try:
         decode = make(ConnectorRole.CONSUMER, "D")
     except BaseException:
         prefill.shutdown()
         raise
-    yield prefill, decode
-    decode.shutdown()
-    prefill.shutdown()
+    try:
+        yield prefill, decode
+    finally:
+        decode.shutdown()
+        prefill.shutdown()
+        if saved is None:
+            os.environ.pop("UCX_NET_DEVICES", None)
+        else:
+            os.environ["UCX_NET_DEVICES"] = saved
 
 
 def drive(engines: list[LLMEngine], done: Callable[[], bool], timeout: float = 60.0) -> None:
