@@ -25,6 +25,8 @@ own prefix-cache namespace (`isolation.py`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import heapq
 import hmac
@@ -132,6 +134,31 @@ class ReplayGuard:
         return True
 
 
+#: A refused request's body is read and dropped when it declares at most this many bytes
+#: (and arrives within DRAIN_S), so its keep-alive connection ends cleanly and the caller
+#: reads the refusal rather than a reset; a larger one is never read.
+DRAIN_LIMIT = 64 << 10
+DRAIN_S = 5.0
+
+
+async def _drain(headers: dict[bytes, bytes], receive: Any) -> None:
+    try:
+        size = int(headers.get(b"content-length", b"0"))
+    except ValueError:
+        return
+    if not 0 < size <= DRAIN_LIMIT:
+        return
+
+    async def read_all() -> None:
+        while True:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                return
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(read_all(), DRAIN_S)
+
+
 class RequireSignature:
     """ASGI middleware of an instance: every request but OPEN_PATHS must be signed with
     the shared token's HTTP key, once. The outermost middleware: it refuses from the
@@ -155,6 +182,7 @@ class RequireSignature:
 
         stamp, given = header(TIME_HEADER), header(SIGNATURE_HEADER)
         if not stamp or not given:
+            await _drain(headers, receive)
             await _reply(
                 send,
                 401,
@@ -166,6 +194,7 @@ class RequireSignature:
         refusal = self._check(scope, stamp, header(NONCE_HEADER), header(DIGEST_HEADER), given)
         if refusal is not None:
             status, why = refusal
+            await _drain(headers, receive)
             await _reply(send, status, why, "bad_signature" if status == 403 else "overloaded")
             return
         want_digest = header(DIGEST_HEADER)
