@@ -4,14 +4,15 @@ GGUF v2/v3 layout, little-endian:
     magic "GGUF" | version u32 | tensor_count u64 | kv_count u64 | kv_count x (key, type, value)
 A key is a u64-length-prefixed UTF-8 string; a value is typed by a u32 tag (see _SCALARS;
 8 = string, 9 = array of (elem_type u32, count u64, values)). Large arrays (the tokenizer's
-vocabulary) are skipped unless asked for, so reading the geometry costs microseconds.
+vocabulary) are skipped unless asked for, so reading the geometry costs milliseconds.
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from kvbridge.errors import ConfigError
 
@@ -34,14 +35,20 @@ _MAX_ARRAY = 4096
 
 
 class _Reader:
-    def __init__(self, f: BinaryIO, source: str) -> None:
-        self.f = f
+    """Reads the header from a memory map: one slice per field, and arrays skipped
+    by their lengths alone."""
+
+    def __init__(self, buf: mmap.mmap | bytes, source: str) -> None:
+        self.buf = buf
+        self.pos = 0
         self.source = source
 
     def read(self, n: int) -> bytes:
-        data = self.f.read(n)
-        if len(data) != n:
+        end = self.pos + n
+        if end > len(self.buf):
             raise ConfigError(f"{self.source} is truncated (GGUF metadata ends early)")
+        data = self.buf[self.pos : end]
+        self.pos = end
         return data
 
     def unpack(self, fmt: str) -> Any:
@@ -53,6 +60,17 @@ class _Reader:
             raise ConfigError(f"{self.source}: GGUF string of {n} bytes is not plausible")
         return self.read(n).decode("utf-8", errors="replace")
 
+    def skip_strings(self, count: int) -> None:
+        """Step over `count` length-prefixed strings without decoding them."""
+        buf, pos, size = self.buf, self.pos, len(self.buf)
+        for _ in range(count):
+            if pos + 8 > size:
+                raise ConfigError(f"{self.source} is truncated (GGUF metadata ends early)")
+            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        if pos > size:
+            raise ConfigError(f"{self.source} is truncated (GGUF metadata ends early)")
+        self.pos = pos
+
     def value(self, tag: int, keep: bool) -> Any:
         if tag in _SCALARS:
             return self.unpack(_SCALARS[tag])
@@ -61,9 +79,13 @@ class _Reader:
         if tag == _ARRAY:
             elem = self.unpack("<I")
             count = self.unpack("<Q")
-            if elem in _SCALARS and not keep and count > _MAX_ARRAY:
-                self.f.seek(count * struct.calcsize(_SCALARS[elem]), 1)
-                return None
+            if not keep and count > _MAX_ARRAY:
+                if elem in _SCALARS:
+                    self.read(count * struct.calcsize(_SCALARS[elem]))
+                    return None
+                if elem == _STRING:
+                    self.skip_strings(count)
+                    return None
             items = [self.value(elem, keep) for _ in range(count)]
             return items if keep or count <= _MAX_ARRAY else None
         raise ConfigError(f"{self.source}: unknown GGUF value type {tag}")
@@ -80,17 +102,28 @@ def read_metadata(path: str | Path, keep: frozenset[str] = frozenset()) -> dict[
     except OSError as exc:
         raise ConfigError(f"cannot read GGUF file {source}: {exc.strerror or exc}") from None
     with f:
-        r = _Reader(f, source)
-        if r.read(4) != b"GGUF":
-            raise ConfigError(f"{source} is not a GGUF file (bad magic)")
-        version = r.unpack("<I")
-        if version not in (2, 3):
-            raise ConfigError(f"{source}: GGUF version {version} is not supported; use 2 or 3")
-        r.unpack("<Q")  # tensor count
-        num_kv = r.unpack("<Q")
-        meta: dict[str, Any] = {}
-        for _ in range(num_kv):
-            key = r.string()
-            tag = r.unpack("<I")
-            meta[key] = r.value(tag, key in keep)
-        return meta
+        try:
+            buf: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # an empty file cannot be mapped
+            buf = b""
+        try:
+            return _parse(_Reader(buf, source), keep)
+        finally:
+            if isinstance(buf, mmap.mmap):
+                buf.close()
+
+
+def _parse(r: _Reader, keep: frozenset[str]) -> dict[str, Any]:
+    if r.read(4) != b"GGUF":
+        raise ConfigError(f"{r.source} is not a GGUF file (bad magic)")
+    version = r.unpack("<I")
+    if version not in (2, 3):
+        raise ConfigError(f"{r.source}: GGUF version {version} is not supported; use 2 or 3")
+    r.unpack("<Q")  # tensor count
+    num_kv = r.unpack("<Q")
+    meta: dict[str, Any] = {}
+    for _ in range(num_kv):
+        key = r.string()
+        tag = r.unpack("<I")
+        meta[key] = r.value(tag, key in keep)
+    return meta

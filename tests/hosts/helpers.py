@@ -40,9 +40,10 @@ class ThreeHosts:
     @classmethod
     def start(cls, net: HostNetwork, timeout_s: float = 900) -> ThreeHosts:
         dep = cls(net.add("prefill"), net.add("decode"), net.add("proxy"))
-        # prefill blocks a cut link strands are freed by the lease: keep it short; each
+        # prefill blocks a cut link strands are freed by the lease: keep it short (but
+        # past the slow-link pull, ~18 s, which the lease would cut short); each
         # instance holds up to MAX_QUEUED requests (64 streams fit, a burst does not)
-        dep.start_instance(dep.prefill, "prefill", 1, lease_s=60, max_queued_requests=MAX_QUEUED)
+        dep.start_instance(dep.prefill, "prefill", 1, lease_s=40, max_queued_requests=MAX_QUEUED)
         dep.start_instance(dep.decode, "decode", 3, max_queued_requests=MAX_QUEUED)
         px = dep.proxy
         upstream = ["--prefill", dep.url(dep.prefill), "--decode", dep.url(dep.decode)]

@@ -170,7 +170,7 @@ def test_a_link_cut_mid_pull_fails_fast_and_heals(three_hosts: ThreeHosts) -> No
     for i in range(2):
         again = dep.complete(f"Healed {i}. {LONG_PROMPT}", 2)
         assert "kvbridge_kv_load_error" not in again and again["kvbridge_stages"]["kv_bytes"]
-    dep.wait_released(dep.prefill, 90)  # the cut request's blocks: at its 60 s lease
+    dep.wait_released(dep.prefill, 90)  # the cut request's blocks: at its 40 s lease
 
 
 def test_a_killed_prefill_host_leaves_decode_and_proxy_answering(

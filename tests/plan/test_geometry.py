@@ -10,6 +10,7 @@ import pytest
 
 from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import AttentionKind, from_gguf, from_hf_config, load_model_spec
+from kvbridge.plan.gguf_meta import read_metadata
 from tests.conftest import smollm2_gguf
 
 
@@ -178,13 +179,16 @@ def _gguf_string(s: str) -> bytes:
     return struct.pack("<Q", len(b)) + b
 
 
-def _write_gguf(path: Path, kv: dict[str, int | str]) -> None:
-    """A minimal GGUF v3 header with u32 / string metadata and no tensors."""
+def _write_gguf(path: Path, kv: dict[str, int | str | list[str]]) -> None:
+    """A minimal GGUF v3 header with u32 / string / string-array metadata, no tensors."""
     out = b"GGUF" + struct.pack("<IQQ", 3, 0, len(kv))
     for key, value in kv.items():
         out += _gguf_string(key)
         if isinstance(value, str):
             out += struct.pack("<I", 8) + _gguf_string(value)
+        elif isinstance(value, list):
+            out += struct.pack("<IIQ", 9, 8, len(value))
+            out += b"".join(_gguf_string(v) for v in value)
         else:
             out += struct.pack("<II", 4, value)
     path.write_bytes(out)
@@ -217,6 +221,22 @@ def test_gguf_metadata(tmp_path: Path):
     _write_gguf(path, {"general.architecture": "llama", "llama.attention.head_count": 8})
     with pytest.raises(ConfigError, match=r"llama\.block_count is missing"):
         from_gguf(path)
+
+
+def test_long_string_arrays_are_skipped_unless_asked_for(tmp_path: Path):
+    """A vocabulary is stepped over by its lengths when only the geometry is read, and
+    the keys after it still read right; asked for, it comes back whole."""
+    path = tmp_path / "v.gguf"
+    vocab = [f"tok{i}" * (i % 3) for i in range(5000)]
+    _write_gguf(path, {"tokenizer.ggml.tokens": vocab, "general.architecture": "llama"})
+    assert read_metadata(path) == {"tokenizer.ggml.tokens": None, "general.architecture": "llama"}
+    assert (
+        read_metadata(path, frozenset({"tokenizer.ggml.tokens"}))["tokenizer.ggml.tokens"] == vocab
+    )
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])  # inside the array
+    with pytest.raises(ConfigError, match="truncated"):
+        read_metadata(cut)
 
 
 def test_smollm2_gguf_shipped_model():

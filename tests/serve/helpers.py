@@ -88,10 +88,22 @@ def raw_post(url: str, path: str, headers: bytes, chunks: list[bytes]) -> tuple[
         for chunk in chunks:
             if select.select([sock], [], [], 0)[0]:
                 break  # answered before the body ended
-            sock.sendall(chunk)
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break  # the server answered and closed while this chunk was on its way
             sent += len(chunk)
             time.sleep(0.001)
+        # A server that answers from the headers and closes with body bytes still unread
+        # resets the connection (RFC 9112 9.6 allows it); the kernel hands over the answer
+        # it received before the reset, then reports the reset.
         answer = b""
-        while data := sock.recv(65536):
+        while True:
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                break
+            if not data:
+                break
             answer += data
     return sent, answer
