@@ -43,13 +43,17 @@ class _Reader:
         self.pos = 0
         self.source = source
 
-    def read(self, n: int) -> bytes:
-        end = self.pos + n
+    def skip(self, n: int) -> int:
+        """Step over `n` bytes; returns where they began."""
+        start, end = self.pos, self.pos + n
         if end > len(self.buf):
             raise ConfigError(f"{self.source} is truncated (GGUF metadata ends early)")
-        data = self.buf[self.pos : end]
         self.pos = end
-        return data
+        return start
+
+    def read(self, n: int) -> bytes:
+        start = self.skip(n)
+        return self.buf[start : self.pos]
 
     def unpack(self, fmt: str) -> Any:
         return struct.unpack(fmt, self.read(struct.calcsize(fmt)))[0]
@@ -62,14 +66,13 @@ class _Reader:
 
     def skip_strings(self, count: int) -> None:
         """Step over `count` length-prefixed strings without decoding them."""
-        buf, pos, size = self.buf, self.pos, len(self.buf)
-        for _ in range(count):
-            if pos + 8 > size:
-                raise ConfigError(f"{self.source} is truncated (GGUF metadata ends early)")
-            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
-        if pos > size:
-            raise ConfigError(f"{self.source} is truncated (GGUF metadata ends early)")
-        self.pos = pos
+        buf, pos = self.buf, self.pos  # locals: this loop runs once per vocabulary entry
+        try:
+            for _ in range(count):
+                pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        except struct.error:  # a length field runs past the end
+            pos = len(buf) + 1
+        self.skip(pos - self.pos)
 
     def value(self, tag: int, keep: bool) -> Any:
         if tag in _SCALARS:
@@ -81,7 +84,7 @@ class _Reader:
             count = self.unpack("<Q")
             if not keep and count > _MAX_ARRAY:
                 if elem in _SCALARS:
-                    self.read(count * struct.calcsize(_SCALARS[elem]))
+                    self.skip(count * struct.calcsize(_SCALARS[elem]))
                     return None
                 if elem == _STRING:
                     self.skip_strings(count)
