@@ -17,8 +17,12 @@ whose side channel answered no heartbeat for `liveness_timeout_s` (its host or l
 down) or a request running past `transfer_timeout_s` fails the request with its reason
 (a lost worker is forgotten, so the next pull reconnects); a request that gives up
 tells the producer workers still waiting (`ReadDone(ok=False)`), so they release at
-once instead of at the lease. Not thread-safe: `pull`, `poll`, `close` from one thread
-at a time (a `WorkerConnector` holds its lock around each).
+once instead of at the lease. A pull's blocks are handed back only when none of its
+READs can still write into them: one NIXL could not cancel keeps the pull (and its
+blocks) held, retried every second, and its outcome is reported once it is released, so
+a late completion never lands in blocks given to another request. Not thread-safe:
+`pull`, `poll`, `close` from one thread at a time (a `WorkerConnector` holds its lock
+around each).
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ log = logging.getLogger("kvbridge.transfer.consumer")
 #: How long an introduced producer is still polled at the busy cadence once met, so the
 #: connections NIXL makes to its workers complete before the first pull (seconds).
 CONNECT_SETTLE_S = 0.3
+#: How often an ended pull retries releasing a READ NIXL could not cancel (seconds).
+RELEASE_RETRY_S = 1.0
 
 
 class TransferState(enum.Enum):
@@ -104,6 +110,10 @@ class _Pull:
     # follows the last
     silent: set[int] = field(default_factory=set)
     stats: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # set once the pull has ended: its outcome, reported when no READ of it can still
+    # write into its blocks (NIXL could not cancel one: retried every RELEASE_RETRY_S)
+    outcome: tuple[TransferState, str] | None = None
+    retry_at: float = 0.0  # when to try releasing its uncancelled READs again
 
 
 class KVConsumer:
@@ -130,7 +140,7 @@ class KVConsumer:
         self._clock = clock
         self._pulls: dict[str, _Pull] = {}
         self._local_dlists: dict[int, Any] = {}
-        self._orphan_dlists: list[Any] = []  # of READs that could not be cancelled
+        self._orphan_dlists: list[Any] = []  # of READs still uncancelled at close
         self._results: list[TransferResult] = []
         self._connecting: dict[str, ProducerInstance] = {}  # introductions in flight
         self._connect_deadline: dict[str, float] = {}
@@ -304,7 +314,7 @@ class KVConsumer:
     def close(self) -> list[TransferResult]:
         """Fail what is in flight ("consumer closed"), drop peers; returns those results."""
         for pull in list(self._pulls.values()):
-            self._finish(pull, TransferState.FAILED, "consumer closed")
+            self._finish(pull, TransferState.FAILED, "consumer closed", final=True)
         self.directory.close()
         for handle in (*self._local_dlists.values(), *self._orphan_dlists):
             self.transport.release_dlist(handle)
@@ -315,6 +325,10 @@ class KVConsumer:
 
     # -- requests ----------------------------------------------------------------------
     def _advance_pull(self, pull: _Pull, now: float) -> None:
+        if pull.outcome is not None:  # ended; a READ NIXL could not cancel yet
+            if now >= pull.retry_at:
+                self._finish(pull, *pull.outcome)
+            return
         inst = pull.instance
         if pull.state is TransferState.HANDSHAKING:
             if inst.reason:
@@ -372,6 +386,8 @@ class KVConsumer:
         any worker is dropped (dropping releases descriptor lists its READs use)."""
         lost: dict[str, tuple[ProducerWorker, str]] = {}
         for pull in list(self._pulls.values()):
+            if pull.outcome is not None:
+                continue  # ended already; its READs are being released
             gone = [
                 (p, pull.instance.readers[p])
                 for p, _ in pull.xfers.values()
@@ -542,8 +558,31 @@ class KVConsumer:
             self._local_dlists[g] = self.transport.prep_local(unit_descs(self.regions, g))
         return self._local_dlists[g]
 
-    def _finish(self, pull: _Pull, state: TransferState, reason: str) -> None:
-        cancelled = all([self.transport.release(x) for _, x in pull.xfers.values()])
+    def _finish(
+        self, pull: _Pull, state: TransferState, reason: str, *, final: bool = False
+    ) -> None:
+        """End `pull` with `state`. A READ NIXL cannot cancel may still write into the
+        pull's blocks (a late completion after a link heals), so while one is left the
+        pull stays held, its blocks with it, and is retried every `RELEASE_RETRY_S`: its outcome is
+        reported, and its blocks handed back, once no READ of it can land (`final`, at
+        close: reported anyway, the cache goes with the agent)."""
+        first = pull.outcome is None
+        state, reason = pull.outcome = pull.outcome or (state, reason)
+        pull.xfers = {i: px for i, px in pull.xfers.items() if not self.transport.release(px[1])}
+        if pull.xfers and not final:
+            pull.retry_at = self._clock() + RELEASE_RETRY_S
+            if first:
+                log.warning(
+                    "decode worker %d: pull of %r ended (%s) but NIXL could not cancel %d "
+                    "of its READs; its %d blocks stay held until it can",
+                    self.rank,
+                    pull.request_id,
+                    reason or state.value,
+                    len(pull.xfers),
+                    len(pull.local_block_ids),
+                )
+            return
+        cancelled = not pull.xfers
         pull.xfers.clear()
         if state is TransferState.FAILED and cancelled:
             # producer workers still waiting for us may release now: we will not read
@@ -562,7 +601,7 @@ class KVConsumer:
             self._orphan_dlists += pull.temp_dlists
             log.warning(
                 "decode worker %d: keeping %d descriptor lists of %r until close: NIXL "
-                "could not cancel its READ",
+                "could not cancel its READ before the consumer closed",
                 self.rank,
                 len(pull.temp_dlists),
                 pull.request_id,

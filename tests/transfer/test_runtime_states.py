@@ -16,6 +16,7 @@ from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import (
     CONNECT_SETTLE_S,
+    RELEASE_RETRY_S,
     KVConsumer,
     TransferState,
 )
@@ -203,15 +204,38 @@ def test_split_reads_notify_only_after_the_last_and_never_after_a_failure(produc
     assert [opened(c, p, m).ok for _, m in t.sent] == [False]
 
 
-def test_lists_of_a_read_nixl_cannot_cancel_are_kept_until_close(producer, clock) -> None:
+def test_a_failed_pull_whose_read_nixl_cannot_cancel_keeps_its_blocks_until_it_can(
+    producer, clock
+) -> None:
+    """A READ that outlives its pull (NIXL cannot cancel it; after a link heals it may
+    still complete) must not write into blocks given to another request: the pull's
+    outcome, and with it its blocks, waits until the READ is released."""
     p, _ = producer
     c, t = pull_split(p, clock)
     t.cancellable = False
     clock.now += 6  # past transfer_timeout_s
-    [result] = drive(p, [c])
-    assert result.state is TransferState.FAILED
+    assert drive(p, [c]) == []  # ended, not reported: its blocks stay with the consumer
+    assert c.num_held_blocks == 2 and c.is_busy
     assert ("local", 8) not in t.released_dlists  # the READ may still write through them
-    c.close()
+    assert t.sent == []  # the producer keeps the source until we cannot read it
+    t.cancellable = True  # releasable now (the READ is known dead)
+    assert drive(p, [c]) == []  # not retried before RELEASE_RETRY_S
+    clock.now += RELEASE_RETRY_S
+    [result] = drive(p, [c])
+    assert result.state is TransferState.FAILED and "timed out" in result.reason
+    assert result.local_block_ids == (1, 6) and c.num_held_blocks == 0
+    assert ("local", 8) in t.released_dlists
+    assert [opened(c, p, m).ok for _, m in t.sent] == [False]
+
+
+def test_lists_of_a_read_still_uncancelled_at_close_are_kept_until_the_end(producer, clock) -> None:
+    p, _ = producer
+    c, t = pull_split(p, clock)
+    t.cancellable = False
+    clock.now += 6
+    assert drive(p, [c]) == []
+    [result] = c.close()  # reported anyway: the cache goes with the agent
+    assert result.state is TransferState.FAILED and "timed out" in result.reason
     assert ("local", 8) in t.released_dlists and ("remote", "prefill0", 8) in t.released_dlists
 
 
