@@ -563,9 +563,9 @@ class KVConsumer:
     ) -> None:
         """End `pull` with `state`. A READ NIXL cannot cancel may still write into the
         pull's blocks (a late completion after a link heals), so while one is left the
-        pull stays held, its blocks with it, and is retried every `RELEASE_RETRY_S`: its outcome is
-        reported, and its blocks handed back, once no READ of it can land (`final`, at
-        close: reported anyway, the cache goes with the agent)."""
+        pull stays held, its blocks with it, and is retried every `RELEASE_RETRY_S`: its
+        outcome is reported, and its blocks handed back, once no READ of it can land
+        (`final`, at close: reported anyway, the cache goes with the agent)."""
         first = pull.outcome is None
         state, reason = pull.outcome = pull.outcome or (state, reason)
         pull.xfers = {i: px for i, px in pull.xfers.items() if not self.transport.release(px[1])}
