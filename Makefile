@@ -50,7 +50,7 @@ VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_MODELS ?= .cache/vllm-models
 
-.PHONY: vllm-setup vllm-models test-vllm
+.PHONY: vllm-setup vllm-models test-vllm demo-vllm
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -65,6 +65,11 @@ vllm-setup: $(VLLM_STAMP)
 
 vllm-models: vllm-setup
 	$(VLLM_BIN)/python -m kvbridge.vllm.models --out $(VLLM_MODELS)
+
+# A prefill (tp 1) and a decode (tp 3) vLLM instance with KVBridgeConnector behind
+# kvbridge's proxy: one question, checked against colocated vLLM.
+demo-vllm: vllm-models
+	$(VLLM_BIN)/kvbridge demo --engine vllm
 
 # One vLLM P/D pair at a time, each under the heavy lock (a pair takes 7-10 GiB); every
 # case compares tokens with colocated vLLM and checks the KV bytes the decode workers pulled.

@@ -4,6 +4,8 @@ kvbridge serve                       proxy :8300 + prefill (tp 3) + decode (tp 9
 kvbridge serve --role prefill --tp 3 --port 8301
 kvbridge serve --role decode  --tp 9 --port 8302
 kvbridge serve --role proxy --prefill http://h1:8301 --decode http://h2:8302
+kvbridge serve --role proxy --engine vllm --prefill http://h1:8100 --decode http://h2:8200
+kvbridge demo [--engine vllm]
 """
 
 from __future__ import annotations
@@ -21,11 +23,26 @@ from typing import Any
 from kvbridge.cli.plan_cmd import layout_arg
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP
-from kvbridge.serve.config import InstanceConfig
+from kvbridge.serve.config import Engine, InstanceConfig, ProxyConfig
 
 #: The flags' defaults are InstanceConfig's (the one declaration of each setting);
 #: tests/serve/test_config.py checks every flag named after one of its fields.
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(InstanceConfig)}
+#: A whole deployment of the reference engine: prefill and decode tp.
+DEFAULT_TP = {"prefill": 3, "decode": 9}
+ENGINE_HELP = (
+    "what runs the instances: kvbridge's reference engine (default) or vLLM with "
+    "KVBridgeConnector (docs/vllm.md)"
+)
+
+
+def add_engine_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engine",
+        choices=[e.value for e in Engine],
+        default=ProxyConfig.engine.value,
+        help=ENGINE_HELP,
+    )
 
 
 def add_instance_arguments(p: argparse.ArgumentParser) -> None:
@@ -184,9 +201,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(or one role alone). Ctrl-C stops everything.",
     )
     p.add_argument("--role", choices=["all", "prefill", "decode", "proxy"], default="all")
+    add_engine_argument(p)
     p.add_argument("--port", type=int, default=8300, help="HTTP port (default 8300; 0: any)")
     p.add_argument("--port-file", default=None, help=argparse.SUPPRESS)  # launcher-internal
-    for side, tp in (("prefill", 3), ("decode", 9)):
+    for side, tp in DEFAULT_TP.items():
         p.add_argument(f"--{side}-tp", type=int, default=tp, help=f"{side} tp (default {tp})")
         p.add_argument(f"--{side}-pp", type=int, default=1, help=f"{side} pp (1 only for now)")
         p.add_argument(f"--{side}-block-size", type=int, default=DEFAULT_BLOCK_SIZE)
@@ -237,16 +255,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser(
         "demo",
         help="start the default serve, ask it one question, check the answer, exit",
-        description="Starts prefill tp 3 -> decode tp 9, sends the prompt through the "
-        "OpenAI API, prints the completion and the stages, and checks the text equals "
-        "the same request generated colocated.",
+        description="Starts prefill tp 3 -> decode tp 9 (with --engine vllm: two vLLM "
+        "instances with KVBridgeConnector, tp 1 -> tp 3, block 32), sends the prompt "
+        "through the OpenAI API, prints the completion and the stages, and checks the "
+        "text equals the same request generated colocated.",
     )
     d.add_argument("prompt", nargs="?", default="The capital of France is")
     d.add_argument("--max-tokens", type=int, default=10)
-    for side, tp in (("prefill", 3), ("decode", 9)):
-        d.add_argument(f"--{side}-tp", type=int, default=tp)
+    add_engine_argument(d)
+    for side, tp in DEFAULT_TP.items():
+        d.add_argument(f"--{side}-tp", type=int, default=None, help=f"default {tp}")
         d.add_argument(f"--{side}-pp", type=int, default=1)
-        d.add_argument(f"--{side}-block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+        d.add_argument(
+            f"--{side}-block-size", type=int, default=None, help=f"default {DEFAULT_BLOCK_SIZE}"
+        )
         d.add_argument(
             f"--{side}-layout", type=layout_arg, default=DEFAULT_LAYOUT, metavar="LAYOUT"
         )
@@ -366,6 +388,13 @@ def deployment_token(args: argparse.Namespace) -> Iterator[None]:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if Engine(args.engine) is Engine.VLLM and args.role != "proxy":
+        raise ConfigError(
+            f"--engine vllm with --role {args.role}: kvbridge serves the proxy in front of "
+            "vLLM instances (--role proxy --engine vllm --prefill URL --decode URL); start "
+            "the instances with vLLM itself and KVBridgeConnector (docs/vllm.md), or try "
+            "`kvbridge demo --engine vllm`"
+        )
     if args.role in ("prefill", "decode"):
         from kvbridge.serve.instance_main import run_instance
 
@@ -391,6 +420,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 args.kv_token_file,
                 api_key(args),
                 args.insecure,
+                engine=Engine(args.engine),
                 **proxy_options(args),
             )
         )
@@ -426,8 +456,40 @@ def _run_deployment(args: argparse.Namespace, run_proxy: Any) -> int:
         dep.stop()
 
 
+def fill_demo_defaults(args: argparse.Namespace) -> None:
+    """The reference engine's demo sizes for the flags left unset (each engine has its
+    own: `kvbridge.vllm.launch.VLLMDemoConfig` for vLLM)."""
+    for side, tp in DEFAULT_TP.items():
+        if getattr(args, f"{side}_tp") is None:
+            setattr(args, f"{side}_tp", tp)
+        if getattr(args, f"{side}_block_size") is None:
+            setattr(args, f"{side}_block_size", DEFAULT_BLOCK_SIZE)
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    if Engine(args.engine) is Engine.VLLM:
+        return _run_vllm_demo(args)
     from kvbridge.serve.demo import demo
 
+    fill_demo_defaults(args)
     with deployment_token(args):
         return demo(deployment_config(args), args.prompt, args.max_tokens)
+
+
+def _run_vllm_demo(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            f"--engine vllm runs vLLM from this Python ({sys.executable}), which has no "
+            "vllm: `make demo-vllm` builds vLLM's CPU build in .venv-vllm and runs "
+            "`.venv-vllm/bin/kvbridge demo --engine vllm` there"
+        )
+    from kvbridge.vllm.launch import VLLMDemoConfig, demo
+
+    given = {
+        f: getattr(args, f)
+        for f in ("prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size")
+        if getattr(args, f) is not None
+    }
+    return demo(VLLMDemoConfig(prompt=args.prompt, max_tokens=args.max_tokens, **given))

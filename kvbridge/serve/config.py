@@ -27,6 +27,15 @@ class Role(enum.Enum):
     DECODE = "decode"
 
 
+class Engine(enum.Enum):
+    """What runs the instances behind a proxy: kvbridge's reference engine (its own
+    instances, `kvbridge serve --role prefill|decode`) or vLLM with a KV connector
+    (vLLM's two-step P/D request, `vllm_backend.py`)."""
+
+    KVBRIDGE = "kvbridge"
+    VLLM = "vllm"
+
+
 #: Slack between a pull capability's expiry and the release of its unclaimed blocks:
 #: covers clocks that differ between hosts and the moment between exposing the blocks
 #: and issuing the capability.
@@ -172,6 +181,7 @@ class ProxyConfig:
     #: who shares cached prefixes (`isolation.py`); None: per API key with --api-key
     prefix_cache_isolation: PrefixCacheIsolation | None = None
     hide_cached_tokens: bool = False  # leave cache figures out of responses
+    engine: Engine = Engine.KVBRIDGE  # what the instances are
 
     def __post_init__(self) -> None:
         _check_body_limit(self.max_body_mb)

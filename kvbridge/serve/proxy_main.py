@@ -7,7 +7,8 @@ import sys
 import uvicorn
 from fastapi import FastAPI
 
-from kvbridge.serve.config import ProxyConfig
+from kvbridge.serve.backend import Backend
+from kvbridge.serve.config import Engine, ProxyConfig
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.proxy import make_app
 from kvbridge.transfer.config import is_loopback
@@ -43,13 +44,24 @@ def proxy_banner(cfg: ProxyConfig, port: int) -> list[str]:
 
 def proxy_app(cfg: ProxyConfig) -> FastAPI:
     """The proxy's app over the instances `cfg` names, with its settings."""
-    backend = DisaggBackend(
-        list(cfg.prefill_urls),
-        list(cfg.decode_urls),
-        cfg.model,
-        recompute_on_failure=cfg.recompute_on_failure,
-        token=cfg.token(),
-    )
+    backend: Backend
+    if cfg.engine is Engine.VLLM:
+        from kvbridge.serve.vllm_backend import VLLMBackend
+
+        backend = VLLMBackend(
+            cfg.prefill_urls,
+            cfg.decode_urls,
+            cfg.model,
+            recompute_on_failure=cfg.recompute_on_failure,
+        )
+    else:
+        backend = DisaggBackend(
+            list(cfg.prefill_urls),
+            list(cfg.decode_urls),
+            cfg.model,
+            recompute_on_failure=cfg.recompute_on_failure,
+            token=cfg.token(),
+        )
     return make_app(
         backend,
         max_body_bytes=cfg.max_body_bytes,
@@ -64,7 +76,8 @@ def run_proxy(cfg: ProxyConfig) -> int:
     for line in proxy_banner(cfg, cfg.port):
         print(line, file=sys.stderr, flush=True)
     print(
-        f"prefill {list(cfg.prefill_urls)}, decode {list(cfg.decode_urls)}; "
+        f"{cfg.engine.value} instances: prefill {list(cfg.prefill_urls)}, decode "
+        f"{list(cfg.decode_urls)}; "
         "Ctrl-C stops everything",
         file=sys.stderr,
         flush=True,

@@ -1,29 +1,51 @@
 """Start vLLM instances with KVBridgeConnector: the command line, the environment, and
 a one-command P/D demo on one host.
 
-    python -m kvbridge.vllm.launch demo [--prefill-tp 1] [--decode-tp 3]
+    kvbridge demo --engine vllm [--prefill-tp 1] [--decode-tp 3]
 
 makes the SmolLM2 folder if needed (`models.py`, offline), starts a prefill and a
-decode instance of vLLM (its CPU build) and `kvbridge.vllm.proxy` in front, asks the
-proxy one question, prints the answer and stops everything it started.
+decode instance of vLLM (its CPU build) and kvbridge's proxy in front (`kvbridge serve
+--role proxy --engine vllm`), asks the proxy one question, checks the answer and stops
+everything it started.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
+import re
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbridge.errors import ConfigError
+
 #: vLLM's CPU build: the KV cache space per instance (GiB) unless the caller set it.
 KVCACHE_SPACE_GIB = "1"
+#: KVBridgeConnector's bounds for a small host under load (a first handshake and its
+#: descriptor lists can take minutes with a dozen vLLM processes on two cores).
+LOADED_HOST_SETTINGS: dict[str, Any] = {
+    "lease_s": 300,
+    "transfer_timeout_s": 300,
+    "handshake_timeout_s": 180,
+    "liveness_timeout_s": 180,
+    "claim_s": 900,
+}
+#: vLLM arguments for a small host: float32 (the tokens the tests compare), a short
+#: context, few sequences, and a small cache (fewer descriptors to prepare per peer).
+SMALL_HOST_ARGS = (
+    "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
+    "--seed", "0", "--enforce-eager", "--disable-log-stats", "--num-gpu-blocks-override", "128",
+)  # fmt: skip
+#: A decode worker's log line for a finished pull (worker.py): its rank and bytes.
+PULLED = re.compile(r"kvbridge decode worker (\d+) pulled \S+: tokens \[\d+, \d+\), (\d+) bytes")
 
 
 def free_port() -> int:
@@ -113,56 +135,105 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> N
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
-def demo(args: argparse.Namespace) -> None:
+@dataclass(frozen=True)
+class VLLMDemoConfig:
+    """`kvbridge demo --engine vllm`: two vLLM instances of SmolLM2-135M (vLLM's CPU
+    build: block sizes multiples of 32; tp 1, 3 or 9 for its 9 query heads)."""
+
+    prompt: str = "The capital of France is"
+    max_tokens: int = 10
+    prefill_tp: int = 1
+    decode_tp: int = 3
+    prefill_block_size: int = 32
+    decode_block_size: int = 32
+    log_dir: str = ".cache/vllm-demo"
+
+    def __post_init__(self) -> None:
+        for side in ("prefill", "decode"):
+            tp, block = getattr(self, f"{side}_tp"), getattr(self, f"{side}_block_size")
+            if tp not in (1, 3, 9):
+                raise ConfigError(
+                    f"--{side}-tp {tp}: SmolLM2-135M has 9 query heads, so vLLM runs it at "
+                    "tp 1, 3 or 9 (9 needs 9 worker processes: use 1 or 3 on a small host)"
+                )
+            if block <= 0 or block % 32:
+                raise ConfigError(
+                    f"--{side}-block-size {block}: vLLM's CPU build takes block sizes that "
+                    "are multiples of 32; use 32 or 64"
+                )
+
+
+def demo(cfg: VLLMDemoConfig) -> int:
+    """Start the pair (a shared secret made up for the run) and kvbridge's proxy, ask one
+    question through the OpenAI API, and check it: the answer must equal the decode
+    instance's own colocated answer, and every decode worker must have pulled the
+    prompt's KV (from its log). Returns 0, or 1 naming what failed; stops everything."""
     import httpx
 
+    from kvbridge.serve.config import Engine, ProxyConfig
+    from kvbridge.serve.http_server import ServerThread
+    from kvbridge.serve.proxy_main import proxy_app
     from kvbridge.vllm.models import DEFAULT_DIR, make
 
     model = make("smollm2-135m", DEFAULT_DIR)
-    logs = Path(args.log_dir)
+    logs = Path(cfg.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     urls = []
+    secret = {"KVBRIDGE_TRANSFER_TOKEN": secrets.token_hex(32)}
+    server: ServerThread | None = None
     try:
-        for name, tp, core in (("prefill", args.prefill_tp, 0), ("decode", args.decode_tp, 1)):
+        for name, core in (("prefill", 0), ("decode", 1)):
+            tp, block = getattr(cfg, f"{name}_tp"), getattr(cfg, f"{name}_block_size")
             port = free_port()
-            cmd = vllm_command(
-                model, port, tp, args.block_size, kv_transfer_config(), "--enforce-eager"
-            )
-            procs.append(start(cmd, vllm_env(tp, core), open(logs / f"{name}.log", "wb")))  # noqa: SIM115
+            kv = kv_transfer_config(extra=LOADED_HOST_SETTINGS)
+            cmd = vllm_command(model, port, tp, block, kv, *SMALL_HOST_ARGS)
+            env = vllm_env(tp, core) | secret
+            procs.append(start(cmd, env, open(logs / f"{name}.log", "wb")))  # noqa: SIM115
             urls.append(f"http://127.0.0.1:{port}")
-            print(f"{name}: tp {tp} at {urls[-1]} (log {logs / (name + '.log')})", flush=True)
+            print(f"{name}: vLLM tp {tp}, block {block} at {urls[-1]} (log {logs / name}.log)")
+        print("loading (vLLM takes 30-60 s per instance) ...", flush=True)
         for url, proc in zip(urls, procs, strict=True):
             wait_healthy(url, proc, 900)
-        port = free_port()
-        proxy = [sys.executable, "-m", "kvbridge.vllm.proxy", "--prefill", urls[0]]
-        proxy += ["--decode", urls[1], "--port", str(port)]
-        procs.append(start(proxy, dict(os.environ), open(logs / "proxy.log", "wb")))  # noqa: SIM115
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, procs[-1], 60)
-        body = {"model": str(model), "prompt": args.prompt, "max_tokens": 8, "temperature": 0}
-        r = httpx.post(url + "/v1/completions", json=body, timeout=600)
-        r.raise_for_status()
-        print(f"{args.prompt!r} ->{r.json()['choices'][0]['text']!r}")
+        proxy = ProxyConfig(str(model), (urls[0],), (urls[1],), engine=Engine.VLLM)
+        server = ServerThread(proxy_app(proxy)).start()
+        body = {"prompt": cfg.prompt, "max_tokens": cfg.max_tokens, "temperature": 0}
+        print(f"$ curl {server.url}/v1/completions -d '{json.dumps(body)}'")
+        decode_log = logs / "decode.log"
+        since = decode_log.stat().st_size
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=900)
+        if r.status_code != 200:
+            print(f"FAILED: the proxy answered {r.status_code}: {r.text}")
+            return 1
+        got = r.json()
+        text = got["choices"][0]["text"]
+        stages = got.get("kvbridge_stages", {})
+        print(f"completion: {cfg.prompt!r} -> {text!r}")
+        print(
+            f"stages: prefill {stages.get('prefill_ms', 0):.0f} ms | decode "
+            f"{got['usage']['completion_tokens']} tokens in {stages.get('decode_ms', 0):.0f} ms"
+        )
+        with open(decode_log, "rb") as f:
+            f.seek(since)
+            pulled = PULLED.findall(f.read().decode(errors="replace"))
+        ranks = sorted({int(rank) for rank, _ in pulled})
+        if ranks != list(range(cfg.decode_tp)):
+            print(
+                f"FAILED: decode workers {ranks} logged a pull; all {cfg.decode_tp} should "
+                f"have (the KV did not come over: see {decode_log})"
+            )
+            return 1
+        print(f"KV: {sum(int(n) for _, n in pulled):,} bytes pulled by {len(ranks)} decode workers")
+        ref = httpx.post(
+            urls[1] + "/v1/completions", json={**body, "model": str(model)}, timeout=900
+        ).json()["choices"][0]["text"]
+        if ref != text:
+            print(f"FAILED: colocated generation on the decode instance gives {ref!r}")
+            return 1
+        print("check: identical to colocated generation on the decode instance")
+        return 0
     finally:
+        if server is not None:
+            server.stop()
         for proc in reversed(procs):
             stop(proc)
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser(
-        "demo", help="a prefill and a decode instance of vLLM, a proxy, one question"
-    )
-    d.add_argument("--prefill-tp", type=int, default=1)
-    d.add_argument("--decode-tp", type=int, default=3)
-    d.add_argument("--block-size", type=int, default=32, help="a multiple of 32 on CPU")
-    d.add_argument("--prompt", default="The capital of France is")
-    d.add_argument("--log-dir", default=".cache/vllm-demo")
-    args = ap.parse_args(argv)
-    demo(args)
-
-
-if __name__ == "__main__":
-    main()

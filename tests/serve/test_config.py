@@ -10,7 +10,7 @@ import os
 import pytest
 
 from kvbridge.cli.main import build_parser
-from kvbridge.cli.serve_cmd import deployment_config
+from kvbridge.cli.serve_cmd import DEFAULT_TP, deployment_config, fill_demo_defaults
 from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE
@@ -93,11 +93,15 @@ def test_every_flag_named_after_a_setting_defaults_to_the_settings_declaration()
     assert InstanceConfig.handshake_timeout_s == TransferConfig.handshake_timeout_s
     for command, flags in (
         ("serve", ("block_size", "prefill_block_size", "decode_block_size")),
-        ("demo", ("prefill_block_size", "decode_block_size")),
         ("generate", ("block_size",)),
     ):
         defaults = {a.dest: a.default for a in _subparser(command)._actions}
         assert all(defaults[f] == DEFAULT_BLOCK_SIZE == EngineConfig.block_size for f in flags)
+    # the demo's sizes depend on --engine: the reference engine's are the same declarations
+    demo = build_parser().parse_args(["demo"])
+    fill_demo_defaults(demo)
+    assert demo.prefill_block_size == demo.decode_block_size == DEFAULT_BLOCK_SIZE
+    assert (demo.prefill_tp, demo.decode_tp) == (DEFAULT_TP["prefill"], DEFAULT_TP["decode"])
 
 
 def test_a_launched_instances_config_document_round_trips_and_is_checked_again(

@@ -20,7 +20,16 @@ from typing import Any
 
 import httpx
 
-from kvbridge.vllm.launch import free_port, kv_transfer_config, start, stop, vllm_command, vllm_env
+from kvbridge.vllm.launch import (
+    LOADED_HOST_SETTINGS,
+    SMALL_HOST_ARGS,
+    free_port,
+    kv_transfer_config,
+    start,
+    stop,
+    vllm_command,
+    vllm_env,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = Path(os.environ.get("KVBRIDGE_VLLM_MODELS", ROOT / ".cache" / "vllm-models"))
@@ -57,20 +66,9 @@ class VLLMServer:
         self.tp_size = tp_size
         kv = None
         if kv_role is not None:
-            settings = {
-                "lease_s": 300,
-                "transfer_timeout_s": 300,
-                "handshake_timeout_s": 180,
-                "liveness_timeout_s": 180,
-                "claim_s": 900,
-                **(extra or {}),
-            }
+            settings = {**LOADED_HOST_SETTINGS, **(extra or {})}
             kv = kv_transfer_config(kv_role, settings, failure_policy)
-        more = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4"]
-        more += ["--seed", "0", "--enforce-eager", "--disable-log-stats"]
-        # a small cache: fewer descriptors to prepare per peer on a loaded 2-core host
-        more += ["--num-gpu-blocks-override", "128"]
-        cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *more)
+        cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *SMALL_HOST_ARGS)
         env = vllm_env(tp_size, first_core)
         env["PYTHONPATH"] = str(ROOT)
         self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
@@ -122,14 +120,16 @@ class VLLMServer:
 
 
 class Proxy:
-    """`python -m kvbridge.vllm.proxy` in front of a prefill and a decode instance."""
+    """`kvbridge serve --role proxy --engine vllm` in front of a prefill and a decode
+    instance."""
 
     def __init__(self, prefill: VLLMServer, decode: VLLMServer, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = decode.model
         self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
-        cmd = [sys.executable, "-m", "kvbridge.vllm.proxy", "--prefill", prefill.url]
+        cmd = [sys.executable, "-m", "kvbridge.cli.main", "serve", "--role", "proxy"]
+        cmd += ["--engine", "vllm", "--model", decode.model, "--prefill", prefill.url]
         cmd += ["--decode", decode.url, "--port", str(self.port)]
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
@@ -144,7 +144,7 @@ class Proxy:
 
     def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
-        body |= {"temperature": 0, "return_token_ids": True}
+        body |= {"temperature": 0}
         r = httpx.post(self.url + "/v1/completions", json=body, timeout=600)
         assert r.status_code == 200, (r.status_code, r.text)
         return dict(r.json())
