@@ -109,11 +109,26 @@ class KVRequest:
     #: the slowest worker's own time from Expose/Pull to done (no wait for the host's step)
     worker_ms: float = 0.0
     reason: str = ""  # why it ended as it did (RELEASED, RECOMPUTE, FAILED)
+    #: prefill: its workers' release causes so far (`ConnectorEvent.cause`)
+    release_causes: list[str] = field(default_factory=list)
     aborted: bool = False  # decode: the host aborted it while its pull was in flight
 
     @property
     def first_token_id(self) -> int | None:
         return self.params.first_token_id if isinstance(self.params, RemotePrefill) else None
+
+
+#: A released request's cause, from its workers' causes: the first of these any has.
+RELEASE_CAUSES = ("lease_expired", "aborted", "closed", "completed")
+
+
+def release_cause(worker_causes: Iterable[str]) -> str:
+    """Why an exposed request's blocks were released, from each worker's cause: lease
+    expired if any worker's lease did (someone never said), else aborted if any worker
+    was told the pull failed or was declined or cancelled (a worker that could not
+    expose counts so), else closed, else completed (every decode worker pulled)."""
+    got = set(worker_causes)
+    return next((c for c in RELEASE_CAUSES if c in got), "completed")
 
 
 class KVConnectorScheduler:
@@ -130,6 +145,8 @@ class KVConnectorScheduler:
         self.log: collections.deque[Transition] = collections.deque(maxlen=1024)
         self.pinned_blocks = 0
         self.replays_refused = 0
+        #: prefill: exposed requests released so far, by cause (`release_cause`)
+        self.releases: collections.Counter[str] = collections.Counter()
         #: consumer: introduced endpoints every worker had met at the last report
         self.connected: list[str] = []
         self.nbytes_total = 0
@@ -370,6 +387,7 @@ class KVConnectorScheduler:
         rec.remaining -= 1
         rec.nbytes += ev.nbytes
         rec.worker_ms = max(rec.worker_ms, ev.elapsed_ms)
+        rec.release_causes.append(ev.cause or ("completed" if ev.ok else "aborted"))
         if not ev.ok:
             rec.failures.append(ev.reason)
             if rec.state is RequestState.EXPOSED and rec.remaining:
@@ -381,6 +399,7 @@ class KVConnectorScheduler:
         self.nbytes_total += rec.nbytes
         reason = "; ".join(sorted(set(rec.failures)))
         if rec.state is RequestState.EXPOSED:
+            self.releases[release_cause(rec.release_causes)] += 1
             self._move(rec, RequestState.RELEASED, reason or "pulled")
         elif rec.aborted:
             self._move(rec, RequestState.FAILED, "the request was aborted while its KV was pulled")

@@ -46,6 +46,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     lease_s: float = TransferConfig.lease_s
     transfer_timeout_s: float = TransferConfig.transfer_timeout_s
     handshake_timeout_s: float = TransferConfig.handshake_timeout_s
+    liveness_timeout_s: float = TransferConfig.liveness_timeout_s
     backend_params: dict[str, str] = {}
     scratch_bytes: int = 0  # benchmarks: a registered contiguous buffer of this size
     pattern: bool = True  # False (benchmarks): skip the verifiable fill, no Verify

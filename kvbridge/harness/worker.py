@@ -129,6 +129,7 @@ class _Worker:
             lease_s=spec.lease_s,
             transfer_timeout_s=spec.transfer_timeout_s,
             handshake_timeout_s=spec.handshake_timeout_s,
+            liveness_timeout_s=spec.liveness_timeout_s,
             max_units=spec.max_units,
         )
         self.producer: KVProducer | None = None

@@ -163,6 +163,7 @@ class Instance:
         if engine.kv is not None:
             m.pinned_blocks.set(engine.kv.pinned_blocks)
             m.replays_refused.set(engine.kv.replays_refused)
+            m.count_releases(engine.kv.releases)
 
     def _claim(self, engine: LLMEngine, rid: str) -> None:
         """Refuse an id this instance still holds (see the module docstring)."""

@@ -14,6 +14,7 @@ Names and labels (dashboards depend on them):
               kvbridge_requests_rejected_total{reason}  (refused for lack of room: 503)
     instance  kvbridge_blocks_in_use{instance,role}  kvbridge_blocks_total{instance,role}
               kvbridge_kv_pinned_blocks{instance,role}
+              kvbridge_kv_releases_total{instance,role,cause}  (prefill: exposed KV freed)
               kvbridge_kv_instance_load_failures_total{instance,role}
               kvbridge_kv_instance_bytes_total{instance,role}
               kvbridge_prefix_cache_queries_total{instance,role}
@@ -28,6 +29,7 @@ Names and labels (dashboards depend on them):
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -189,6 +191,17 @@ class InstanceMetrics:
             names,
             registry=r,
         ).labels(**labels)
+        self.kv_releases = Counter(
+            "kvbridge_kv_releases_total",
+            "Prefilled requests whose exposed KV blocks this prefill instance freed, by "
+            "cause: completed (every decode worker pulled), aborted (the decode workers "
+            "gave up or declined, or the proxy cancelled), lease_expired (nobody said "
+            "within the lease), closed (shut down).",
+            [*names, "cause"],
+            registry=r,
+        )
+        self._labels = labels
+        self._releases_seen: dict[str, int] = {}
         self.replays_refused = Gauge(
             "kvbridge_kv_replays_refused",
             "KV-plane messages this prefill instance refused as forged, replayed or "
@@ -196,6 +209,15 @@ class InstanceMetrics:
             names,
             registry=r,
         ).labels(**labels)
+
+    def count_releases(self, totals: Mapping[str, int]) -> None:
+        """Bring `kvbridge_kv_releases_total` up to the connector's running totals by
+        cause (`KVConnectorScheduler.releases`)."""
+        for cause, total in totals.items():
+            seen = self._releases_seen.get(cause, 0)
+            if total > seen:
+                self.kv_releases.labels(**self._labels, cause=cause).inc(total - seen)
+                self._releases_seen[cause] = total
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -162,6 +162,9 @@ class ConnectorEvent(msgspec.Struct, frozen=True):
     reason: str = ""
     nbytes: int = 0
     elapsed_ms: float = 0.0
+    #: producer: why the blocks were released (`ReleaseCause` value: completed, aborted,
+    #: lease_expired, closed); "" for a consumer's event or a refused order
+    cause: str = ""
 
 
 class ConnectorReply(msgspec.Struct, frozen=True):
@@ -375,7 +378,9 @@ class WorkerConnector:
         for rel in self.producer.releases[self._num_reported :]:
             ok = rel.cause.value == "completed"
             elapsed = self._elapsed_ms(rel.request_id)
-            self._events.append(ConnectorEvent(rel.request_id, ok, rel.reason, 0, elapsed))
+            self._events.append(
+                ConnectorEvent(rel.request_id, ok, rel.reason, 0, elapsed, rel.cause.value)
+            )
         self._num_reported = len(self.producer.releases)
 
     def _elapsed_ms(self, request_id: str) -> float:

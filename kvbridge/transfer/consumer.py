@@ -17,12 +17,15 @@ whose side channel answered no heartbeat for `liveness_timeout_s` (its host or l
 down) or a request running past `transfer_timeout_s` fails the request with its reason
 (a lost worker is forgotten, so the next pull reconnects); a request that gives up
 tells the producer workers still waiting (`ReadDone(ok=False)`), so they release at
-once instead of at the lease. A pull's blocks are handed back only when none of its
-READs can still write into them: one NIXL could not cancel keeps the pull (and its
-blocks) held, retried every second, and its outcome is reported once it is released, so
-a late completion never lands in blocks given to another request. Not thread-safe:
-`pull`, `poll`, `close` from one thread at a time (a `WorkerConnector` holds its lock
-around each).
+once instead of at the lease; one that cannot be told (its host or link is down) is
+owed that notice (`owed.OwedNotices`), sent once this worker has met the same producer
+instance again after the heal, until the lease would have freed the blocks. A pull's
+blocks are handed back only when none of its READs can still write into them: one NIXL
+could not cancel keeps the pull (and its blocks) held, retried every second, and its
+outcome is reported, and its producers told, once it is released, so a late completion
+never lands in blocks given to another request (and the producer keeps its source
+blocks until then). Not thread-safe: `pull`, `poll`, `close` from one thread at a time
+(a `WorkerConnector` holds its lock around each).
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ from kvbridge.transfer.messages import (
     ReadDone,
     spec_error,
 )
+from kvbridge.transfer.owed import OwedNotices
 from kvbridge.transfer.peers import PeerState, ProducerDirectory, ProducerInstance, ProducerWorker
 from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
 
@@ -161,6 +165,8 @@ class KVConsumer:
             hello=hello,
             clock=clock,
         )
+        # failure notices producers cut off could not be told, paid after the heal
+        self.owed = OwedNotices(ttl_s=config.lease_s, clock=clock)
 
     # -- engine-facing API -------------------------------------------------------------
     def pull(
@@ -197,6 +203,7 @@ class KVConsumer:
                 f"{len(local)} local blocks of {bd} tokens"
             )
         self._forget_unreachable()  # never start a pull on a peer known to be gone
+        self.owed.forget_request(request_id)  # this pull reports its own outcome
         inst = self.directory.instance(endpoint)
         self._pulls[request_id] = _Pull(
             request_id,
@@ -216,6 +223,7 @@ class KVConsumer:
         if request_id in self._pulls:
             raise TransferError(f"request_id={request_id!r} is being pulled; it cannot be declined")
         empty = np.zeros(0, dtype=np.int64)
+        self.owed.forget_request(request_id)
         self._pulls[request_id] = _Pull(
             request_id,
             self.directory.instance(endpoint),
@@ -258,8 +266,10 @@ class KVConsumer:
 
     @property
     def is_busy(self) -> bool:
-        """A pull or an introduction is in flight (poll often)."""
-        return bool(self._pulls or self._connecting)
+        """A pull or an introduction is in flight (poll often). A pull that ended but
+        waits for a READ NIXL could not cancel does not count: it is retried every
+        `RELEASE_RETRY_S`, which the idle cadence serves."""
+        return bool(self._connecting) or any(p.outcome is None for p in self._pulls.values())
 
     def poll(self) -> list[TransferResult]:
         """Advance every handshake and pull; returns the requests that finished since."""
@@ -295,6 +305,7 @@ class KVConsumer:
                 del waits[endpoint]
         self._abandon_lost()
         self._forget_unreachable()
+        self.owed.settle(self.directory.find, self._send_owed)
         for pull in list(self._pulls.values()):
             self._advance_pull(pull, now)
         # Without NIXL's progress thread, our standalone notifications (to replicas
@@ -537,12 +548,54 @@ class KVConsumer:
                 exc,
             )
 
+    def _tell_gave_up(self, pull: _Pull, reason: str) -> None:
+        """Tell the producer workers still waiting for `pull` (none of whose READs can
+        land any more) that we will not read, so they release now; those we cannot reach
+        now (their side channel or handshake is down) are owed the notice, paid once we
+        meet the same producer instance again (`OwedNotices`)."""
+        inst = pull.instance
+        for p, peer in (*inst.readers.items(), *inst.unread.items()):
+            if p in pull.notified:
+                continue
+            if peer.state is PeerState.READY and peer.client.is_connected:
+                self._notify(pull, p, peer, self._done(pull, peer, reason))
+            elif peer.welcome is not None:  # met: we know which instance waits
+                self.owed.owe(inst.endpoint, peer.welcome.instance_id, pull.request_id, p, reason)
+
+    def _send_owed(self, peer: ProducerWorker, request_id: str, reason: str) -> bool:
+        """Send a failure notice owed to `peer` (met again: its new session signs it);
+        whether it went out."""
+        try:
+            self.transport.send_notif(peer.agent, self._read_done(request_id, peer, reason))
+        except TransferError as exc:
+            log.warning(
+                "decode worker %d: the failure notice of %r owed to %s could not be sent "
+                "(%s); it releases at its lease",
+                self.rank,
+                request_id,
+                peer.endpoint,
+                exc,
+            )
+            return False
+        log.info(
+            "decode worker %d: told %s, met again, that the pull of %r failed",
+            self.rank,
+            peer.endpoint,
+            request_id,
+        )
+        return True
+
     def _done(self, pull: _Pull, peer: ProducerWorker, failure: str | None = None) -> bytes:
-        """Our signed ReadDone for `peer` (its session's key; names it as receiver)."""
+        """Our signed ReadDone of `pull` for `peer`."""
+        return self._read_done(pull.request_id, peer, failure)
+
+    def _read_done(self, request_id: str, peer: ProducerWorker, failure: str | None) -> bytes:
+        """Our signed ReadDone for `peer` (its session's key; names it as receiver; sent
+        now, so within the producer's lease)."""
         assert peer.welcome is not None
         return peer.sign(
             ReadDone(
-                request_id=pull.request_id,
+                request_id=request_id,
                 instance_id=self.instance_id,
                 rank=self.rank,
                 to_instance=peer.welcome.instance_id,
@@ -585,15 +638,7 @@ class KVConsumer:
         cancelled = not pull.xfers
         pull.xfers.clear()
         if state is TransferState.FAILED and cancelled:
-            # producer workers still waiting for us may release now: we will not read
-            inst = pull.instance
-            for p, peer in (*inst.readers.items(), *inst.unread.items()):
-                if (
-                    p not in pull.notified
-                    and peer.state is PeerState.READY
-                    and peer.client.is_connected
-                ):
-                    self._notify(pull, p, peer, self._done(pull, peer, reason))
+            self._tell_gave_up(pull, reason)
         if cancelled:
             for handle in pull.temp_dlists:
                 self.transport.release_dlist(handle)

@@ -113,6 +113,10 @@ class ProducerDirectory:
             self._instances[endpoint] = inst
         return inst
 
+    def find(self, endpoint: str) -> ProducerInstance | None:
+        """The producer instance at `endpoint` if it is met or being met; starts nothing."""
+        return self._instances.get(endpoint)
+
     def poll(self, now: float) -> None:
         """Advance every handshake in flight and plan instances whose worker 0 answered."""
         for w in list(self._workers.values()):

@@ -8,6 +8,9 @@ hands the blocks back, with the cause. A worker nobody reads from (an unused rep
 when prefill tp > num_kv_heads) waits for decode worker 0 alone, which notifies it
 once per request. A decode worker that gave up sends `ReadDone(ok=False)`: it will
 not read again, so it counts as done, and the release says ABORTED with its reason.
+One cut off when it gave up sends it after the link heals, over its new handshake
+session (any session of that decode worker whose plan matches is taken); one for a
+request released meanwhile (by its lease) is ignored, not counted as a replay.
 A notification that arrives before its request's `expose` (engines race) is kept for
 one lease and applied by `expose`. Notifications for already released (or never
 exposed) requests and from workers the plan does not expect are ignored (logged).
@@ -302,7 +305,14 @@ class KVProducer:
     def _apply(self, msg: ReadDone, session: Session) -> None:
         exp = self._exposed.get(msg.request_id)
         if exp is None:
-            if msg.request_id in self._recent:
+            if msg.request_id in self._recent and not msg.ok:
+                # a decode worker that gave up while cut off tells us after the heal
+                # (consumer's owed notices), maybe after the lease released it: harmless
+                self._ignore(
+                    f"late failure notice for {msg.request_id!r} (released already) from "
+                    f"{msg.instance_id!r} rank {msg.rank}"
+                )
+            elif msg.request_id in self._recent:
                 self.num_replays += 1
                 self._ignore(
                     f"stale notification for {msg.request_id!r} from "

@@ -79,8 +79,11 @@ def test_prefill_prefilling_exposed_released_frees_after_every_worker() -> None:
     assert p.build_connector_meta().is_empty  # orders go out once
     assert p.update_connector_output([report(ConnectorEvent("r", True), sending=True)]) == []
     assert p.state("r") is S.EXPOSED  # one worker of two reported
-    (ended,) = p.update_connector_output([report(ConnectorEvent("r", True), sending=True)])
+    (ended,) = p.update_connector_output(
+        [report(ConnectorEvent("r", True, cause="completed"), sending=True)]
+    )
     assert ended.state is S.RELEASED and ended.block_ids == [5, 6, 7] and not p.requests
+    assert p.releases == {"completed": 1}  # /metrics: kvbridge_kv_releases_total{cause}
     # the capability carries what the reader needs; a consumer takes it
     c = consumer()
     assert isinstance(params, RemotePrefill)
@@ -102,12 +105,18 @@ def test_failure_from_exposed_lease_or_cancel_releases_and_cancels_the_others() 
     assert p.cancel("r", "nobody took it") and not p.cancel("other", "x")
     assert [c.request_id for c in p.build_connector_meta().reqs_to_cancel] == ["r"]
     # one worker reports a failed release (lease expired): the other is told to cancel
-    lease = ConnectorEvent("r", False, "lease expired after 7.0 s")
+    lease = ConnectorEvent("r", False, "lease expired after 7.0 s", cause="lease_expired")
     assert p.update_connector_output([report(lease, sending=True), KVWorkerOutput()]) == []
     assert [c.reason for c in p.build_connector_meta().reqs_to_cancel] == [lease.reason]
-    cancelled = ConnectorEvent("r", False, "cancelled: nobody took it")
+    cancelled = ConnectorEvent("r", False, "cancelled: nobody took it", cause="aborted")
     (ended,) = p.update_connector_output([report(cancelled, sending=True)])
     assert ended.state is S.RELEASED and "lease expired" in ended.reason
+    assert p.releases == {"lease_expired": 1}  # the lease decided: someone never said
+    # decode workers that gave up (or a cancel) on every worker: aborted
+    exposed(p, "r2")
+    gave_up = ConnectorEvent("r2", False, "decode workers gave up: ...", cause="aborted")
+    p.update_connector_output([report(gave_up, sending=True)] * 2)
+    assert p.releases == {"lease_expired": 1, "aborted": 1}
 
 
 def decode_params(rid: str = "r", start: int = 0) -> RemotePrefill:

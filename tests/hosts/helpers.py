@@ -40,8 +40,9 @@ class ThreeHosts:
     @classmethod
     def start(cls, net: HostNetwork, timeout_s: float = 900) -> ThreeHosts:
         dep = cls(net.add("prefill"), net.add("decode"), net.add("proxy"))
-        # prefill blocks a cut link strands are freed by the lease: keep it short (but
-        # past the slow-link pull, ~18 s, which the lease would cut short); each
+        # prefill blocks a cut link strands are freed when the decode workers meet the
+        # prefill again after the heal, else by the lease: keep it short (but past the
+        # slow-link pull, ~18 s, which the lease would cut short); each
         # instance holds up to MAX_QUEUED requests (64 streams fit, a burst does not)
         dep.start_instance(dep.prefill, "prefill", 1, lease_s=40, max_queued_requests=MAX_QUEUED)
         dep.start_instance(dep.decode, "decode", 3, max_queued_requests=MAX_QUEUED)
@@ -113,10 +114,11 @@ class ThreeHosts:
         with self.decode.inside():
             return colocated(self.url(self.decode), prompt, max_tokens)
 
-    def metric(self, host: TestHost, name: str) -> float:
+    def metric(self, host: TestHost, name: str, **labels: str) -> float:
+        """`host`'s `kvbridge_<name>` (its samples with `labels`, summed)."""
         with host.inside():
             text = httpx.get(f"{self.url(host)}/metrics", timeout=30).text
-        return metric_value(text, name)
+        return metric_value(text, name, **labels)
 
     def wait_released(self, host: TestHost, timeout_s: float) -> None:
         """Wait until `host`'s instance holds no KV blocks (allocated or pinned)."""

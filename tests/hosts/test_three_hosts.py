@@ -133,9 +133,15 @@ def test_a_slow_link_still_moving_bytes_is_not_failed(three_hosts: ThreeHosts) -
 def test_a_link_cut_mid_pull_fails_fast_and_heals(three_hosts: ThreeHosts) -> None:
     """Cut the prefill host's link while its KV is being pulled: the pull fails within
     the liveness bound, not at the transfer timeout (60 s here), the decode host
-    recomputes the prompt and answers right, and its blocks are freed; the prefill's
-    stranded blocks go at its lease. After the link returns, pulls work again."""
+    recomputes the prompt and answers right, and its blocks are freed. After the link
+    returns, pulls work again, and the prefill's stranded blocks are freed once the
+    decode workers met it again and told it they gave up (released as aborted), not at
+    its 40 s lease (lease_expired)."""
     dep = three_hosts
+    before = {
+        cause: dep.metric(dep.prefill, "kv_releases_total", cause=cause)
+        for cause in ("aborted", "lease_expired")
+    }
     # (each long prompt starts its own way: a decode host holding its blocks already
     # would pull only the rest, or nothing; the reference is computed last for that)
     prompt = "Cut. " + LONG_PROMPT
@@ -170,7 +176,9 @@ def test_a_link_cut_mid_pull_fails_fast_and_heals(three_hosts: ThreeHosts) -> No
     for i in range(2):
         again = dep.complete(f"Healed {i}. {LONG_PROMPT}", 2)
         assert "kvbridge_kv_load_error" not in again and again["kvbridge_stages"]["kv_bytes"]
-    dep.wait_released(dep.prefill, 90)  # the cut request's blocks: at its 40 s lease
+    dep.wait_released(dep.prefill, 90)  # the cut request's blocks, told after the heal
+    after = {cause: dep.metric(dep.prefill, "kv_releases_total", cause=cause) for cause in before}
+    assert after == {"aborted": before["aborted"] + 1, "lease_expired": before["lease_expired"]}
 
 
 def test_a_killed_prefill_host_leaves_decode_and_proxy_answering(

@@ -403,6 +403,18 @@ def test_merged_metrics_keep_one_family_block():
     ]
 
 
+def test_instance_release_counter_follows_the_connectors_totals_by_cause():
+    from kvbridge.serve.metrics import InstanceMetrics
+
+    m = InstanceMetrics("p1", "prefill")
+    m.count_releases({"completed": 3})
+    m.count_releases({"completed": 3, "aborted": 1})  # counted once, whatever the scrapes
+    text = m.render()
+    assert metric_value(text, "kv_releases_total", cause="completed", instance="p1") == 3
+    assert metric_value(text, "kv_releases_total", cause="aborted") == 1
+    assert metric_value(text, "kv_releases_total", cause="lease_expired") == 0
+
+
 def test_api_key_guards_the_openai_api_but_not_health():
     srv = ServerThread(make_app(FakeBackend(), api_key="sk-local-123")).start()
     try:

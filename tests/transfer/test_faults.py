@@ -4,6 +4,8 @@ its reason within the configured bound; nothing hangs and no block stays held.""
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Iterator
 
 import msgspec
@@ -108,6 +110,54 @@ def test_producer_releases_after_the_lease_when_no_consumer_comes(cluster: Clust
     assert "lease expired after 1 s: no decode worker notified completion" in rel.reason
     p.send(Status())
     assert c.expect(p, StatusReply, 10).held_blocks == 0
+
+
+def test_a_producer_cut_off_mid_pull_is_told_after_it_answers_again(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A producer that stops answering mid-pull (SIGSTOP: as its host or link going
+    down looks to the decode worker) makes the pull fail with "lost contact"; it cannot
+    be told then. Once it answers again and the decode worker meets it again (its next
+    pull), the owed failed ReadDone reaches it: the stranded request is released as
+    aborted, long before its lease."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # a READ then needs the producer to progress
+    c = cluster
+    work = make_workload(TP1, TP1, 3, 20, seed=5)
+    opts = {"liveness_timeout_s": 1.0, "handshake_timeout_s": 5.0, "lease_s": 600.0}
+    (p,) = c.start(
+        "prefill", MODEL, TP1, work.prefill_blocks, "P", fill=work.prefill, **opts
+    ).workers
+    (d,) = c.start("decode", MODEL, TP1, work.decode_blocks, "D", salt=9, **opts).workers
+
+    def expose(i: int) -> None:
+        span = work.prefill[i]
+        p.send(Expose(f"r{i}", span.block_ids, span.num_tokens))
+        p.send(Status())
+        c.expect(p, StatusReply, 10)  # taken before anything else happens
+
+    def pull(i: int) -> None:
+        ps, ds = work.prefill[i], work.decode[i]
+        d.send(Pull(f"r{i}", p.endpoint, ps.block_ids, ds.block_ids, ds.num_tokens))
+
+    expose(0)
+    pull(0)  # met: the next pull needs no handshake
+    assert c.expect(d, Finished, 30).state == "done"
+    assert c.expect(p, Released, 10).cause == "completed"
+    expose(1)
+    expose(2)
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        pull(1)
+        cut = c.expect(d, Finished, 30)
+        assert cut.state == "failed" and "lost contact" in cut.reason, cut.reason
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    pull(2)  # meets the producer again (same instance id): the owed notice goes out
+    released = {r.request_id: r for r in (c.expect(p, Released, 30), c.expect(p, Released, 30))}
+    assert released["r1"].cause == "aborted", released["r1"].reason
+    assert "lost contact" in released["r1"].reason
+    assert released["r2"].cause == "completed"
+    assert c.expect(d, Finished, 30).state == "done"
 
 
 def raw_request(endpoint: str, frame: bytes, curve: bool = True) -> Refused | None:
