@@ -145,14 +145,16 @@ def test_a_fan_out_on_decode_hosts_verifies_and_reads_each_cell_once_per_host(
 
 
 @st.composite
-def paged_layouts(draw: st.DrawFn, model: ModelKVSpec) -> InstanceLayout:
-    """A valid layout of vLLM-like paged caches: block 16, 32 or 64, any TP size the
-    model allows (replicas and sizes that are not multiples of the other side's),
-    per-layer or cross-layer orders, K and/or V channel-major or not."""
+def paged_layouts(
+    draw: st.DrawFn, model: ModelKVSpec, block_size: int, tp_size: int | None = None
+) -> InstanceLayout:
+    """A valid layout of vLLM-like paged caches: `block_size`, `tp_size` or any TP size
+    the model allows (replicas included), per-layer or cross-layer orders, K and/or V
+    channel-major or not."""
     order = draw(st.sampled_from(["LBHKNC", "LKBHNC", "LBKHNC", "BLKHNC", "BHLKNC", "BLKNHC"]))
     return InstanceLayout(
-        tp_size=draw(st.sampled_from(valid_tp_sizes(model))),
-        block_size=draw(st.sampled_from([16, 32, 64])),
+        tp_size=tp_size or draw(st.sampled_from(valid_tp_sizes(model))),
+        block_size=block_size,
         cache_layout=draw(halves(order)),
     )
 
@@ -164,20 +166,33 @@ def test_paged_caches_with_channel_major_halves_move_byte_exact(data: st.DataObj
     pairs with replication and non-multiples, partial pulls starting inside a block of
     either side, partial last blocks. Every pair verifies byte for byte, and the merged
     copy lists are the maximal runs contiguous on both sides, counted element by element."""
-    kv = data.draw(st.sampled_from([1, 2, 3, 6]))
+    # a third each: any TP pair; sizes that are not multiples (6 KV heads, 2 <-> 3);
+    # replicas on one side (tp twice the KV heads)
+    kind = data.draw(st.sampled_from(["any", "non-multiple", "replicas"]))
+    if kind == "non-multiple":
+        kv = 6
+    else:
+        kv = data.draw(st.sampled_from([1, 2, 3, 6] if kind == "any" else [1, 2, 3]))
     model = ModelKVSpec(
         data.draw(st.integers(1, 2)),
-        kv * data.draw(st.sampled_from([1, 2])),
+        kv * (2 if kind == "replicas" else data.draw(st.sampled_from([1, 2]))),
         kv,
         data.draw(st.sampled_from([2, 4, 8])),
         data.draw(st.sampled_from(["float16", "float32"])),
         AttentionKind.MHA if data.draw(st.booleans()) else AttentionKind.GQA,
     )
-    prefill = data.draw(paged_layouts(model))
-    decode = data.draw(paged_layouts(model))
+    tps: list[int | None] = [None, None]
+    if kind == "non-multiple":
+        tps = data.draw(st.permutations([2, 3]))
+    elif kind == "replicas":
+        tps = data.draw(st.permutations([2 * kv, None]))
+    blocks = data.draw(st.tuples(*[st.sampled_from([16, 32, 64])] * 2))  # 2/3 differ
+    prefill = data.draw(paged_layouts(model, blocks[0], tps[0]))
+    decode = data.draw(paged_layouts(model, blocks[1], tps[1]))
     plan = make_plan(model, prefill, decode)
     check_plan_structure(plan)
-    tokens = data.draw(st.integers(1, 3 * 64 + 5))
+    # whole blocks on both sides, or a partial last block on either
+    tokens = data.draw(st.one_of(st.sampled_from([64, 192]), st.integers(1, 3 * 64 + 5)))
     start = data.draw(st.one_of(st.just(0), st.integers(0, tokens - 1)))
     report = verify_plan(plan, tokens, seed=data.draw(st.integers(0, 2**16)), start_token=start)
     assert report.bytes_copied == (tokens - start) * plan.bytes_per_token
