@@ -15,6 +15,7 @@ from kvbridge.plan.planner import make_plan
 from kvbridge.plan.verifier import (
     RequestSpan,
     VerificationError,
+    _first_mismatch,
     apply_copy_lists,
     count_contiguous_runs,
     expected_decode_cache,
@@ -402,8 +403,7 @@ def test_the_verifier_sees_a_channel_major_half_moved_as_token_major():
         lists = copy_lists(plan, 0, p_req.block_ids, d_req.block_ids, 80)
         apply_copy_lists(region_bytes(src, m.num_layers), region_bytes(cache, m.num_layers), lists)
         assert np.array_equal(cache, want) == ok
-    with pytest.raises(VerificationError, match=r"elements wrong, first at layer 0 K head 0"):
-        # the verifier's own message, on a decode side that never got its K
-        from kvbridge.plan.verifier import _first_mismatch
-
-        raise VerificationError(_first_mismatch(m, right.decode, d, initial, want))
+    # the verifier's words for a decode side that never got the request: its first
+    # wrong element named by layer, K/V, head, block, slot and channel (not by offset)
+    first = _first_mismatch(m, right.decode, d, initial, want)
+    assert "elements wrong, first at layer 0 K head 0 block 0 slot 0 element 0" in first
