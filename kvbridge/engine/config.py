@@ -157,6 +157,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
+        if self.cache_layout.is_channel_major:
+            raise ModelLoadError(
+                f"cache_layout={self.cache_layout.name!r} keeps a half channel-major, as "
+                "vLLM's CPU pages do; kvbridge's engine writes token-major halves: use "
+                f"{CacheLayout(self.cache_layout.order).name}"
+            )
         # InstanceLayout validates tp_size and block_size with the planner's words.
         self.layout()
         for f in ("max_num_seqs", "prefill_chunk_size", "kv_cache_mb"):

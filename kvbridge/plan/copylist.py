@@ -11,9 +11,12 @@ with block index = block_ids[t // block_size] and N index = t % block_size for t
 Between two block boundaries of either side (a *segment*) the block ids are fixed on
 both sides, so a read's elements there form a box over the axes L, K, H, N, C with
 constant strides on each side. The box is cut into runs at the largest unit
-contiguous on both sides: starting from C (always innermost, one row), an axis joins
-the run while its byte stride equals the run's length on both sides. The remaining
-axes enumerate the runs (numpy broadcasting, no Python loop over blocks or tokens).
+contiguous on both sides: starting from one element, an axis joins the run while its
+byte stride equals the run's length on both sides (C first: a token-major row; in a
+channel-major half, `CacheLayout.k_inner`, N first: one channel's tokens). The
+remaining axes enumerate the runs (numpy broadcasting, no Python loop over blocks or
+tokens). Where either side keeps its K and V halves in different orders (one half
+channel-major), their strides differ, so each half is a box of its own (K extent 1).
 Runs are then sorted by source and merged wherever the next run continues both the
 source and the destination within the same regions, which yields exactly the maximal
 contiguous runs for these block ids.
@@ -21,6 +24,10 @@ contiguous runs for these block ids.
     example, BHLNC on both sides, equal layer split, a full-block segment:
         C (row) -> N (block_size rows) -> K -> L -> H (the read's heads)
         = one run per block and prefill worker
+    example, LBHKNC:K=CN (vLLM CPU) on both sides, blocks 64 -> 32, a 32-token segment:
+        K half: N (32 tokens of one channel), C does not join (its stride is 64 tokens
+                on one side, 32 on the other) = one run per channel, head, layer
+        V half: C (row) -> N (32 rows) = one run per head and layer
 """
 
 from __future__ import annotations
@@ -135,7 +142,7 @@ class _Side:
     block_size: int
     block_ids: IntArray  # of the blocks from the one holding `first_block`'s tokens on
     first_block: int  # the block index (in token order) of block_ids[0]
-    start: dict[str, int]  # first local index of the read along L and H
+    start: dict[str, int]  # first local index of the box along L, K and H
 
     @classmethod
     def of(
@@ -146,13 +153,20 @@ class _Side:
         read: Read | LocalCopy,
         ids: IntArray,
         start_token: int,
+        kv: int,
     ) -> _Side:
+        """The side of `read` in `shard`'s cache, with the strides of half `kv` (0: K,
+        1: V); a box starting at K index `kv`."""
         return cls(
-            cache_strides(plan.model, layout, shard),
+            cache_strides(plan.model, layout, shard, kv),
             layout.block_size,
             ids,
             start_token // layout.block_size,
-            {"L": read.layers[0] - shard.layers[0], "H": read.kv_heads[0] - shard.kv_heads[0]},
+            {
+                "L": read.layers[0] - shard.layers[0],
+                "K": kv,
+                "H": read.kv_heads[0] - shard.kv_heads[0],
+            },
         )
 
     def at(self, axis: str, index: IntArray | int) -> tuple[IntArray | int, IntArray | int]:
@@ -161,24 +175,26 @@ class _Side:
         return index * region_stride, index * byte_stride
 
     def segment_base(self, cuts: IntArray) -> tuple[IntArray, IntArray]:
-        """(region, offset) of each segment's first token, at the read's first L and H."""
+        """(region, offset) of each segment's first token, at the box's first L, K, H."""
         r_b, o_b = self.at("B", self.block_ids[cuts // self.block_size - self.first_block])
         r_n, o_n = self.at("N", cuts % self.block_size)
         r_l, o_l = self.at("L", self.start["L"])
+        r_k, o_k = self.at("K", self.start["K"])
         r_h, o_h = self.at("H", self.start["H"])
         return (
-            np.asarray(r_b + r_n + r_l + r_h, dtype=np.int64),
-            np.asarray(o_b + o_n + o_l + o_h, dtype=np.int64),
+            np.asarray(r_b + r_n + r_l + r_k + r_h, dtype=np.int64),
+            np.asarray(o_b + o_n + o_l + o_k + o_h, dtype=np.int64),
         )
 
 
 def _segment_group(
-    src: _Side, dst: _Side, extents: dict[str, int], row: int, s_base: tuple, d_base: tuple
+    src: _Side, dst: _Side, extents: dict[str, int], itemsize: int, s_base: tuple, d_base: tuple
 ) -> tuple[IntArray, IntArray, IntArray, IntArray, IntArray]:
     """Runs of segments that share one length: (src region, src offset, dst region,
-    dst offset, lengths), unmerged. `extents` holds L, K, H and N (the segment length)."""
-    run = row
-    outer = [a for a in ("L", "K", "H", "N") if extents[a] > 1]
+    dst offset, lengths), unmerged. `extents` holds C, L, K, H and N (the segment
+    length)."""
+    run = itemsize
+    outer = [a for a in ("C", "L", "K", "H", "N") if extents[a] > 1]
     grew = True
     while grew:  # grow the run by every axis that continues it on both sides
         grew = False
@@ -217,17 +233,24 @@ def _pieces(
     both sides and inside one segment. A local copy's source is a decode worker, whose
     blocks are `d_ids` too (every worker of an instance has the same block ids)."""
     d = plan.decode_workers[read.decode_rank]
-    dst = _Side.of(plan, plan.decode, d, read, d_ids, start_token)
     if isinstance(read, LocalCopy):
-        src_layout = plan.decode
-        src = _Side.of(
-            plan, src_layout, plan.decode_workers[read.source_rank], read, d_ids, start_token
-        )
+        src_layout, s, s_ids = plan.decode, plan.decode_workers[read.source_rank], d_ids
     else:
-        src_layout = plan.prefill
-        src = _Side.of(
-            plan, src_layout, plan.prefill_workers[read.prefill_rank], read, p_ids, start_token
+        src_layout, s, s_ids = plan.prefill, plan.prefill_workers[read.prefill_rank], p_ids
+    num_kv = plan.model.num_kv_tensors
+    # one box over K/V where both halves share their strides on both sides, else a box
+    # per half: [(src side, dst side, K extent)]
+    split = num_kv > 1 and any(
+        lay.cache_layout.k_inner != lay.cache_layout.v_inner for lay in (src_layout, plan.decode)
+    )
+    boxes = [
+        (
+            _Side.of(plan, src_layout, s, read, s_ids, start_token, kv),
+            _Side.of(plan, plan.decode, d, read, d_ids, start_token, kv),
+            1 if split else num_kv,
         )
+        for kv in (range(num_kv) if split else [0])
+    ]
     bp, bd = src_layout.block_size, plan.decode.block_size
     first_p, first_d = -(-start_token // bp) * bp, -(-start_token // bd) * bd
     cuts = np.union1d(
@@ -235,22 +258,22 @@ def _pieces(
         [start_token],
     )
     seg_len = np.diff(np.append(cuts, num_tokens))
-    s_base, d_base = src.segment_base(cuts), dst.segment_base(cuts)
-    row = plan.model.head_dim * plan.model.itemsize
-    extents = {"L": read.num_layers, "K": plan.model.num_kv_tensors, "H": read.num_heads}
     parts = []
-    for m in np.unique(seg_len):  # a few distinct lengths: full blocks, the last one, ...
-        sel = seg_len == m
-        parts.append(
-            _segment_group(
-                src,
-                dst,
-                {**extents, "N": int(m)},
-                row,
-                (s_base[0][sel], s_base[1][sel]),
-                (d_base[0][sel], d_base[1][sel]),
+    for src, dst, num_k in boxes:
+        s_base, d_base = src.segment_base(cuts), dst.segment_base(cuts)
+        extents = {"C": plan.model.head_dim, "L": read.num_layers, "K": num_k, "H": read.num_heads}
+        for m in np.unique(seg_len):  # a few distinct lengths: full blocks, the last one, ...
+            sel = seg_len == m
+            parts.append(
+                _segment_group(
+                    src,
+                    dst,
+                    {**extents, "N": int(m)},
+                    plan.model.itemsize,
+                    (s_base[0][sel], s_base[1][sel]),
+                    (d_base[0][sel], d_base[1][sel]),
+                )
             )
-        )
     s_reg, s_off, d_reg, d_off, lengths = (np.concatenate(col) for col in zip(*parts, strict=True))
     return s_reg, s_off, d_reg, d_off, lengths
 

@@ -39,23 +39,28 @@ AXIS_WORDS = {
 #: Named orders, in vLLM's letters (K, absent from those names, follows L).
 NAMED_LAYOUTS = ("BHLNC", "BLHNC", "BLNHC", "LBHNC", "LBNHC")
 _ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
+#: How a K or V half keeps tokens (N) and channels (C): token-major or channel-major.
+INNER_ORDERS = ("NC", "CN")
 
 
 def _accepted() -> str:
     return (
         f"use HND, NHD, {', '.join(NAMED_LAYOUTS)}, or any order of the axes "
         + ", ".join(f"{a} ({w})" for a, w in AXIS_WORDS.items())
-        + " with C last (without K, K follows L)"
+        + " with C last (without K, K follows L); a channel-major half after a colon, "
+        "e.g. LBHKNC:K=CN"
     )
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """The order of a worker cache's axes, outermost first: a permutation of `AXES`.
+    """The order of a worker cache's axes, outermost first: a permutation of `AXES`,
+    and the order of tokens and channels within each of the K and V halves.
 
     Axes: B block, L layer, K K/V (MLA: the latent alone, extent 1), H KV head,
     N token within block, C channel (head_dim). C is innermost, so one head's entry
-    for one token (a *row*) is always contiguous. Addresses follow from strides:
+    for one token (a *row*) is contiguous, unless a half is channel-major (below).
+    Addresses follow from strides:
 
         offset(b, l, k, h, n, c) = sum over axes of index * stride,
         stride of an axis = itemsize * product of the extents of the axes after it
@@ -69,9 +74,21 @@ class CacheLayout:
         NHD = LBNHC = LKBNHC   per layer and K/V: [block][token][head][channel]
         BHLNC = BHLKNC         cross-layer, heads outermost: one region; a head range
                                of a block is one contiguous run over all layers
+
+    `k_inner` and `v_inner` say how the K half and the V half (the elements of K index
+    0 and 1) keep N and C: "NC" token-major (the order as written, C innermost), or
+    "CN" channel-major: that half's N and C trade places in the order, so its
+    tokens are innermost. Each half stays a dense array of the same size at the same
+    place (K precedes N and C; N is a block axis), so only the strides of the axes
+    after K differ between halves (`axis_order(kv)`). Spelled with a suffix:
+
+        LBHKNC:K=CN   vLLM's CPU cache per layer: [block][head][K/V][...] with K
+                      [channel][token] and V [token][channel] (kvbridge.vllm.cache)
     """
 
     order: str
+    k_inner: str = "NC"
+    v_inner: str = "NC"
 
     HND: ClassVar[CacheLayout]
     NHD: ClassVar[CacheLayout]
@@ -81,14 +98,30 @@ class CacheLayout:
         order = self.order
         if sorted(order) != sorted(AXES) or order[-1] != "C":
             raise LayoutError(f"cache layout order={order!r} is not valid; {_accepted()}")
+        for half, inner in (("k_inner", self.k_inner), ("v_inner", self.v_inner)):
+            if inner not in INNER_ORDERS:
+                raise LayoutError(
+                    f'cache layout {half}={inner!r} is not valid; use "NC" (token-major: '
+                    '[token][channel]) or "CN" (channel-major: [channel][token])'
+                )
+        if self.is_channel_major and not (
+            order.index("B") < order.index("N") and order.index("K") < order.index("N")
+        ):
+            raise LayoutError(
+                f"cache layout {self.name!r} keeps a half channel-major, which needs N "
+                f"(token) after both B (block) and K (K/V) in the order; order={order!r} "
+                "does not: e.g. LBHKNC:K=CN or LBHNC:K=CN"
+            )
 
     @classmethod
     def parse(cls, value: str | CacheLayout) -> CacheLayout:
         """A layout from its name: an alias (HND, NHD), a vLLM-style five-letter order
-        (K inserted after L) or a six-letter order; case-insensitive."""
+        (K inserted after L) or a six-letter order, optionally followed by the halves
+        kept channel-major (":K=CN", ":V=CN", ":K=CN,V=CN"); case-insensitive."""
         if isinstance(value, CacheLayout):
             return value
         text = str(value).strip().upper()
+        text, colon, suffix = text.partition(":")
         order = _ALIASES.get(text, text)
         if len(order) == 5 and "K" not in order and "L" in order:
             order = order.replace("L", "LK")
@@ -105,12 +138,31 @@ class CacheLayout:
             raise LayoutError(
                 f"cache layout={value!r} is not a valid axis order ({why}); {_accepted()}"
             )
-        return cls(order)
+        inner = {"K": "NC", "V": "NC"}
+        for item in suffix.split(",") if colon else []:
+            half, eq, val = item.strip().partition("=")
+            if not (eq and half in inner and val in INNER_ORDERS):
+                raise LayoutError(
+                    f"cache layout={value!r}: {item.strip()!r} does not say how a half "
+                    "keeps tokens and channels; after the order write K=CN, V=CN or "
+                    "K=CN,V=CN (a channel-major half; NC, token-major, is the default), "
+                    "e.g. LBHKNC:K=CN"
+                )
+            inner[half] = val
+        return cls(order, inner["K"], inner["V"])
+
+    @property
+    def is_channel_major(self) -> bool:
+        """Whether either half keeps its tokens innermost."""
+        return "CN" in (self.k_inner, self.v_inner)
 
     @property
     def name(self) -> str:
-        """The short name: five letters when K follows L (vLLM's), else all six."""
-        return self.order.replace("LK", "L") if "LK" in self.order else self.order
+        """The short name: five letters when K follows L (vLLM's), else all six; then
+        ":K=CN", ":V=CN" or ":K=CN,V=CN" for channel-major halves."""
+        base = self.order.replace("LK", "L") if "LK" in self.order else self.order
+        halves = [f"{h}=CN" for h, i in (("K", self.k_inner), ("V", self.v_inner)) if i == "CN"]
+        return f"{base}:{','.join(halves)}" if halves else base
 
     @property
     def value(self) -> str:
@@ -126,17 +178,33 @@ class CacheLayout:
         """The axes of one region, B first."""
         return self.order[self.order.index("B") :]
 
+    def axis_order(self, kv: int) -> str:
+        """The order the elements of half `kv` (0: K, 1: V) lie in: `order`, with N and
+        C trading places if that half is channel-major."""
+        if (self.k_inner, self.v_inner)[kv] == "NC":
+            return self.order
+        return self.order.translate(str.maketrans("NC", "CN"))
+
     def shape(self, extents: Mapping[str, int]) -> tuple[int, ...]:
-        """The cache's shape in elements, given every axis' extent, in this order."""
+        """The cache's shape in elements, given every axis' extent, in this order (a
+        channel-major half lies in the same elements, `axis_order`)."""
         return tuple(extents[a] for a in self.order)
 
     def permutation(self, to: str = "LKBHNC") -> tuple[int, ...]:
         """Dims that permute an array in this order into the order `to` (numpy
-        `transpose` / torch `permute` argument)."""
+        `transpose` / torch `permute` argument; token-major halves only)."""
         return tuple(self.order.index(a) for a in to)
 
     def __str__(self) -> str:
         return self.name
+
+    def __repr__(self) -> str:
+        halves = "".join(
+            f", {f}={i!r}"
+            for f, i in (("k_inner", self.k_inner), ("v_inner", self.v_inner))
+            if i != "NC"
+        )
+        return f"CacheLayout({self.order!r}{halves})"
 
 
 #: The layout every command uses unless told otherwise: cross-layer, heads outermost,
@@ -148,7 +216,8 @@ LAYOUT_HELP = (
     "cache layout, the order of the axes B (block), L (layer), K (K/V), H (KV head), "
     "N (token in block), C (channel), outermost first with C last: BHLNC (cross-layer, "
     "heads outermost; default), BLHNC, BLNHC, LBHNC (= HND, per layer), LBNHC (= NHD); "
-    "without K, K follows L"
+    "without K, K follows L; a channel-major K and/or V half after a colon, e.g. "
+    "LBHKNC:K=CN (vLLM's CPU pages)"
 )
 
 CacheLayout.HND = CacheLayout("LKBHNC")
@@ -374,13 +443,20 @@ def region_nbytes(
 
 
 def cache_strides(
-    model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard
+    model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard, kv: int = 0
 ) -> dict[str, tuple[int, int]]:
-    """Per axis, (region stride, byte stride): moving one step along a region axis moves
-    `region stride` regions; along any other axis, `byte stride` bytes within a region.
-    Neither depends on the number of blocks."""
+    """Per axis, (region stride, byte stride) within half `kv` (0: K, 1: V): moving one
+    step along a region axis moves `region stride` regions; along any other axis,
+    `byte stride` bytes within a region. Neither depends on the number of blocks. The
+    halves differ only where one is channel-major (`CacheLayout.axis_order`): there N
+    and C trade strides (and so may the axes between them).
+
+        LBHKNC:K=CN, 2 heads, block 32, head_dim 64, fp32     B      H     K     N     C
+        K half (axis order LBHKCN)                          32768  16384  8192   4   128
+        V half (axis order LBHKNC)                          32768  16384  8192  256    4
+    """
     ext = cache_extents(model, shard, layout.block_size, 1)
-    order = layout.cache_layout.order
+    order = layout.cache_layout.axis_order(kv)
     cut = order.index("B")
     out: dict[str, tuple[int, int]] = {}
     step = DTYPE_SIZES[layout.kv_dtype(model)]

@@ -3,13 +3,15 @@
 Every worker's cache is filled with values that encode where they belong:
 a slot holding token t of a request gets hash(layer, kv, global head, t, element,
 request key); every other slot gets hash(layer, kv, head, physical slot, element,
-worker salt). Applying the copy lists must leave each decode worker holding exactly
+worker salt). Each element is placed where its layout's strides put it, a
+channel-major half (`CacheLayout.k_inner`) included. Applying the copy lists must leave each decode worker holding exactly
 the request's values in the request's slots -- what it would have computed itself --
 and every other byte as it was.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -18,7 +20,13 @@ import numpy as np
 from kvbridge.errors import KVBridgeError
 from kvbridge.plan.copylist import CopyList, check_block_ids, copy_lists, local_copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout, WorkerShard, cache_shape, num_regions
+from kvbridge.plan.layout import (
+    InstanceLayout,
+    WorkerShard,
+    cache_extents,
+    cache_shape,
+    num_regions,
+)
 from kvbridge.plan.planner import TransferPlan
 
 _UINT: dict[int, type[np.unsignedinteger]] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -59,18 +67,36 @@ def _mix(*parts: np.ndarray | int) -> np.ndarray:
 
 def _grid(
     model: ModelKVSpec, layout: InstanceLayout, shard: WorkerShard, num_blocks: int
-) -> dict[str, np.ndarray]:
-    """Broadcastable index arrays over the cache's shape (axes in the layout's order)."""
-    shape = cache_shape(model, layout, shard, num_blocks)
-    idx = dict(zip(layout.cache_layout.order, np.ix_(*(np.arange(n) for n in shape)), strict=True))
-    return {
-        "layer": shard.layers[0] + idx["L"],
-        "kv": idx["K"],
-        "head": shard.kv_heads[0] + idx["H"],
-        "block": idx["B"],
-        "slot": idx["N"],
-        "elem": idx["C"],
-    }
+) -> tuple[dict[str, np.ndarray], tuple[int, ...]]:
+    """(index arrays, grid shape): the logical indices of every element of the cache, as
+    arrays broadcastable over the *grid shape*, the layout's axes up to K, then one axis
+    over the elements after K in memory order. That order is each half's own
+    (`CacheLayout.axis_order`: a channel-major half trades N and C), so a cache-shaped
+    array reshaped to the grid shape holds every element where the strides put it.
+
+        LBHKNC:K=CN   grid [L][B][H][K][N*C]: K index 0 runs over (C, N), 1 over (N, C)
+    """
+    cl = layout.cache_layout
+    ext = cache_extents(model, shard, layout.block_size, num_blocks)
+    cut = cl.order.index("K") + 1
+    outer = cl.order[:cut]
+    inner_size = math.prod(ext[a] for a in cl.order[cut:])
+    shape = (*(ext[a] for a in outer), inner_size)
+    idx = dict(zip(outer, np.ix_(*(np.arange(n) for n in shape))[:-1], strict=True))
+    # [K extent, inner_size] per inner axis: each half's indices in its memory order
+    halves = [cl.axis_order(kv)[cut:] for kv in range(ext["K"])]
+    flat = [
+        dict(zip(h, np.unravel_index(np.arange(inner_size), [ext[a] for a in h]), strict=True))
+        for h in halves
+    ]
+    at_k = (1,) * (cut - 1) + (ext["K"], inner_size)  # K's dim and the last one
+    for a in cl.order[cut:]:
+        idx[a] = np.stack([f[a] for f in flat]).reshape(at_k)
+    names = {"layer": "L", "kv": "K", "head": "H", "block": "B", "slot": "N", "elem": "C"}
+    out = {name: idx[a] for name, a in names.items()}
+    out["layer"] = shard.layers[0] + out["layer"]
+    out["head"] = shard.kv_heads[0] + out["head"]
+    return out, shape
 
 
 def _request_values(
@@ -81,8 +107,9 @@ def _request_values(
     requests: Sequence[RequestSpan],
     out: np.ndarray,
 ) -> None:
-    """Write every request's token values into `out` (a cache-shaped array)."""
-    g = _grid(model, layout, shard, num_blocks)
+    """Write every request's token values into `out` (a C-contiguous cache-shaped array)."""
+    g, shape = _grid(model, layout, shard, num_blocks)
+    out = out.reshape(shape)  # a view: the same memory, as the grid sees it
     dtype = out.dtype
     for req in requests:
         ids = check_block_ids(req.block_ids, req.num_tokens, layout.block_size, "request")
@@ -107,14 +134,12 @@ def fill_worker_cache(
 ) -> np.ndarray:
     """A worker's cache, shaped `cache_shape` (unsigned ints of the cache's itemsize):
     the requests' tokens hold their values, every other slot values keyed by `salt`."""
-    g = _grid(model, layout, shard, num_blocks)
+    g, shape = _grid(model, layout, shard, num_blocks)
     dtype = uint_dtype(model.itemsize)
     phys = g["block"] * layout.block_size + g["slot"]
     out = _mix(g["layer"], g["kv"], g["head"], phys, g["elem"], int(salt) + (1 << 40))
-    out = np.ascontiguousarray(
-        np.broadcast_to(out, np.broadcast_shapes(*(a.shape for a in g.values())))
-    )
-    out = out.astype(dtype)
+    out = np.ascontiguousarray(np.broadcast_to(out, shape)).astype(dtype)
+    out = out.reshape(cache_shape(model, layout, shard, num_blocks))
     _request_values(model, layout, shard, num_blocks, requests, out)
     return out
 
@@ -196,15 +221,15 @@ def _first_mismatch(
     got: np.ndarray,
     want: np.ndarray,
 ) -> str:
-    at = dict(
-        zip(layout.cache_layout.order, (int(i[0]) for i in np.nonzero(got != want)), strict=True)
-    )
-    kv = ("K", "V")[at["K"]] if not model.is_mla else "latent"
-    bad = int((got != want).sum())
+    g, shape = _grid(model, layout, shard, num_blocks_of(layout, got))
+    wrong = got.reshape(shape) != want.reshape(shape)
+    pos = tuple(int(i[0]) for i in np.nonzero(wrong))
+    at = {name: int(np.broadcast_to(a, shape)[pos]) for name, a in g.items()}
+    kv = ("K", "V")[at["kv"]] if not model.is_mla else "latent"
     return (
-        f"decode rank {shard.rank}: {bad} elements wrong, first at layer "
-        f"{shard.layers[0] + at['L']} {kv} head {shard.kv_heads[0] + at['H']} block {at['B']} "
-        f"slot {at['N']} element {at['C']}"
+        f"decode rank {shard.rank}: {int(wrong.sum())} elements wrong, first at layer "
+        f"{at['layer']} {kv} head {at['head']} block {at['block']} slot {at['slot']} "
+        f"element {at['elem']}"
     )
 
 
@@ -290,15 +315,16 @@ def verify_plan(
     return report
 
 
-def count_contiguous_runs(cl: CopyList, row: int) -> int:
+def count_contiguous_runs(cl: CopyList, unit: int) -> int:
     """Brute-force count of maximal runs contiguous on both sides, at the granularity of
-    one row: an independent check of `merge_runs` (used by tests and the bench)."""
+    `unit` bytes (a row; one element where a side keeps a half channel-major): an
+    independent check of `merge_runs` (used by tests and the bench)."""
     if not len(cl.lengths):
         return 0
-    per = cl.lengths // row
+    per = cl.lengths // unit
     s_reg, d_reg = np.repeat(cl.src_regions, per), np.repeat(cl.dst_regions, per)
-    s_rows = _byte_index(cl.src_offsets // row, per)
-    d_rows = _byte_index(cl.dst_offsets // row, per)
+    s_rows = _byte_index(cl.src_offsets // unit, per)
+    d_rows = _byte_index(cl.dst_offsets // unit, per)
     order = np.lexsort((s_rows, s_reg))
     s_reg, d_reg, s_rows, d_rows = s_reg[order], d_reg[order], s_rows[order], d_rows[order]
     breaks = (np.diff(s_rows) != 1) | (np.diff(d_rows) != 1)

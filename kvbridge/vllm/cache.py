@@ -6,16 +6,15 @@ layer, views of one buffer, each of shape
     [num_blocks, num_kv_heads_per_rank, block_size, 2 * head_dim]
 
 whose page (one block, one head) holds the block's K, then its V (the kernel views it
-as [.., 2 * block_size, head_dim] and splits dim 2 in two). In kvbridge's axis letters
-that is, per layer, B H K N C: the order LBHKNC, with one region per layer (its
-tensor) at its own address. One caveat, measured with the kernel that writes the
-cache (`cpu_attn_reshape_and_cache`): within a page the V half is [token][channel]
-but the K half is [channel][token] (channel-major), which no `CacheLayout` order
-names. Whole pages are the same bytes either way, so the connector moves whole blocks
-only (a partial last block whole; its tail is overwritten as decoding goes on) and
-needs equal block sizes on both sides. This module checks the tensors are that
-shape, dense and consistent, and returns the layout, the regions and the block count;
-any other shape is refused with what it is and what would work.
+as [.., 2 * block_size, head_dim] and splits dim 2 in two). Measured with the kernel
+that writes the cache (`cpu_attn_reshape_and_cache`), the V half is [token][channel]
+but the K half is [channel][token]. In kvbridge's axis letters that is, per layer,
+B H K N C with a channel-major K half: the layout LBHKNC:K=CN, one region per layer
+(its tensor) at its own address. The planner cuts K and V apart where their orders
+differ, so any pair of block sizes and partial pulls (a prompt's last block, a start
+inside a block) move exactly the prompt's tokens. This module checks the tensors are
+that shape, dense and consistent, and returns the layout, the regions and the block
+count; any other shape is refused with what it is and what would work.
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ from kvbridge.plan.geometry import ModelKVSpec, normalize_dtype
 from kvbridge.plan.layout import CacheLayout, InstanceLayout
 from kvbridge.transfer.regions import CacheRegions, MemType
 
-#: vLLM's CPU cache, per layer: [block][head][K then V][token][channel]
-CPU_LAYOUT = CacheLayout("LBHKNC")
+#: vLLM's CPU cache, per layer: [block][head][K then V][...], K's page half
+#: [channel][token] (channel-major), V's [token][channel]
+CPU_LAYOUT = CacheLayout("LBHKNC", k_inner="CN")
 _LAYER = re.compile(r"\.(\d+)\.")
 
 

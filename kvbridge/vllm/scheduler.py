@@ -109,17 +109,14 @@ class SchedulerSide:
             log.warning("request %s: KV capability refused (%s); computing the prompt", rid, exc)
             params["do_remote_prefill"] = False
             return None
-        if cap.block_size != self.block_size:
+        if cap.block_size <= 0:
             log.warning(
-                "request %s: the prefill instance's block_size=%d differs from this decode "
-                "instance's %d; vLLM's CPU cache keeps K channel-major within a block, so "
-                "KVBridgeConnector moves whole blocks and needs equal block sizes: start both "
-                "with the same --block-size. Computing the prompt",
+                "request %s: its capability does not say the prefill instance's block_size "
+                "(%d); computing the prompt (a KVBridgeConnector prefill instance says it)",
                 rid,
                 cap.block_size,
-                self.block_size,
             )
-            self._refuse(cap, params, "block sizes differ")
+            self._refuse(cap, params, "the capability names no block size")
             return None
         if cap.num_tokens != request.num_prompt_tokens:
             log.warning(
@@ -179,14 +176,15 @@ class SchedulerSide:
                 Decline(cap.request_id, cap.endpoint, "the decode instance holds the prompt")
             )
             return
-        start = cap.num_tokens - num_external_tokens  # a whole number of local blocks
-        bd = self.block_size
-        # whole pages only (cache.py: vLLM's CPU page keeps K channel-major): the tail
-        # of the last block is copied too, and overwritten as the decode goes on
-        end = math.ceil(cap.num_tokens / bd) * bd
-        local = block_ids[start // bd : end // bd]
-        remote = cap.block_ids[start // bd - cap.start_token // bd :]
-        pull = Pull(cap.request_id, cap.endpoint, list(remote), list(local), end, start)
+        # tokens [start, num_tokens): the prompt's past our prefix cache hit (a whole
+        # number of local blocks; inside a prefill block when the block sizes differ).
+        # Both block lists start with the block holding token `start`; the plan cuts
+        # pages at both sides' boundaries, a channel-major K half by channel rows.
+        start = cap.num_tokens - num_external_tokens
+        bd, bp = self.block_size, cap.block_size
+        local = block_ids[start // bd : math.ceil(cap.num_tokens / bd)]
+        remote = cap.block_ids[start // bp - cap.start_token // bp :]
+        pull = Pull(cap.request_id, cap.endpoint, list(remote), list(local), cap.num_tokens, start)
         self._orders.pulls.append(PullOrder(request.request_id, pull))
 
     def finished_unscheduled(self, request: Any) -> None:
@@ -217,12 +215,12 @@ class SchedulerSide:
             return False, None
         reader = params.get(READER_KEY) or ""
         rid = request.request_id
-        # whole blocks (see after_alloc); the capability names the prompt's tokens
+        # the prompt's tokens, a partial last block included
         self._orders.exposes.append(
             Expose(
                 rid,
                 ids,
-                len(ids) * self.block_size,
+                n,
                 reader=reader or None,
                 lease_s=self.settings.transfer.lease_s,
             )

@@ -87,6 +87,31 @@ def test_table_output_and_verify():
     assert "unused replica" in out.stdout  # prefill tp 9 -> decode tp 3 leaves 6 idle
 
 
+def test_vllm_cpu_pages_across_block_sizes_verify():
+    """vLLM's CPU layout (K channel-major) by its name, blocks 64 -> 32."""
+    out = kvbridge(
+        "plan",
+        "--config",
+        "smollm2-135m",
+        "--decode-tp",
+        "3",
+        "--prefill-layout",
+        "LBHKNC:K=CN",
+        "--prefill-block-size",
+        "64",
+        "--decode-layout",
+        "lbhknc:k=cn",
+        "--decode-block-size",
+        "32",
+        "--verify",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    obj = json.loads(out.stdout)
+    assert obj["verified"] is True
+    assert obj["prefill"]["layout"] == obj["decode"]["layout"] == "LBHKNC:K=CN"
+
+
 def test_mla_workers_hold_the_whole_latent():
     out = kvbridge(
         "plan",
@@ -125,6 +150,7 @@ def test_mla_workers_hold_the_whole_latent():
             "use HND, NHD, BHLNC, BLHNC, BLNHC, LBHNC, LBNHC",
         ),
         (["--prefill-layout", "BHLCN"], "C (channel) not innermost"),
+        (["--decode-layout", "LBHKNC:K=XY"], "after the order write K=CN, V=CN or K=CN,V=CN"),
         (["--decode-pp", "17"], "decode pp_size=17 exceeds num_layers=16"),
     ],
 )

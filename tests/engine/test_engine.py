@@ -162,6 +162,13 @@ def test_tp_size_invalid_for_the_model_is_refused(tp: int) -> None:
         LLMEngine("smollm2-135m", EngineConfig(tp_size=tp))
 
 
+def test_a_channel_major_cache_layout_is_refused_with_the_token_major_one() -> None:
+    with pytest.raises(
+        ModelLoadError, match=r"cache_layout='LBHKNC:K=CN' keeps a half channel-major.*use LBHKNC"
+    ):
+        EngineConfig(cache_layout="LBHKNC:K=CN")
+
+
 @pytest.mark.parametrize(
     "kwargs, words",
     [

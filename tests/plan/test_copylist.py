@@ -15,6 +15,7 @@ from kvbridge.plan.planner import make_plan
 from kvbridge.plan.verifier import (
     RequestSpan,
     VerificationError,
+    _first_mismatch,
     apply_copy_lists,
     count_contiguous_runs,
     expected_decode_cache,
@@ -321,3 +322,88 @@ def test_the_verifier_sees_a_pull_that_overwrites_tokens_before_its_start():
     partial = RequestSpan(d_req.block_ids, 20, start_token=10)  # but only [10, 20) was asked
     assert not np.array_equal(cache, expected_decode_cache(m, plan.decode, d, initial, [partial]))
     assert np.array_equal(cache, expected_decode_cache(m, plan.decode, d, initial, [d_req]))
+
+
+CPU = "LBHKNC:K=CN"  # vLLM's CPU page: K [channel][token], V [token][channel]
+SMOL_F32 = SMOL.with_dtype("float32")
+
+
+def test_a_channel_major_k_half_is_cut_into_channel_rows_across_block_sizes():
+    """vLLM CPU pages, prefill block 64 -> decode block 32, one worker each: per
+    32-token segment, head and layer, K moves as one run per channel (32 tokens of it,
+    not contiguous across channels on the 64-token side) and V as one run of 32 rows."""
+    plan = make_plan(
+        SMOL_F32,
+        InstanceLayout(1, block_size=64, cache_layout=CPU),
+        InstanceLayout(1, block_size=32, cache_layout=CPU),
+    )
+    (cl,) = copy_lists(plan, 0, [5, 2], [9, 0, 4], 96)  # 3 segments of 32 tokens
+    heads, layers, hd = 3, SMOL.num_layers, SMOL.head_dim
+    k_runs = 3 * heads * layers * hd
+    v_runs = 3 * heads * layers
+    assert cl.num_unmerged == cl.num_descriptors == k_runs + v_runs
+    assert sorted(set(cl.lengths.tolist())) == [32 * 4, 32 * hd * 4]
+    assert int((cl.lengths == 32 * 4).sum()) == k_runs
+    assert cl.nbytes == 96 * plan.bytes_per_token
+    assert cl.num_descriptors == count_contiguous_runs(cl, 4)
+    verify_plan(plan, 96)
+    verify_plan(plan, 77, start_token=40)  # inside a block on both sides, a partial last
+
+
+def test_equal_block_sizes_move_channel_major_pages_whole():
+    """The same pages at equal block sizes: a whole page (K and V of one head and block)
+    is one run, and whole blocks of a per-layer region merge as before."""
+    plan = make_plan(
+        SMOL_F32,
+        InstanceLayout(1, block_size=32, cache_layout=CPU),
+        InstanceLayout(3, block_size=32, cache_layout=CPU),
+    )
+    (cl,) = copy_lists(plan, 1, [5, 2], [9, 0], 64)
+    assert set(cl.lengths.tolist()) == {2 * 32 * SMOL.head_dim * 4}  # K and V: one page
+    assert cl.num_descriptors == 2 * SMOL.num_layers
+    verify_plan(plan, 50, start_token=7)
+
+
+def test_a_channel_major_half_into_a_token_major_one_is_transposed_element_by_element():
+    plan = make_plan(
+        SMOL_F32,
+        InstanceLayout(1, block_size=32, cache_layout=CPU),
+        InstanceLayout(1, block_size=32, cache_layout="LBHKNC"),
+    )
+    (cl,) = copy_lists(plan, 0, [1], [0], 32)
+    pages = 3 * SMOL.num_layers  # (head, layer) pages of one block
+    # before merging, K: one element per run; V: its whole half
+    assert cl.num_unmerged == pages * (32 * SMOL.head_dim + 1)
+    # merged: only where a K half's last element meets the next V half (or a V half the
+    # next head's K) on both sides
+    assert cl.num_descriptors == count_contiguous_runs(cl, 4) > pages * 32 * SMOL.head_dim - pages
+    verify_plan(plan, 32)
+
+
+def test_the_verifier_sees_a_channel_major_half_moved_as_token_major():
+    """Pages planned as if K were token-major land transposed: caught, and named."""
+    right = make_plan(
+        SMOL_F32,
+        InstanceLayout(1, block_size=64, cache_layout=CPU),
+        InstanceLayout(1, block_size=32, cache_layout=CPU),
+    )
+    naive = make_plan(
+        SMOL_F32,
+        InstanceLayout(1, block_size=64, cache_layout="LBHKNC"),
+        InstanceLayout(1, block_size=32, cache_layout="LBHKNC"),
+    )
+    m = right.model
+    p_req, d_req = RequestSpan(np.array([3, 1]), 80), RequestSpan(np.array([0, 2, 3]), 80)
+    src = fill_worker_cache(m, right.prefill, right.prefill_workers[0], 4, [p_req], salt=1)
+    d = right.decode_workers[0]
+    initial = fill_worker_cache(m, right.decode, d, 4, [], salt=2)
+    want = expected_decode_cache(m, right.decode, d, initial, [d_req])
+    for plan, ok in ((right, True), (naive, False)):
+        cache = initial.copy()
+        lists = copy_lists(plan, 0, p_req.block_ids, d_req.block_ids, 80)
+        apply_copy_lists(region_bytes(src, m.num_layers), region_bytes(cache, m.num_layers), lists)
+        assert np.array_equal(cache, want) == ok
+    # the verifier's words for a decode side that never got the request: its first
+    # wrong element named by layer, K/V, head, block, slot and channel (not by offset)
+    first = _first_mismatch(m, right.decode, d, initial, want)
+    assert "elements wrong, first at layer 0 K head 0 block 0 slot 0 element 0" in first

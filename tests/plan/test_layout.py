@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.errors import LayoutError
-from kvbridge.plan.geometry import load_model_spec
+from kvbridge.plan.geometry import AttentionKind, ModelKVSpec, load_model_spec
 from kvbridge.plan.layout import (
     CacheLayout,
     InstanceLayout,
+    cache_strides,
     default_pp_split,
     kv_head_range,
     valid_tp_sizes,
@@ -132,3 +133,58 @@ def test_layout_names_parse_to_axis_orders(name, order, short):
     layout = CacheLayout.parse(name)
     assert layout.order == order and layout.name == short
     assert CacheLayout.parse(short) == layout
+
+
+@pytest.mark.parametrize(
+    "name, order, k_inner, v_inner, short",
+    [
+        ("LBHKNC:K=CN", "LBHKNC", "CN", "NC", "LBHKNC:K=CN"),  # vLLM's CPU cache
+        ("lbhknc:k=cn", "LBHKNC", "CN", "NC", "LBHKNC:K=CN"),
+        ("HND:V=CN", "LKBHNC", "NC", "CN", "LBHNC:V=CN"),
+        ("BHLNC:K=CN,V=CN", "BHLKNC", "CN", "CN", "BHLNC:K=CN,V=CN"),
+        ("BLKNHC: K=CN", "BLKNHC", "CN", "NC", "BLNHC:K=CN"),  # N and C apart: H between
+        ("LBHKNC:K=NC", "LBHKNC", "NC", "NC", "LBHKNC"),  # token-major, said explicitly
+    ],
+)
+def test_channel_major_halves_parse_name_and_round_trip(name, order, k_inner, v_inner, short):
+    layout = CacheLayout.parse(name)
+    assert (layout.order, layout.k_inner, layout.v_inner) == (order, k_inner, v_inner)
+    assert layout.name == short == str(layout) == layout.value
+    assert CacheLayout.parse(layout.name) == layout  # the wire and the CLI carry the name
+    assert eval(repr(layout)) == layout
+
+
+def test_a_channel_major_half_trades_n_and_c_in_its_own_order():
+    layout = CacheLayout.parse("LBHKNC:K=CN")
+    assert repr(layout) == "CacheLayout('LBHKNC', k_inner='CN')"
+    assert layout.axis_order(0) == "LBHKCN" and layout.axis_order(1) == "LBHKNC"
+    assert layout.is_channel_major and not CacheLayout.HND.is_channel_major
+    # N and C swap their strides in the K half only; K and the axes outside it keep theirs
+    model = ModelKVSpec(1, 2, 2, 64, "float32", AttentionKind.MHA)
+    lay = InstanceLayout(block_size=32, cache_layout=layout)
+    shard = lay.workers(model)[0]
+    k, v = cache_strides(model, lay, shard, 0), cache_strides(model, lay, shard, 1)
+    assert (k["N"], k["C"]) == ((0, 4), (0, 32 * 4))
+    assert (v["N"], v["C"]) == ((0, 64 * 4), (0, 4))
+    for axis in "LBHK":
+        assert k[axis] == v[axis]
+    assert (v["B"], v["H"], v["K"]) == ((0, 32768), (0, 16384), (0, 8192))  # the docstring's
+
+
+@pytest.mark.parametrize(
+    "name, words",
+    [
+        ("LBHKNC:K=XY", "'K=XY' does not say how a half keeps tokens and channels"),
+        ("LBHKNC:Q=CN", "after the order write K=CN, V=CN or K=CN,V=CN"),
+        ("LBHKNC:", "'' does not say how a half"),
+        ("LBHKNC:K=CN,", "'' does not say how a half"),
+        ("NBLKHC:K=CN", "needs N (token) after both B (block) and K (K/V)"),
+        ("BLHNKC:V=CN", "order='BLHNKC' does not: e.g. LBHKNC:K=CN"),
+    ],
+)
+def test_bad_channel_major_spellings_are_refused_with_what_works(name, words):
+    with pytest.raises(LayoutError) as err:
+        InstanceLayout(cache_layout=name)
+    assert words in str(err.value)
+    with pytest.raises(LayoutError, match=r"k_inner='cn' is not valid; use \"NC\""):
+        CacheLayout("LBHKNC", k_inner="cn")

@@ -1,17 +1,19 @@
 """Property test: every valid layout pair (TP, PP, block size, any cache-layout axis
-order, MLA) verifies byte-exact; every invalid one is refused with the project's error,
-naming the offending value."""
+order, channel-major K and/or V halves, MLA) verifies byte-exact; every invalid one is
+refused with the project's error, naming the offending value."""
 
 from __future__ import annotations
 
+import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.plan.copylist import copy_lists
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.plan.layout import InstanceLayout
+from kvbridge.plan.layout import CacheLayout, InstanceLayout, valid_tp_sizes
 from kvbridge.plan.planner import make_plan
-from kvbridge.plan.verifier import verify_plan
+from kvbridge.plan.verifier import count_contiguous_runs, verify_plan
 from tests.plan.helpers import check_plan_structure
 
 
@@ -43,17 +45,28 @@ def layouts(draw: st.DrawFn, model: ModelKVSpec) -> InstanceLayout:
     divisors = [t for t in range(1, 31) if model.num_attention_heads % t == 0]
     tp = draw(st.one_of(st.sampled_from(divisors), st.integers(1, 30)))
     pp = draw(st.integers(1, model.num_layers + 1))
-    return InstanceLayout(
-        tp_size=tp,
-        pp_size=pp,
-        block_size=draw(st.integers(1, 20)),
-        cache_layout=draw(
+    order = CacheLayout.parse(
+        draw(
             st.one_of(
                 st.sampled_from(["HND", "NHD", "BHLNC", "BLHNC", "BLNHC"]),
                 st.permutations("BLKHN").map(lambda axes: "".join(axes) + "C"),
             )
-        ),
+        )
+    ).order
+    return InstanceLayout(
+        tp_size=tp,
+        pp_size=pp,
+        block_size=draw(st.integers(1, 20)),
+        cache_layout=draw(halves(order)),
     )
+
+
+def halves(order: str) -> st.SearchStrategy[str]:
+    """`order` as it is, or with channel-major halves where the order allows them (N
+    after B and K)."""
+    if not order.index("B") < order.index("N") > order.index("K"):
+        return st.just(order)
+    return st.sampled_from(["", ":K=CN", ":V=CN", ":K=CN,V=CN"]).map(lambda h: order + h)
 
 
 def is_valid(model: ModelKVSpec, layout: InstanceLayout) -> bool:
@@ -129,3 +142,62 @@ def test_a_fan_out_on_decode_hosts_verifies_and_reads_each_cell_once_per_host(
     report = verify_plan(plan, tokens, seed=data.draw(st.integers(0, 2**16)), start_token=start)
     assert report.link_bytes == (tokens - start) * plan.link_bytes_per_token
     assert report.local_bytes == (tokens - start) * plan.local_bytes_per_token
+
+
+@st.composite
+def paged_layouts(
+    draw: st.DrawFn, model: ModelKVSpec, block_size: int, tp_size: int | None = None
+) -> InstanceLayout:
+    """A valid layout of vLLM-like paged caches: `block_size`, `tp_size` or any TP size
+    the model allows (replicas included), per-layer or cross-layer orders, K and/or V
+    channel-major or not."""
+    order = draw(st.sampled_from(["LBHKNC", "LKBHNC", "LBKHNC", "BLKHNC", "BHLKNC", "BLKNHC"]))
+    return InstanceLayout(
+        tp_size=tp_size or draw(st.sampled_from(valid_tp_sizes(model))),
+        block_size=block_size,
+        cache_layout=draw(halves(order)),
+    )
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_paged_caches_with_channel_major_halves_move_byte_exact(data: st.DataObject):
+    """vLLM's CPU page (K channel-major) and its kin: mixed block sizes 16/32/64, TP
+    pairs with replication and non-multiples, partial pulls starting inside a block of
+    either side, partial last blocks. Every pair verifies byte for byte, and the merged
+    copy lists are the maximal runs contiguous on both sides, counted element by element."""
+    # a third each: any TP pair; sizes that are not multiples (6 KV heads, 2 <-> 3);
+    # replicas on one side (tp twice the KV heads)
+    kind = data.draw(st.sampled_from(["any", "non-multiple", "replicas"]))
+    if kind == "non-multiple":
+        kv = 6
+    else:
+        kv = data.draw(st.sampled_from([1, 2, 3, 6] if kind == "any" else [1, 2, 3]))
+    model = ModelKVSpec(
+        data.draw(st.integers(1, 2)),
+        kv * (2 if kind == "replicas" else data.draw(st.sampled_from([1, 2]))),
+        kv,
+        data.draw(st.sampled_from([2, 4, 8])),
+        data.draw(st.sampled_from(["float16", "float32"])),
+        AttentionKind.MHA if data.draw(st.booleans()) else AttentionKind.GQA,
+    )
+    tps: list[int | None] = [None, None]
+    if kind == "non-multiple":
+        tps = data.draw(st.permutations([2, 3]))
+    elif kind == "replicas":
+        tps = data.draw(st.permutations([2 * kv, None]))
+    blocks = data.draw(st.tuples(*[st.sampled_from([16, 32, 64])] * 2))  # 2/3 differ
+    prefill = data.draw(paged_layouts(model, blocks[0], tps[0]))
+    decode = data.draw(paged_layouts(model, blocks[1], tps[1]))
+    plan = make_plan(model, prefill, decode)
+    check_plan_structure(plan)
+    # whole blocks on both sides, or a partial last block on either
+    tokens = data.draw(st.one_of(st.sampled_from([64, 192]), st.integers(1, 3 * 64 + 5)))
+    start = data.draw(st.one_of(st.just(0), st.integers(0, tokens - 1)))
+    report = verify_plan(plan, tokens, seed=data.draw(st.integers(0, 2**16)), start_token=start)
+    assert report.bytes_copied == (tokens - start) * plan.bytes_per_token
+    rank = data.draw(st.integers(0, len(plan.decode_workers) - 1))
+    p_need = -(-tokens // prefill.block_size) - start // prefill.block_size
+    d_need = -(-tokens // decode.block_size) - start // decode.block_size
+    for cl in copy_lists(plan, rank, 2 * np.arange(p_need), 3 * np.arange(d_need), tokens, start):
+        assert cl.num_descriptors == count_contiguous_runs(cl, model.itemsize)

@@ -63,6 +63,15 @@ def test_round_trip_keeps_every_field(token: bytes | None) -> None:
     assert got.layout.to_layout() == LAYOUT
 
 
+def test_a_channel_major_half_crosses_the_wire() -> None:
+    """vLLM's CPU layout (K channel-major) reaches the peer that plans with it."""
+    cpu = InstanceLayout(tp_size=1, block_size=64, cache_layout="LBHKNC:K=CN")
+    hello = Hello("d", 0, ModelWire.of(MODEL), LayoutWire.of(cpu), b"n" * 16)
+    wire = decode(encode(hello, None), None, 1 << 20)
+    assert isinstance(wire, Hello) and wire.layout.cache_layout == "LBHKNC:K=CN"
+    assert wire.layout.to_layout() == cpu
+
+
 def test_oversized_message_is_rejected_with_its_size() -> None:
     data = encode(welcome(), None)
     with pytest.raises(

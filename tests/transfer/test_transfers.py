@@ -41,6 +41,12 @@ CASES = {
         lay(1),
     ),
     "block 16->32, NHD->HND": (gqa(4, 4), lay(2, "NHD"), lay(1, "HND", 32)),
+    # vLLM's CPU pages (K channel-major), sizes that are not multiples, blocks 64 -> 32
+    "vLLM CPU 2->3, block 64->32": (
+        gqa(6, 6),
+        lay(2, "LBHKNC:K=CN", 64),
+        lay(3, "LBHKNC:K=CN", 32),
+    ),
 }
 
 

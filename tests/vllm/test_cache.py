@@ -1,10 +1,11 @@
-"""vLLM's CPU KV cache named in kvbridge's terms (no vLLM needed: its layout rebuilt here).
+"""vLLM's CPU KV cache named in kvbridge's terms.
 
 The CPU attention kernel views a layer's cache [num_blocks, heads, block_size,
 2*head_dim] as [num_blocks, heads, 2*block_size, head_dim] and takes the first
-block_size rows as K, the rest as V. Writing distinct values through that view and
-reading them back at the offsets kvbridge's layout (LBHKNC) gives must agree byte for
-byte; the layout must then plan with the other TP sizes and block sizes of the matrix.
+block_size rows as K, the rest as V; within them it keeps K channel-major. Keys and
+values written by vLLM's own kernel (`cpu_attn_reshape_and_cache`, where vLLM is
+installed) must lie at the offsets kvbridge's layout (LBHKNC:K=CN) gives, element for
+element; the layout must then plan with the TP sizes and block sizes of the matrix.
 """
 
 from __future__ import annotations
@@ -35,14 +36,18 @@ def vllm_cpu_caches(layers: int, blocks: int, heads: int, block: int, head_dim: 
 
 def test_pages_lie_where_the_layout_says() -> None:
     """Each (block, head, K/V) page half starts where LBHKNC puts it and spans
-    block_size x head_dim elements: the unit the connector moves (within a page the
-    kernel keeps K channel-major, see cache.py)."""
+    block_size x head_dim elements (within it the kernel keeps K channel-major: the
+    next test)."""
     model = from_hf_config({**SMOLLM2, "num_hidden_layers": 2})
     caches = vllm_cpu_caches(2, 5, 1, 32, 64)  # tp 3: one head per worker
     reg = describe_kv_caches(caches, model, tp_size=3, block_size=32)
     assert reg.layout.cache_layout == CPU_LAYOUT and reg.num_blocks == 5
-    strides = cache_strides(model, reg.layout, reg.layout.workers(model)[0])
+    shard = reg.layout.workers(model)[0]
+    strides = cache_strides(model, reg.layout, shard, 1)  # V: token-major
     assert strides["N"][1] * 32 == strides["K"][1] == 32 * 64 * 4
+    k_half = cache_strides(model, reg.layout, shard, 0)  # K: channel-major, same pages
+    assert k_half["C"][1] * 64 == strides["K"][1] and k_half["N"][1] == 4
+    assert {a: k_half[a] for a in "LBHK"} == {a: strides[a] for a in "LBHK"}
     for layer, t in enumerate(caches.values()):
         assert reg.regions.addresses[layer] == t.data_ptr()
         assert reg.regions.lengths[layer] == t.numel() * 4
@@ -51,6 +56,42 @@ def test_pages_lie_where_the_layout_says() -> None:
             for kv, page in ((0, k), (1, v)):
                 off = b * strides["B"][1] + kv * strides["K"][1]
                 assert page[b, 0].data_ptr() == t.data_ptr() + off
+
+
+@pytest.mark.parametrize("block_size", [32, 64])
+def test_the_cpu_kernel_writes_each_element_where_the_layout_says(block_size: int) -> None:
+    """vLLM's kernel writes 70 tokens' keys and values into scattered blocks; every
+    element is found at its offset under LBHKNC:K=CN (K channel-major, V token-major)."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    cpu_attn = pytest.importorskip("vllm.v1.attention.backends.cpu_attn")
+    heads, hd, tokens, num_blocks = 2, 64, 70, 4
+    model = from_hf_config(
+        {**SMOLLM2, "num_hidden_layers": 1, "num_key_value_heads": heads, "num_attention_heads": 2}
+        | {"hidden_size": 2 * hd}
+    )
+    cache = torch.zeros(num_blocks, heads, block_size, 2 * hd)
+    key_cache, value_cache = cache.view(num_blocks, heads, 2 * block_size, hd).chunk(2, dim=2)
+    gen = torch.Generator().manual_seed(0)
+    key, value = (torch.randn(tokens, heads, hd, generator=gen) for _ in range(2))
+    ids = torch.tensor([3, 0, 2])[: -(-tokens // block_size)]
+    t = torch.arange(tokens)
+    slots = ids[t // block_size] * block_size + t % block_size
+    isa = cpu_attn._get_attn_isa(torch.float32, block_size, hd)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    reg = describe_kv_caches({"model.layers.0.attn": cache}, model, 1, block_size)
+    assert reg.layout.cache_layout.name == "LBHKNC:K=CN"
+    raw = cache.view(-1)
+    shard = reg.layout.workers(model)[0]
+    for kv, want in ((0, key), (1, value)):
+        st = {a: b // 4 for a, (_, b) in cache_strides(model, reg.layout, shard, kv).items()}
+        # [tokens, heads, hd] element offsets of each token's K (or V) under the layout
+        at = (
+            (ids[t // block_size] * st["B"] + t % block_size * st["N"])[:, None, None]
+            + torch.arange(heads)[None, :, None] * st["H"]
+            + kv * st["K"]
+            + torch.arange(hd)[None, None, :] * st["C"]
+        )
+        assert torch.equal(raw[at], want), ("K", "V")[kv]
 
 
 @pytest.mark.parametrize(
@@ -63,6 +104,9 @@ def test_pages_lie_where_the_layout_says() -> None:
         (6, 2, 3, 32, 32),
         (6, 3, 2, 32, 32),
         (3, 1, 1, 64, 32),
+        (3, 1, 3, 64, 32),
+        (6, 3, 2, 32, 64),
+        (1, 2, 1, 64, 32),
     ],
 )
 def test_the_matrix_plans_byte_exact(heads, p_tp, d_tp, p_block, d_block) -> None:
@@ -85,6 +129,7 @@ def test_the_matrix_plans_byte_exact(heads, p_tp, d_tp, p_block, d_block) -> Non
     plan = make_plan(model, p, d)
     verify_plan(plan, 77)
     verify_plan(plan, 77, start_token=64)
+    verify_plan(plan, 77, start_token=32)  # inside a 64-token block
 
 
 def test_other_layouts_are_refused_with_what_works() -> None:
