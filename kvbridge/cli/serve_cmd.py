@@ -487,6 +487,15 @@ def _run_vllm_demo(args: argparse.Namespace) -> int:
         )
     from kvbridge.vllm.launch import VLLMDemoConfig, demo
 
+    for side in ("prefill", "decode"):
+        for flag, default in (("pp", 1), ("layout", DEFAULT_LAYOUT)):
+            value = getattr(args, f"{side}_{flag}")
+            if value != default:
+                raise ConfigError(
+                    f"--{side}-{flag} {value} with --engine vllm: the vLLM demo runs "
+                    "pp 1 and vLLM's own cache layout; leave the flag out"
+                )
+
     given = {
         f: getattr(args, f)
         for f in ("prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size")

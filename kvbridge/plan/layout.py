@@ -139,8 +139,15 @@ class CacheLayout:
                 f"cache layout={value!r} is not a valid axis order ({why}); {_accepted()}"
             )
         inner = {"K": "NC", "V": "NC"}
+        said: set[str] = set()
         for item in suffix.split(",") if colon else []:
             half, eq, val = item.strip().partition("=")
+            if half in said:
+                raise LayoutError(
+                    f"cache layout={value!r} says how half {half} is kept twice; name "
+                    "each half once, e.g. LBHKNC:K=CN"
+                )
+            said.add(half)
             if not (eq and half in inner and val in INNER_ORDERS):
                 raise LayoutError(
                     f"cache layout={value!r}: {item.strip()!r} does not say how a half "

@@ -223,6 +223,30 @@ class InstanceMetrics:
         return generate_latest(self.registry).decode()
 
 
+def with_label(text: str, name: str, value: str) -> str:
+    """`text` (a Prometheus text exposition) with label `name`=`value` added to every
+    sample that lacks it, so the same series from two servers (two vLLM instances of
+    one model) stay apart once merged."""
+    quoted = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    label = f'{name}="{quoted}"'
+    out = []
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            out.append(line)
+            continue
+        brace, space = line.find("{"), line.find(" ")
+        if 0 <= brace < space or (brace >= 0 and space < 0):
+            end = line.index("}", brace)
+            labels = line[brace + 1 : end]
+            if f"{name}=" not in labels:
+                sep = "," if labels.strip() else ""
+                line = f"{line[: brace + 1]}{label}{sep}{labels}{line[end:]}"
+        elif space > 0:
+            line = f"{line[:space]}{{{label}}}{line[space:]}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 def merge_expositions(texts: list[str]) -> str:
     """Join several Prometheus text expositions so each metric family appears once
     (one HELP/TYPE, then all its samples), as the format requires."""

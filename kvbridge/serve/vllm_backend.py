@@ -36,7 +36,7 @@ from kvbridge.serve.backend import (
     GenerateRequest,
     RequestStages,
 )
-from kvbridge.vllm.scheduler import READER_KEY  # the capability's reader, in kv_transfer_params
+from kvbridge.serve.metrics import with_label
 
 #: Longest a prefill call or the wait for the decode's next chunk may take (seconds).
 READ_TIMEOUT_S = 300.0
@@ -88,7 +88,10 @@ class VLLMBackend(Backend):
     """Owned by the proxy process (`proxy_main.proxy_app` with `Engine.VLLM`); called
     from its event loop for many requests at once. Each request costs one prefill call
     (`max_tokens` 1, not streamed) and one streamed decode call; a client that goes away
-    closes the decode stream, which aborts the request in vLLM."""
+    closes the decode stream, which aborts the request in vLLM. Clients name the model
+    as vLLM serves it (the decode instances' /v1/models; `model_name` until one
+    answered). The prefill's KV waits for the decode instance under the connector's
+    lease: a decode call that fails leaves it pinned until then (vLLM has no cancel)."""
 
     def __init__(
         self,
@@ -97,7 +100,6 @@ class VLLMBackend(Backend):
         model_name: str,
         *,
         recompute_on_failure: bool = True,
-        reader: str | None = None,
     ) -> None:
         if not decode_urls:
             raise BackendError("a vLLM deployment needs at least one decode instance URL")
@@ -105,13 +107,22 @@ class VLLMBackend(Backend):
         self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in decode_urls]
         self.recompute_on_failure = recompute_on_failure
-        self.reader = reader
         self._prefills = itertools.cycle(range(len(self.prefill_urls) or 1))
         self._decodes = itertools.cycle(range(len(self.decode_urls)))
         self._served: dict[str, str] = {}  # instance URL -> the model name vLLM serves
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
         )
+
+    async def start(self) -> None:
+        """Learn the name the decode instances serve the model under, if one answers
+        now (else at the first request)."""
+        for url in self.decode_urls:
+            try:
+                await self._served_model(url)
+                return
+            except BackendError:
+                continue
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -125,8 +136,12 @@ class VLLMBackend(Backend):
             except httpx.HTTPError as exc:
                 up[url] = f"unreachable: {exc!r}"
         decodes_up = any(up[u] == "up" for u in self.decode_urls)
-        all_up = all(v == "up" for v in up.values())
-        status = "ok" if all_up else "degraded" if decodes_up else "unavailable"
+        # without a prefill instance up, requests are served only if the decode computes
+        prefills_ok = self.recompute_on_failure or any(up[u] == "up" for u in self.prefill_urls)
+        if all(v == "up" for v in up.values()):
+            status = "ok"
+        else:
+            status = "degraded" if decodes_up and prefills_ok else "unavailable"
         return {"status": status, "instances": up}
 
     async def instance_metrics(self) -> dict[str, str | None]:
@@ -134,7 +149,7 @@ class VLLMBackend(Backend):
         for url in (*self.prefill_urls, *self.decode_urls):
             try:
                 r = await self._client.get(url + "/metrics", timeout=5)
-                out[url] = r.text if r.status_code == 200 else None
+                out[url] = with_label(r.text, "instance", url) if r.status_code == 200 else None
             except httpx.HTTPError:
                 out[url] = None
         return out
@@ -146,6 +161,8 @@ class VLLMBackend(Backend):
                 r = await self._client.get(url + "/v1/models", timeout=30)
                 r.raise_for_status()
                 self._served[url] = str(r.json()["data"][0]["id"])
+                if url in self.decode_urls:  # clients name the model as vLLM serves it
+                    self.model_name = self._served[url]
             except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
                 raise BackendError(
                     f"vLLM instance {url} did not say which model it serves "
@@ -161,7 +178,11 @@ class VLLMBackend(Backend):
         params, prefill, causes = await self._prefill(request, path)
         prefill_ms = (time.perf_counter() - started) * 1e3 if params is not None else None
         if params is None and not self.recompute_on_failure:
-            raise BackendError("no prefill instance served the request: " + "; ".join(causes), 503)
+            raise BackendError(
+                "no prefill instance served the request: "
+                + ("; ".join(causes) or "no prefill instance URL is configured (--prefill)"),
+                503,
+            )
         body = vllm_body(request, await self._served_model(decode))
         body |= {"stream": True, "stream_options": {"include_usage": True}}
         if params is not None:
@@ -206,9 +227,12 @@ class VLLMBackend(Backend):
             return
         finally:
             await resp.aclose()
+        if finish is None:
+            yield GenerateEvent(error=f"decode instance {decode} ended its stream unfinished")
+            return
         details = usage.get("prompt_tokens_details") or {}
         yield GenerateEvent(
-            finish_reason=finish or "stop",
+            finish_reason=finish,
             prompt_tokens=int(usage.get("prompt_tokens", 0)),
             completion_tokens=int(usage.get("completion_tokens", 0)),
             cached_tokens=int(details.get("cached_tokens") or 0),
@@ -228,9 +252,7 @@ class VLLMBackend(Backend):
         causes: list[str] = []
         for _ in self.prefill_urls:
             url = self.prefill_urls[next(self._prefills)]
-            kv: dict[str, Any] = {"do_remote_decode": True}
-            if self.reader:
-                kv[READER_KEY] = self.reader
+            kv = {"do_remote_decode": True}
             try:
                 body = vllm_body(request, await self._served_model(url))
                 body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": kv}

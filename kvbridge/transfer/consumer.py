@@ -203,7 +203,7 @@ class KVConsumer:
                 f"{len(local)} local blocks of {bd} tokens"
             )
         self._forget_unreachable()  # never start a pull on a peer known to be gone
-        self.owed.forget_request(request_id)  # this pull reports its own outcome
+        self.owed.forget_request(request_id, endpoint)  # this pull tells it its outcome
         inst = self.directory.instance(endpoint)
         self._pulls[request_id] = _Pull(
             request_id,
@@ -223,7 +223,7 @@ class KVConsumer:
         if request_id in self._pulls:
             raise TransferError(f"request_id={request_id!r} is being pulled; it cannot be declined")
         empty = np.zeros(0, dtype=np.int64)
-        self.owed.forget_request(request_id)
+        self.owed.forget_request(request_id, endpoint)
         self._pulls[request_id] = _Pull(
             request_id,
             self.directory.instance(endpoint),

@@ -25,7 +25,9 @@ from kvbridge.plan.layout import CacheLayout, InstanceLayout
 from kvbridge.transfer.auth import sign, verify
 from kvbridge.transfer.errors import AuthError, ProtocolError
 
-PROTOCOL_VERSION = 2
+#: Bumped on any change in what a message means: 3 names a cache's channel-major
+#: halves (`LBHKNC:K=CN`), which a version-2 peer described as token-major.
+PROTOCOL_VERSION = 3
 
 #: Bounds on untrusted fields (a worker holds at most this many cache regions, ...).
 MAX_REGIONS = 4096

@@ -90,9 +90,11 @@ class OwedNotices:
             owed.notices.popitem(last=False)
             self.num_dropped += 1
 
-    def forget_request(self, request_id: str) -> None:
-        """Drop what is owed for `request_id` (pulled anew: that pull reports itself)."""
-        for owed in self._owed.values():
+    def forget_request(self, request_id: str, endpoint: str) -> None:
+        """Drop what producer `endpoint` is owed for `request_id` (pulled from it anew:
+        that pull tells it its own outcome); what other producers are owed stays."""
+        owed = self._owed.get(endpoint)
+        if owed is not None:
             for key in [k for k in owed.notices if k[0] == request_id]:
                 del owed.notices[key]
 

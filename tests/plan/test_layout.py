@@ -178,6 +178,7 @@ def test_a_channel_major_half_trades_n_and_c_in_its_own_order():
         ("LBHKNC:Q=CN", "after the order write K=CN, V=CN or K=CN,V=CN"),
         ("LBHKNC:", "'' does not say how a half"),
         ("LBHKNC:K=CN,", "'' does not say how a half"),
+        ("LBHKNC:K=CN,K=NC", "says how half K is kept twice; name each half once"),
         ("NBLKHC:K=CN", "needs N (token) after both B (block) and K (K/V)"),
         ("BLHNKC:V=CN", "order='BLHNKC' does not: e.g. LBHKNC:K=CN"),
     ],

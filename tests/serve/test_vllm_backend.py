@@ -102,7 +102,7 @@ def test_prefill_with_one_token_then_decode_with_its_params(pair) -> None:
         assert r.status_code == 200, r.text
         got = r.json()
         assert got["choices"][0]["text"] == " Paris.\n"
-        assert got["usage"]["completion_tokens"] == 3 and got["model"] == "smollm2-135m"
+        assert got["usage"]["completion_tokens"] == 3 and got["model"] == SERVED
         assert set(got["kvbridge_stages"]) >= {"prefill_ms", "decode_ms"}
         (first,), (second,) = prefill.seen, decode.seen
         assert first["max_tokens"] == 1 and first["stream"] is False
@@ -185,3 +185,64 @@ def test_vllm_instances_are_proxied_only_not_started(capsys) -> None:
     assert cli_main(["serve", "--engine", "vllm"]) == 2
     err = capsys.readouterr().err
     assert "--engine vllm with --role all" in err and "--role proxy --engine vllm" in err
+
+
+def test_the_model_is_named_as_vllm_serves_it_and_health_follows_the_failure_policy(
+    pair,
+) -> None:
+    prefill, decode = pair
+    srv = proxy([prefill.url], [decode.url])
+    try:
+        models = httpx.get(srv.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [SERVED]
+        r = httpx.post(srv.url + "/v1/completions", json={"model": SERVED, "prompt": "q"})
+        assert r.status_code == 200 and r.json()["model"] == SERVED
+        assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+    finally:
+        srv.stop()
+    gone = "http://127.0.0.1:9"  # nothing listens there
+    for policy, status in ((KVLoadFailure.RECOMPUTE, 200), (KVLoadFailure.FAIL, 503)):
+        srv = proxy([gone], [decode.url], kv_load_failure=policy)
+        try:
+            assert httpx.get(srv.url + "/health", timeout=30).status_code == status
+        finally:
+            srv.stop()
+
+
+def test_a_stream_that_ends_unfinished_is_an_error_not_a_stop() -> None:
+    decode = FakeVLLM("decode")
+    decode.answer = _unfinished  # type: ignore[method-assign]
+    srv = proxy([], [decode.url])
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "q", "max_tokens": 2})
+        assert r.status_code == 500 and "ended its stream unfinished" in r.text
+    finally:
+        srv.stop()
+        decode.server.stop()
+
+
+async def _unfinished(body: dict[str, Any], chat: bool) -> Any:
+    chunk = {"choices": [{"text": " Paris", "token_ids": [7042], "finish_reason": None}]}
+    return StreamingResponse(
+        iter([f"data: {json.dumps(chunk)}\n\n"]), media_type="text/event-stream"
+    )
+
+
+def test_each_vllm_instances_metrics_keep_their_own_series_once_merged() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvbridge.serve.metrics import merge_expositions, with_label
+
+    text = (
+        "# HELP vllm:tokens_total Tokens.\n# TYPE vllm:tokens_total counter\n"
+        'vllm:tokens_total{model_name="m"} 3.0\nvllm:running 2.0\n'
+    )
+    merged = merge_expositions([with_label(text, "instance", u) for u in ("http://p", "http://d")])
+    samples = [
+        (s.name, tuple(sorted(s.labels.items())), s.value)
+        for family in text_string_to_metric_families(merged)
+        for s in family.samples
+    ]
+    assert len(samples) == len(set(samples)) == 4
+    assert ("vllm:running", (("instance", "http://d"),), 2.0) in samples
+    assert ("vllm:tokens_total", (("instance", "http://p"), ("model_name", "m")), 3.0) in samples

@@ -207,7 +207,10 @@ def test_the_owed_notices_kept_per_producer_are_bounded(clock) -> None:
     for i in range(5):
         owed.owe("tcp://p:1", "P", f"r{i}", 0, "lost contact " + "x" * 5000)
     assert len(owed) == 3 and owed.num_dropped == 2
-    owed.forget_request("r4")
+    owed.owe("tcp://q:1", "Q", "r4", 0, "lost contact")
+    owed.forget_request("r4", "tcp://p:1")  # pulled from p anew: q is still owed its own
+    assert len(owed) == 3
+    owed.forget_request("r4", "tcp://q:1")
     assert len(owed) == 2
     owed.owe("tcp://p:1", "P-restarted", "r9", 0, "lost")  # another instance there
     assert len(owed) == 1 and owed.num_dropped == 4
