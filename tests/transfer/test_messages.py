@@ -12,6 +12,7 @@ from kvbridge.transfer.config import TransferConfig, load_token
 from kvbridge.transfer.errors import AuthError, ProtocolError
 from kvbridge.transfer.messages import (
     MAX_REGIONS,
+    PROTOCOL_VERSION,
     Envelope,
     Hello,
     LayoutWire,
@@ -80,7 +81,9 @@ def test_oversized_message_is_rejected_with_its_size() -> None:
         decode(data, None, 100)
 
 
-@pytest.mark.parametrize("data", [b"", b"\x00\x01garbage", b"\x93\x02\xc4\x01x\xc4\x00"])
+@pytest.mark.parametrize(
+    "data", [b"", b"\x00\x01garbage", b"\x93" + bytes([PROTOCOL_VERSION]) + b"\xc4\x01x\xc4\x00"]
+)
 def test_malformed_bytes_are_rejected(data: bytes) -> None:
     with pytest.raises(ProtocolError, match="malformed"):
         decode(data, None, 1 << 20)
@@ -88,15 +91,15 @@ def test_malformed_bytes_are_rejected(data: bytes) -> None:
 
 def test_unknown_message_kind_is_rejected() -> None:
     body = msgspec.msgpack.encode({"type": "shutdown_everything"})
-    data = msgspec.msgpack.encode(Envelope(2, body, b""))
+    data = msgspec.msgpack.encode(Envelope(PROTOCOL_VERSION, body, b""))
     with pytest.raises(ProtocolError, match="malformed message"):
         decode(data, None, 1 << 20)
 
 
 def test_other_protocol_version_is_rejected_by_number() -> None:
     body = msgspec.msgpack.encode(Ping(nonce=1))
-    data = msgspec.msgpack.encode(Envelope(1, body, b""))
-    with pytest.raises(ProtocolError, match="protocol version=1 is not supported"):
+    data = msgspec.msgpack.encode(Envelope(2, body, b""))  # before channel-major halves
+    with pytest.raises(ProtocolError, match="protocol version=2 is not supported"):
         decode(data, None, 1 << 20)
 
 
