@@ -15,27 +15,14 @@ import pytest
 from kvbridge.transfer.consumer import RELEASE_RETRY_S, KVConsumer, TransferResult, TransferState
 from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.owed import OwedNotices
-from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
+from kvbridge.transfer.producer import KVProducer, ReleaseCause
 from kvbridge.transfer.side_channel import SideChannelServer
 
 from .fakes import Clock, FakeTransport, deliver
-from .test_runtime_states import consumer, make_producer, opened
+from .runtime import consumer, make_producer, opened
 
 #: The consumers' lease: how long an owed notice is kept (TransferConfig.lease_s).
 LEASE_S = 10.0
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def producer(clock: Clock) -> Iterator[tuple[KVProducer, list[Release]]]:
-    released: list[Release] = []
-    p = make_producer(clock, "prefill0", "P", on_release=released.append)
-    yield p, released
-    p.close()
 
 
 @pytest.fixture

@@ -39,9 +39,8 @@ from kvbridge.transfer.connector import (
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.regions import CacheRegions
 
-from .fakes import FakeTransport
+from .fakes import MODEL, NUM_BLOCKS, PREFILL, FakeTransport, regions
 from .test_embed_example import EXAMPLE, load_example
-from .test_runtime_states import MODEL, NUM_BLOCKS, PREFILL, regions
 
 #: upper bound of every wait below (a bound, not a measurement)
 BOUND_S = 60.0

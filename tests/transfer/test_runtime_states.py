@@ -5,7 +5,6 @@ processes are test_transfers.py and test_faults.py."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,100 +12,27 @@ import pytest
 
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.transfer.agent import XferState
-from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import (
     CONNECT_SETTLE_S,
     RELEASE_RETRY_S,
     KVConsumer,
     TransferState,
 )
-from kvbridge.transfer.errors import HandshakeError
-from kvbridge.transfer.messages import ReadDone, decode_signed, encode
-from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
+from kvbridge.transfer.messages import ReadDone, encode
+from kvbridge.transfer.producer import KVProducer, ReleaseCause
 
 from .fakes import (
-    DECODE,
-    MODEL,
-    NUM_BLOCKS,
-    PREFILL,
     Clock,
     FakeTransport,
     deliver,
     drive,
-    regions,
-    session,
     signed,
 )
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def producer(clock: Clock) -> Iterator[tuple[KVProducer, list[Release]]]:
-    released: list[Release] = []
-    p = make_producer(clock, "prefill0", "P", on_release=released.append)
-    yield p, released
-    p.close()
-
-
-def make_producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVProducer:
-    """Prefill worker 0 of a tp-1 instance over a fake transport named `agent`."""
-    if kw.get("config", {}).get("base_port"):  # a restart: the old socket may linger
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                return _producer(clock, agent, instance_id, **kw)
-            except HandshakeError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
-    return _producer(clock, agent, instance_id, **kw)
-
-
-def _producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVProducer:
-    return KVProducer(
-        model=MODEL,
-        layout=PREFILL,
-        rank=0,
-        regions=regions(PREFILL, 0),
-        num_blocks=NUM_BLOCKS,
-        transport=FakeTransport(agent),
-        config=TransferConfig(
-            lease_s=10, transfer_timeout_s=5, handshake_timeout_s=2, **kw.pop("config", {})
-        ),
-        instance_id=instance_id,
-        clock=clock,
-        **kw,
-    )
-
-
-def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL, **config: Any) -> KVConsumer:
-    return KVConsumer(
-        model=model,
-        layout=DECODE,
-        rank=rank,
-        regions=regions(DECODE, rank, model),
-        num_blocks=NUM_BLOCKS,
-        transport=FakeTransport(f"decode{rank}"),
-        config=TransferConfig(**{"transfer_timeout_s": 5, "handshake_timeout_s": 2, **config}),
-        instance_id="D",
-        clock=clock,
-    )
+from .runtime import consumer, make_producer, opened
 
 
 def notify(p: KVProducer, c: KVConsumer, request_id: str, **fields: Any) -> None:
     deliver(p, signed(c, p, request_id, **fields))
-
-
-def opened(c: KVConsumer, p: KVProducer, data: bytes) -> ReadDone:
-    """A notification `c` sent `p`, checked with their session's key."""
-    w = session(c, p)
-    msg, sid = decode_signed(data, {w.session_id: w.session_key}.get, 1 << 16)
-    assert isinstance(msg, ReadDone) and sid == w.session_id
-    return msg
 
 
 def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer, clock) -> None:
