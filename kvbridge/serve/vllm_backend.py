@@ -21,6 +21,7 @@ gets the 503 naming each cause. What a failed pull does is vLLM's
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -127,14 +128,27 @@ class VLLMBackend(Backend):
     async def close(self) -> None:
         await self._client.aclose()
 
-    async def health(self) -> dict[str, object]:
-        up = {}
-        for url in (*self.prefill_urls, *self.decode_urls):
+    async def _probe_all(self, path: str) -> dict[str, httpx.Response | str]:
+        """GET `path` of every instance at once: its response, or why it gave none."""
+
+        async def probe(url: str) -> httpx.Response | str:
             try:
-                r = await self._client.get(url + "/health", timeout=5)
-                up[url] = "up" if r.status_code == 200 else f"HTTP {r.status_code}"
+                return await self._client.get(url + path, timeout=5)
             except httpx.HTTPError as exc:
-                up[url] = f"unreachable: {exc!r}"
+                return f"unreachable: {exc!r}"
+
+        urls = (*self.prefill_urls, *self.decode_urls)
+        return dict(zip(urls, await asyncio.gather(*map(probe, urls)), strict=True))
+
+    async def health(self) -> dict[str, object]:
+        up = {
+            url: r
+            if isinstance(r, str)
+            else "up"
+            if r.status_code == 200
+            else f"HTTP {r.status_code}"
+            for url, r in (await self._probe_all("/health")).items()
+        }
         decodes_up = any(up[u] == "up" for u in self.decode_urls)
         # without a prefill instance up, requests are served only if the decode computes
         prefills_ok = self.recompute_on_failure or any(up[u] == "up" for u in self.prefill_urls)
@@ -145,14 +159,12 @@ class VLLMBackend(Backend):
         return {"status": status, "instances": up}
 
     async def instance_metrics(self) -> dict[str, str | None]:
-        out: dict[str, str | None] = {}
-        for url in (*self.prefill_urls, *self.decode_urls):
-            try:
-                r = await self._client.get(url + "/metrics", timeout=5)
-                out[url] = with_label(r.text, "instance", url) if r.status_code == 200 else None
-            except httpx.HTTPError:
-                out[url] = None
-        return out
+        return {
+            url: None
+            if isinstance(r, str) or r.status_code != 200
+            else with_label(r.text, "instance", url)
+            for url, r in (await self._probe_all("/metrics")).items()
+        }
 
     async def _served_model(self, url: str) -> str:
         """The name `url` serves its model under (its /v1/models), asked once."""
