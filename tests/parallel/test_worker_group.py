@@ -84,6 +84,24 @@ def test_nine_workers_calls_replies_and_collectives() -> None:
         group.call("echo")
 
 
+def test_workers_see_the_drivers_environment_as_it_is_when_their_group_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers fork from a server started with the driver's first group; a variable set
+    or removed after that (a cache directory, UCX's devices) still reaches later groups,
+    as it would reach a spawned process."""
+    monkeypatch.setenv("KVBRIDGE_TEST_SETTING", "first")
+    monkeypatch.setenv("KVBRIDGE_TEST_REMOVED", "set")
+    with WorkerGroup(1, ECHO) as first:
+        assert first.call("env", b"KVBRIDGE_TEST_SETTING") == [b"first"]
+        monkeypatch.setenv("KVBRIDGE_TEST_SETTING", "second")
+        monkeypatch.delenv("KVBRIDGE_TEST_REMOVED")
+        with WorkerGroup(2, ECHO) as second:
+            assert second.call("env", b"KVBRIDGE_TEST_SETTING") == [b"second"] * 2
+            assert second.call("env", b"KVBRIDGE_TEST_REMOVED") == [b"<unset>"] * 2
+        assert first.call("env", b"KVBRIDGE_TEST_SETTING") == [b"first"]
+
+
 def test_worker_exception_reaches_the_driver_with_rank_and_traceback() -> None:
     with WorkerGroup(3, ECHO) as group:
         assert group.call("echo", b"") == [b"|0|", b"|1|", b"|2|"]

@@ -167,7 +167,8 @@ def run_scenarios(
 
 
 def echo_worker(ctx: WorkerContext) -> None:
-    """Serves: echo, sum (all_reduce of rank+1 over the group), raise, exit."""
+    """Serves: echo, sum (all_reduce of rank+1 over the group), raise, exit, sleep,
+    stress, pid, env (a variable's value in the worker)."""
     prefix = ctx.init_payload
     ctx.report_progress(f"init with {len(prefix)} bytes")
 
@@ -195,6 +196,8 @@ def echo_worker(ctx: WorkerContext) -> None:
             return json.dumps(SCENARIOS["stress"](ctx.comm, json.loads(payload))).encode()
         if method == "pid":
             return str(os.getpid()).encode()
+        if method == "env":
+            return os.environ.get(payload.decode(), "<unset>").encode()
         raise KeyError(f"unknown method {method!r}")
 
     ctx.serve(handle)

@@ -413,13 +413,16 @@ def test_tp_worker_dies(fault_setup):
 
 
 def _tp_workers(pid: int) -> list[int]:
-    """The tp worker processes an instance spawned (multiprocessing's spawn_main)."""
+    """The tp worker processes of an instance: the children of its fork server
+    (multiprocessing's, a child of the instance)."""
     import subprocess
 
-    out = subprocess.run(
-        ["pgrep", "-P", str(pid), "-f", "spawn_main"], capture_output=True, text=True
-    ).stdout
-    return sorted(int(p) for p in out.split())
+    def children(parent: int, pattern: str) -> list[int]:
+        cmd = ["pgrep", "-P", str(parent), "-f", pattern]
+        return [int(p) for p in subprocess.run(cmd, capture_output=True, text=True).stdout.split()]
+
+    pattern = "multiprocessing.forkserver"
+    return sorted(w for server in children(pid, pattern) for w in children(server, pattern))
 
 
 def test_sigterm_to_serve_stops_its_instances(tmp_path):

@@ -195,8 +195,10 @@ def test_a_prefill_whose_caller_left_is_dropped(small):
     """The caller of a prefill hangs up before the answer: the instance drops the
     request (its id is free again at once, nothing stays pinned until a lease)."""
     prefill = small["prefill"]
+    # ~120 tokens: a prefill of tenths of a second, which the caller does not wait out
+    # (four tokens were prefilled within its 10 ms on an idle machine)
     gen = GenerateRequest(
-        "r-left", SamplingParams(max_tokens=8, temperature=0.0), prompt="Tell me a story"
+        "r-left", SamplingParams(max_tokens=8, temperature=0.0), prompt="Tell me a story. " * 24
     )
     body = msgspec.json.encode(gen)
     with pytest.raises(httpx.ReadTimeout):

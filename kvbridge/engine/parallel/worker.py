@@ -169,7 +169,15 @@ class WorkerContext:
                 return
 
     def _driver_alive(self) -> bool:
-        return os.getppid() == self.parent_pid
+        """Whether the driver's process still exists (this worker is a child of the fork
+        server, not of the driver, so the driver's death does not show in its ppid)."""
+        try:
+            os.kill(self.parent_pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # a process of another user took the pid: ours is gone
+            return False
+        return True
 
     def _reply_frame(self, seq: int, reply: bytes | bytearray | memoryview) -> bytes:
         data = bytes(reply)
@@ -212,8 +220,14 @@ def worker_main(
     num_threads: int,
     call_buffer_name: str,
     reply_buffer_name: str,
+    environment: dict[str, str],
 ) -> None:
-    """Entry point of a spawned worker process (see `WorkerGroup`)."""
+    """Entry point of a worker process (see `WorkerGroup`): forked from the fork server,
+    whose environment is the driver's as it was at the server's start; `environment` is
+    the driver's as the group started, as a spawned process would have it."""
+    if os.environ != environment:
+        os.environ.clear()
+        os.environ.update(environment)
     import torch
 
     # Ctrl-C reaches the whole process group; the driver alone decides how to shut down

@@ -63,6 +63,23 @@ class _Answers:
         return len(self.replies) + len(self.errors)
 
 
+#: What multiprocessing's fork server imports once, before it forks each worker: torch
+#: and the worker's entry module. A spawned worker imported them itself, which was most
+#: of its start-up (seconds of CPU per worker; nine for a tp-9 engine).
+FORKSERVER_PRELOAD = ["torch", "kvbridge.engine.parallel.worker"]
+
+
+def _worker_context() -> mp.context.ForkServerContext:
+    """Workers fork from multiprocessing's fork server (one per driver process, started
+    at its first group; it holds no thread, lock or device state of the driver's): a
+    fresh interpreter's state like "spawn", without re-importing torch in each. Each
+    worker still takes the driver's `sys.path` and main module, and its environment as it
+    is when the group starts (`worker_main` applies it)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
 def _shutdown(
     procs: list[BaseProcess],
     conns: list[Connection],
@@ -120,8 +137,9 @@ class WorkerGroup:
             ctx.serve(runner.handle)  # handle(method: str, payload: bytes) -> bytes
 
     Payloads and replies travel through pipes: meant for control messages (token ids,
-    block tables, sampled tokens), not bulk tensors. Workers are spawned, so they
-    re-import the driver's main module: a driver script needs `if __name__ == "__main__":`.
+    block tables, sampled tokens), not bulk tensors. Workers start as fresh interpreters
+    (forked from multiprocessing's fork server) and re-import the driver's main module, as
+    spawned ones do: a driver script needs `if __name__ == "__main__":`.
     """
 
     def __init__(
@@ -162,7 +180,7 @@ class WorkerGroup:
         self._finalizer = weakref.finalize(
             self, _shutdown, self._procs, self._conns, self._segment, buffers
         )
-        ctx = mp.get_context("spawn")
+        ctx = _worker_context()
         try:
             for rank in range(world_size):
                 self._reply_buffers.append(ReplyBuffer.create(reply_max_bytes))
@@ -183,6 +201,7 @@ class WorkerGroup:
                         num_threads,
                         self._call_buffer.name,
                         self._reply_buffers[rank].name,
+                        dict(os.environ),
                     ),
                     name=f"kvbridge-tp{rank}",
                     daemon=True,
