@@ -33,19 +33,3 @@ def instances():
         yield urls
     finally:
         dep.stop()
-
-
-@pytest.fixture(scope="module")
-def tp1_pair():
-    """A prefill and a decode instance, tp 1 each, with the test deployment's token, for
-    one module (the security tests that need only one of each); keys "prefill", "decode"."""
-    dep = Deployment()
-    try:
-        urls = {
-            role: dep.start_instance(role, small_instance(role, 1)).url
-            for role in ("prefill", "decode")
-        }
-        dep.wait_healthy(900, say=None)
-        yield urls
-    finally:
-        dep.stop()

@@ -137,7 +137,7 @@ def _attack(url: str, tag: str, key: str | None, **extra: object) -> tuple[int, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["api-key", "cache_salt", "shared"])
-def test_an_attacker_learns_nothing_from_the_victims_cached_prompt(tp1_pair, policy) -> None:
+def test_an_attacker_learns_nothing_from_the_victims_cached_prompt(instances, policy) -> None:
     """Per API key (the default with keys) and per cache_salt, the right guess looks
     exactly like a wrong one; "shared" (no key, no salt: policy none) is the control
     that shows the oracle the others close (the right guess hits the secret's blocks)."""
@@ -146,7 +146,7 @@ def test_an_attacker_learns_nothing_from_the_victims_cached_prompt(tp1_pair, pol
     if policy == "cache_salt":
         salts = [{"cache_salt": "victim"}, {"cache_salt": "attacker"}]
     backend = DisaggBackend(
-        [tp1_pair["prefill"]], [tp1_pair["decode"]], "smollm2-135m", token=TOKEN
+        [instances[("prefill", 1)]], [instances[("decode", 1)]], "smollm2-135m", token=TOKEN
     )
     api_keys = KEYS if policy == "api-key" else None
     srv = ServerThread(make_app(backend, api_key=api_keys)).start()

@@ -50,9 +50,10 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("decode", [("decode", 1), "decode32"], ids=["b16-BHLNC", "b32-LBNHC"])
-def test_greedy_equals_colocated(instances, decode):
-    """Prefill block 16 BHLNC -> decode block 16 BHLNC, and -> decode block 32 LBNHC."""
+def test_greedy_equals_colocated(instances):
+    """Prefill block 16 BHLNC -> decode block 16 BHLNC. Block 16 BHLNC <-> block 32
+    LBNHC, both ways, are test_prefix_serve.py's (a full pull, then partial ones)."""
+    decode = ("decode", 1)
     proxy = proxy_for([instances[("prefill", 1)]], [instances[decode]])
     try:
         for prompt in PROMPTS:
@@ -237,15 +238,15 @@ def test_duplicate_request_ids_are_refused_while_in_use(instances):
 
 @pytest.fixture(scope="module")
 def fault_setup():
-    """Two prefill instances to kill and two decode instances, one per failure policy,
+    """A prefill instance to kill and two decode instances, one per failure policy,
     with a short transfer timeout (all tp 1 but `fail`, tp 3: its tp workers are
-    killed last)."""
+    killed last). The prefill instance dies in the first test that kills it; the tests
+    after it meet it dead."""
     dep = Deployment()
     try:
         procs = {
             # a capability is used up to a transfer timeout after it was issued here
-            "prefill_a": dep.start_instance("prefill_a", small_instance("prefill", 1, claim_s=60)),
-            "prefill_b": dep.start_instance("prefill_b", small_instance("prefill", 1, claim_s=60)),
+            "prefill": dep.start_instance("prefill", small_instance("prefill", 1, claim_s=60)),
             "recompute": dep.start_instance(
                 "recompute",
                 small_instance(
@@ -286,7 +287,7 @@ def test_prefill_dies_between_prefill_and_pull(fault_setup):
     still answers the colocated text, the fail instance reports the failure; blocks are
     freed either way."""
     procs = fault_setup
-    prefill, prompt = procs["prefill_b"], PROMPTS[1]
+    prefill, prompt = procs["prefill"], PROMPTS[1]
     want = colocated(procs["recompute"].url, prompt, 6)
     results = {}
     for policy in ("recompute", "fail"):
@@ -346,7 +347,7 @@ def test_prefill_instance_killed(fault_setup, policy):
     correctly (the decode instance computes the prompt); fail answers an OpenAI-shaped
     error; neither hangs."""
     procs = fault_setup
-    prefill = procs["prefill_a"]
+    prefill = procs["prefill"]
     proxy = proxy_for([prefill.url], [procs[policy].url], recompute=policy == "recompute")
     try:
         want = colocated(procs[policy].url, PROMPTS[0], 6)

@@ -147,10 +147,10 @@ def test_the_replay_guard_forgets_only_what_left_the_window_and_never_overflows(
 
 
 @pytest.mark.slow
-def test_a_replayed_prefill_is_refused_by_a_real_instance(tp1_pair) -> None:
+def test_a_replayed_prefill_is_refused_by_a_real_instance(instances) -> None:
     """Issue #21: replaying a sniffed /internal/prefill within 60 s was accepted (the KV
     was exposed and pulled again)."""
-    url = tp1_pair["prefill"]
+    url = instances[("prefill", 1)]
     gen = GenerateRequest("r-replay", SamplingParams(max_tokens=1), prompt="The code is")
     signed = _signed(f"{url}/internal/prefill", msgspec.json.encode(gen))
     with httpx.Client(timeout=120) as client:
@@ -164,10 +164,10 @@ def test_a_replayed_prefill_is_refused_by_a_real_instance(tp1_pair) -> None:
 
 
 @pytest.mark.slow
-def test_a_capability_opens_one_pull_of_its_own_prompt(tp1_pair) -> None:
+def test_a_capability_opens_one_pull_of_its_own_prompt(instances) -> None:
     """Issue #21: with a victim's capability and dummy prompt ids of the same length the
     decode instance continued the victim's KV, and a capability could be used twice."""
-    prefill, decode = tp1_pair["prefill"], tp1_pair["decode"]
+    prefill, decode = instances[("prefill", 1)], instances[("decode", 1)]
     me = instance_id(decode)
     gen = GenerateRequest(
         "r-cap",

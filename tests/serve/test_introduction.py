@@ -1,6 +1,8 @@
-"""A proxy started before its instances introduces them once they come up: the decode
+"""A proxy started before a decode instance introduces it once it comes up: the decode
 workers have met the prefill workers before the first request, and that request's KV
-comes over and its answer equals colocated generation."""
+comes over and its answer equals colocated generation. The prefill instance is the
+package's (its start is the slow part); the ordering cases (either side first, restarts,
+outages) are tests/serve/test_introducer.py's."""
 
 from __future__ import annotations
 
@@ -15,22 +17,22 @@ from tests.serve.helpers import colocated, complete, proxy_for, small_instance
 pytestmark = pytest.mark.slow
 
 
-def test_a_proxy_started_first_introduces_the_instances_once_they_are_up():
+def test_a_proxy_started_first_introduces_a_decode_instance_once_it_is_up(instances):
     dep = Deployment()
     proxy = None
+    prefill = instances[("prefill", 1)]
     try:
-        prefill = dep.start_instance("prefill", small_instance("prefill", 1))
         decode = dep.start_instance("decode", small_instance("decode", 3))
-        # the ports are known before the models load: the proxy comes up first
-        proxy = proxy_for([prefill.url], [decode.url])
+        # the port is known before the model loads: the proxy comes up first
+        proxy = proxy_for([prefill], [decode.url])
         early = httpx.get(f"{proxy.url}/health", timeout=30).json()["introductions"]
-        assert early[decode.url][prefill.url] != "connected"
+        assert early[decode.url][prefill] != "connected"
         dep.wait_healthy(900, say=None)
         deadline = time.monotonic() + 120
         state = ""
         while time.monotonic() < deadline:
             intro = httpx.get(f"{proxy.url}/health", timeout=30).json()["introductions"]
-            state = intro[decode.url][prefill.url]
+            state = intro[decode.url][prefill]
             if state == "connected":
                 break
             time.sleep(0.2)

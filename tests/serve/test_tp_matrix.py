@@ -1,6 +1,11 @@
 """Greedy completions through the proxy equal colocated generation for every
 (prefill tp, decode tp) pair of the issue, with GQA replication on either side
-(SmolLM2 has 3 KV heads: tp 9 holds each head on three workers)."""
+(SmolLM2 has 3 KV heads: tp 9 holds each head on three workers), and the decode workers
+read exactly the bytes of the KV heads they hold.
+
+The pairs 3 -> 9, 9 -> 3 and 1 -> 3 are proven in tests/serve/test_prefix_serve.py,
+whose first turn is this test's full pull (same equality, same byte count) before its
+later turns pull only what is new; this module holds the other pairs."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from tests.serve.helpers import complete, proxy_for
 
 pytestmark = pytest.mark.slow
 
-PAIRS = [(1, 9), (3, 9), (9, 3), (9, 1), (3, 3), (1, 3)]
+PAIRS = [(1, 9), (9, 1), (3, 3)]
 PROMPTS = ["The capital of France is", "List three colors: red,"]
 
 
