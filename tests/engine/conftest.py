@@ -6,7 +6,11 @@ The oracle is transformers' own `generate` on the same GGUF file (dequantized by
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,7 @@ import pytest
 
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import LLMEngine
+from kvbridge.engine.weights import cache_dir
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -34,16 +39,48 @@ def model_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def oracle_dir() -> Path:
+    """Where transformers' own conversion of the GGUF (tokenizer, config, float32 weights)
+    is kept once made, as `save_pretrained` writes it: keyed by the file and by the
+    versions of transformers, gguf and torch that converted it. Converting took 33 s here
+    and loading the saved copy 3 s (docs/benchmarks.md); nothing of ours touches it."""
+    from importlib.metadata import version
+
+    path = model_dir() / GGUF_NAME
+    st = path.stat()
+    versions = "|".join(version(name) for name in ("transformers", "gguf", "torch"))
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{versions}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_dir() / "oracle" / f"{path.stem}-{digest}"
+
+
 class Oracle:
     """transformers' AutoModelForCausalLM on the GGUF; greedy results cached by prompt."""
 
     def __init__(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
         torch.set_num_threads(2)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir(), gguf_file=GGUF_NAME)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir(), gguf_file=GGUF_NAME)
+        saved = oracle_dir()
+        if not (saved / "done").exists():
+            tokenizer = AutoTokenizer.from_pretrained(model_dir(), gguf_file=GGUF_NAME)
+            model = AutoModelForCausalLM.from_pretrained(model_dir(), gguf_file=GGUF_NAME)
+            tmp = saved.with_name(f"{saved.name}.tmp{os.getpid()}")
+            tokenizer.save_pretrained(tmp)
+            # a model loaded from GGUF refuses save_pretrained: its parts, saved one by one
+            model.config.to_json_file(tmp / "config.json")
+            model.generation_config.save_pretrained(tmp)
+            torch.save(model.state_dict(), tmp / "state_dict.pt")
+            (tmp / "done").touch()
+            with contextlib.suppress(OSError):  # another run saved it first: same bytes
+                tmp.rename(saved)
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(saved)
+        config = AutoConfig.from_pretrained(saved)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.model.load_state_dict(torch.load(saved / "state_dict.pt", weights_only=True))
+        self.model.generation_config = GenerationConfig.from_pretrained(saved)
         self.model.eval()
         self._cache: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
