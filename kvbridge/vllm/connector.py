@@ -125,7 +125,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        res = self.worker.collect()
+        meta = self._get_connector_metadata()
+        wait_s = meta.orders.idle_wait_s if isinstance(meta, KVBridgeMetadata) else 0.0
+        res = self.worker.collect(wait_s)
         self._load_errors |= res.failed_block_ids
         return res.finished_sending or None, res.finished_recving or None
 
@@ -179,7 +181,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return KVBridgeMetadata(self.scheduler.build_orders())
+        return KVBridgeMetadata(
+            self.scheduler.build_orders(scheduler_output.total_num_scheduled_tokens)
+        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -129,9 +129,15 @@ class WorkerSide:
             if self.consumer is not None:
                 self.consumer.handle(decline)
 
-    def collect(self) -> StepResults:
-        """Requests whose transfers finished since the last call (get_finished)."""
+    def collect(self, wait_s: float = 0.0) -> StepResults:
+        """Requests whose transfers finished since the last call (get_finished). With
+        `wait_s` (an empty step) and transfers in flight but none finished, first wait
+        up to that long for one to finish, on the runtime's event: no spinning."""
         self._drain()
+        if wait_s > 0 and self._is_empty(self._pending) and (self._pulls or self._sending):
+            side = self.consumer if self._pulls else self.producer
+            if side is not None and side.wait_for_events(wait_s):
+                self._drain()
         out, self._pending = self._pending, StepResults()
         return out
 
@@ -146,6 +152,10 @@ class WorkerSide:
         self._close_runtime()
 
     # -- internals -----------------------------------------------------------------------
+    @staticmethod
+    def _is_empty(res: StepResults) -> bool:
+        return not (res.finished_sending or res.finished_recving or res.failed_block_ids)
+
     def _drain(self) -> None:
         if self.producer is not None:
             for ev in self.producer.handle(Poll()).events:
