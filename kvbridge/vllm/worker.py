@@ -125,6 +125,7 @@ class WorkerSide:
                 state = self._pulls.pop(p.request_id)
                 self._pending.finished_recving.add(state.request_id)
                 self._pending.failed_block_ids.update(state.local_block_ids)
+                self._observed["failed_pulls"].append(1.0)
         for decline in orders.declines:
             if self.consumer is not None:
                 self.consumer.handle(decline)
