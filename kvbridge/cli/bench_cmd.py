@@ -94,6 +94,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     mt.add_argument("--turn-words", type=int, default=40, help="words per user turn")
     mt.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     bs.set_defaults(handler=_lazy("kvbridge.bench.serve", "run_serve_bench"), extra="serve")
+    from kvbridge.bench import vllm as vllm_bench  # (its heavy imports are in its runner)
+
+    bv = bench.add_parser(
+        "vllm",
+        help="KVBridgeConnector vs vLLM's NixlConnector vs colocated vLLM (run in .venv-vllm)",
+        description=(vllm_bench.__doc__ or "").strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    vllm_bench.add_arguments(bv)
+    bv.set_defaults(handler=vllm_bench.run, extra="vllm")
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
 
 

@@ -281,12 +281,13 @@ def merge_expositions(texts: list[str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """The sum of the `kvbridge_<name>` samples of a Prometheus text exposition whose
+def metric_value(text: str, name: str, *, prefix: str = "kvbridge_", **labels: str) -> float:
+    """The sum of the `<prefix><name>` samples of a Prometheus text exposition whose
     labels include `labels` (0.0 if none): the one reader of `/metrics` (benchmarks,
     tests), parsed by prometheus_client. `name` is a sample's full name after the
-    prefix: "requests_total", "ttft_ms_count", "blocks_in_use"."""
-    full = f"kvbridge_{name}"
+    prefix: "requests_total", "ttft_ms_count", "blocks_in_use"; vLLM's series take
+    `prefix="vllm:"`."""
+    full = f"{prefix}{name}"
     return float(
         sum(
             sample.value

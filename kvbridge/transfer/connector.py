@@ -239,6 +239,8 @@ class WorkerConnector:
         self.consumer = runtime if isinstance(runtime, KVConsumer) else None
         self.rank = rank
         self._events: list[ConnectorEvent] = []
+        #: set while `_events` holds something a Poll would report (`wait_for_events`)
+        self._has_events = threading.Event()
         self._started: dict[str, float] = {}  # request id -> its Expose or Pull here
         self._num_reported = 0  # the producer's releases reported as events so far
         self._last_poll = 0.0
@@ -262,6 +264,13 @@ class WorkerConnector:
         if self.progress is not None and isinstance(request, Expose | Pull | Connect | Decline):
             self.progress.wake()  # work to progress now: poll at the busy cadence
         return reply
+
+    def wait_for_events(self, timeout_s: float) -> bool:
+        """Block (without the lock) until a request finished here and the next Poll
+        would report it, or `timeout_s` passed; True if one did. With the progress
+        thread, this is how an engine with nothing to compute waits for its transfers
+        instead of spinning; without it nothing polls meanwhile, so it only waits."""
+        return self._has_events.wait(max(timeout_s, 0.0))
 
     def _check_progress(self) -> None:
         if self._closed:
@@ -321,6 +330,7 @@ class WorkerConnector:
             self._last_poll = 0.0  # the driver asks: poll now
             self._poll_if_due()
             events, self._events = self._events, []
+            self._has_events.clear()
             replays = self.producer.num_replays if self.producer is not None else 0
             return ConnectorReply(
                 events=events, pinned_blocks=self.num_pinned_blocks, replays_refused=replays
@@ -369,6 +379,7 @@ class WorkerConnector:
                         res.request_id, ok, res.reason, res.nbytes, self._elapsed_ms(res.request_id)
                     )
                 )
+                self._has_events.set()
         return self.poll_interval()
 
     def _report_releases(self) -> None:
@@ -381,6 +392,7 @@ class WorkerConnector:
             self._events.append(
                 ConnectorEvent(rel.request_id, ok, rel.reason, 0, elapsed, rel.cause.value)
             )
+            self._has_events.set()
         self._num_reported = len(self.producer.releases)
 
     def _elapsed_ms(self, request_id: str) -> float:

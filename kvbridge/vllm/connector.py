@@ -22,11 +22,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import describe_kv_caches
 from kvbridge.vllm.scheduler import SchedulerSide, StepOrders
 from kvbridge.vllm.settings import ConnectorSettings, check_vllm
+from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
 from kvbridge.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -118,13 +125,33 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        res = self.worker.collect()
+        meta = self._get_connector_metadata()
+        wait_s = meta.orders.idle_wait_s if isinstance(meta, KVBridgeMetadata) else 0.0
+        res = self.worker.collect(wait_s)
         self._load_errors |= res.failed_block_ids
         return res.finished_sending or None, res.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
         return out
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self.worker.take_observations() if self.worker is not None else None
+        return KVBridgeConnectorStats(data=dict(data)) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVBridgeConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVBridgePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -154,7 +181,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return KVBridgeMetadata(self.scheduler.build_orders())
+        return KVBridgeMetadata(
+            self.scheduler.build_orders(scheduler_output.total_num_scheduled_tokens)
+        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]

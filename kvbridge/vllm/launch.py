@@ -42,7 +42,7 @@ LOADED_HOST_SETTINGS: dict[str, Any] = {
 #: context, few sequences, and a small cache (fewer descriptors to prepare per peer).
 SMALL_HOST_ARGS = (
     "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
-    "--seed", "0", "--enforce-eager", "--disable-log-stats", "--num-gpu-blocks-override", "128",
+    "--seed", "0", "--enforce-eager", "--num-gpu-blocks-override", "128",
 )  # fmt: skip
 #: A decode worker's log line for a finished pull (worker.py): its rank and bytes.
 PULLED = re.compile(r"kvbridge decode worker (\d+) pulled \S+: tokens \[\d+, \d+\), (\d+) bytes")

@@ -39,6 +39,14 @@ from kvbridge.vllm.settings import ROLES, ConnectorSettings
 log = logging.getLogger("vllm.kvbridge")
 
 #: kv_transfer_params key carrying the capability (base64 of its signed bytes)
+#: How long a worker may wait in an empty step (no token scheduled) for a transfer in
+#: flight to finish. vLLM keeps stepping while a request waits for its KV (decode) or
+#: its KV is exposed (prefill), and an empty step returns at once: its engine process
+#: and every worker would spin at 100 % for the whole transfer, on the cores the other
+#: instance's workers need to serve it. Waiting on the transfer runtime's event
+#: instead returns the moment a transfer finishes; a request that arrives meanwhile
+#: waits at most this long for its first step.
+EMPTY_STEP_WAIT_S = 0.02
 CAPABILITY_KEY = "kvbridge_capability"
 #: kv_transfer_params key a proxy may set on the prefill request: the decode instance
 #: id that alone may pull it (without it, any holder of the token may)
@@ -61,6 +69,9 @@ class StepOrders:
     exposes: list[Expose] = field(default_factory=list)
     pulls: list[PullOrder] = field(default_factory=list)
     declines: list[Decline] = field(default_factory=list)
+    #: a step with no token to compute: a worker with transfers in flight may wait up to
+    #: this long in `get_finished` for one to finish (see `EMPTY_STEP_WAIT_S`)
+    idle_wait_s: float = 0.0
 
 
 class SchedulerSide:
@@ -88,9 +99,13 @@ class SchedulerSide:
     def set_endpoints(self, endpoints: list[str]) -> None:
         self.endpoints = endpoints
 
-    def build_orders(self) -> StepOrders:
+    def build_orders(self, num_scheduled_tokens: int) -> StepOrders:
+        """This step's orders; `num_scheduled_tokens` = 0 (nothing to compute) lets the
+        workers wait for their transfers (`StepOrders.idle_wait_s`)."""
         out, self._orders = self._orders, StepOrders()
         out.endpoints = list(self.endpoints)
+        if num_scheduled_tokens == 0:
+            out.idle_wait_s = EMPTY_STEP_WAIT_S
         return out
 
     # -- decode -------------------------------------------------------------------------

@@ -31,6 +31,9 @@ from kvbridge.vllm.settings import ROLES, ConnectorSettings
 
 #: under vLLM's "vllm" logger, so vLLM's handlers print it
 log = logging.getLogger("vllm.kvbridge")
+#: what a decode worker records per pull for vLLM's metrics (`stats.py`): seconds and
+#: bytes of each pull that completed, a 1 per pull that failed
+OBSERVATION_KEYS = ("pull_seconds", "pull_bytes", "failed_pulls")
 
 
 @dataclass
@@ -97,6 +100,7 @@ class WorkerSide:
         self._sending: set[str] = set()  # exposed request ids (vLLM's own on a prefill)
         self._pending = StepResults()
         self.num_bytes_pulled = 0
+        self._observed: dict[str, list[float]] = {key: [] for key in OBSERVATION_KEYS}
 
     # -- vLLM's worker thread ------------------------------------------------------------
     def apply(self, orders: StepOrders) -> None:
@@ -121,20 +125,38 @@ class WorkerSide:
                 state = self._pulls.pop(p.request_id)
                 self._pending.finished_recving.add(state.request_id)
                 self._pending.failed_block_ids.update(state.local_block_ids)
+                self._observed["failed_pulls"].append(1.0)
         for decline in orders.declines:
             if self.consumer is not None:
                 self.consumer.handle(decline)
 
-    def collect(self) -> StepResults:
-        """Requests whose transfers finished since the last call (get_finished)."""
+    def collect(self, wait_s: float = 0.0) -> StepResults:
+        """Requests whose transfers finished since the last call (get_finished). With
+        `wait_s` (an empty step) and transfers in flight but none finished, first wait
+        up to that long for one to finish, on the runtime's event: no spinning."""
         self._drain()
+        if wait_s > 0 and self._is_empty(self._pending) and (self._pulls or self._sending):
+            side = self.consumer if self._pulls else self.producer
+            if side is not None and side.wait_for_events(wait_s):
+                self._drain()
         out, self._pending = self._pending, StepResults()
+        return out
+
+    def take_observations(self) -> dict[str, list[float]] | None:
+        """The pulls finished since the last call, for vLLM's metrics (None if none)."""
+        if not any(self._observed.values()):
+            return None
+        out, self._observed = self._observed, {key: [] for key in OBSERVATION_KEYS}
         return out
 
     def close(self) -> None:
         self._close_runtime()
 
     # -- internals -----------------------------------------------------------------------
+    @staticmethod
+    def _is_empty(res: StepResults) -> bool:
+        return not (res.finished_sending or res.finished_recving or res.failed_block_ids)
+
     def _drain(self) -> None:
         if self.producer is not None:
             for ev in self.producer.handle(Poll()).events:
@@ -150,6 +172,8 @@ class WorkerSide:
                 ms = (time.perf_counter() - state.started) * 1e3
                 if ev.ok:
                     self.num_bytes_pulled += ev.nbytes
+                    self._observed["pull_seconds"].append(ev.elapsed_ms / 1e3)
+                    self._observed["pull_bytes"].append(float(ev.nbytes))
                     log.info(
                         "kvbridge decode worker %d pulled %s: tokens [%d, %d), %d bytes in %.1f ms",
                         self.rank,
@@ -161,6 +185,7 @@ class WorkerSide:
                     )
                 else:
                     self._pending.failed_block_ids.update(state.local_block_ids)
+                    self._observed["failed_pulls"].append(1.0)
                     log.warning(
                         "kvbridge decode worker %d failed to pull %s: %s",
                         self.rank,

@@ -97,11 +97,14 @@ def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(examp
         prefill.tracker.track("r1", p_ids, ex.PREFILL.world_size)
 
         polls = progress.num_polls
+        assert not conn.wait_for_events(0)  # nothing finished yet
         conn.handle(Pull("r1", endpoints[0], p_ids, d_ids, n))
-        # the engine's thread computes and calls nothing: only the progress thread polls
-        wait_until("the pull", lambda: not consumer.is_busy, busy=True)
+        # the engine's thread computes and calls nothing: only the progress thread polls;
+        # an engine with nothing to compute sleeps on the connector's event meanwhile
+        assert conn.wait_for_events(120), "the pull did not finish in 120 s"
         assert progress.num_polls > polls
         (event,) = conn.handle(Poll()).events
+        assert not conn.wait_for_events(0)  # reported by that Poll: nothing new
         want = n * make_plan(ex.MODEL, ex.PREFILL, decode).bytes_per_token
         assert (event.request_id, event.ok, event.nbytes) == ("r1", True, want)
         assert event.elapsed_ms > 0  # the worker's own time, Pull to done

@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from kvbridge.serve.metrics import metric_value
 from kvbridge.vllm.launch import (
     LOADED_HOST_SETTINGS,
     SMALL_HOST_ARGS,
@@ -100,6 +101,11 @@ class VLLMServer:
         """The decode workers' pulls logged after byte `since` of the log."""
         text = self.log_text()[since:]
         return [Pulled(int(m[1]), int(m[3]), int(m[4]), int(m[5])) for m in PULLED.finditer(text)]
+
+    def metric(self, name: str) -> float:
+        """A series of vLLM's /metrics (`vllm:<name>`), summed over its labels."""
+        text = httpx.get(self.url + "/metrics", timeout=30).text
+        return metric_value(text, name, prefix="vllm:")
 
     def complete(self, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
         body = {

@@ -108,6 +108,10 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         # the prompt's tokens exactly, its partial last block included
         assert {(p.start_token, p.num_tokens) for p in pulls} == {(0, n)}, decode.log_tail()
         assert sum(p.nbytes for p in pulls) == n * bytes_per_token(case.model, case.decode_tp)
+        # the same pulls in vLLM's own metrics (the connector's stats, on /metrics)
+        assert decode.metric("kvbridge_pull_time_seconds_count") == case.decode_tp
+        assert decode.metric("kvbridge_pull_bytes_sum") == sum(p.nbytes for p in pulls)
+        assert decode.metric("kvbridge_failed_pulls_total") == 0
 
         # the decode instance's prefix cache holds the first prompt's whole local blocks:
         # it pulls the rest (asked through the proxy, as a client would)
@@ -159,6 +163,7 @@ def test_a_lost_prefill_is_recomputed_under_the_recompute_policy(tmp_path: Path)
         assert token_ids(out) == token_ids(ref)
         log = decode.log_text()[since:]
         assert "failed to pull" in log and not decode.pulled(since)
+        assert decode.metric("kvbridge_failed_pulls_total") == 1
     finally:
         prefill.stop()
         decode.stop()

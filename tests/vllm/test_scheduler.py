@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvbridge.transfer.connector import Pull
-from kvbridge.vllm.scheduler import SchedulerSide
+from kvbridge.vllm.scheduler import EMPTY_STEP_WAIT_S, SchedulerSide
 from kvbridge.vllm.settings import ConnectorSettings
 
 PROMPT = list(range(100, 187))  # 87 tokens: 2 prefill blocks of 64, 3 decode blocks of 32
@@ -34,7 +34,7 @@ def prefilled() -> dict:
         request("p-1", {"do_remote_decode": True}), [7, 3], finished_ok=True
     )
     assert delay and params is not None
-    (expose,) = prefill.build_orders().exposes
+    (expose,) = prefill.build_orders(1).exposes
     assert (expose.block_ids, expose.num_tokens) == ([7, 3], len(PROMPT))  # not 128
     return params
 
@@ -53,7 +53,16 @@ def test_a_smaller_decode_block_pulls_the_prompt_past_its_hit(hit, remote, local
     count, is_async = decode.num_new_matched_tokens(req, hit)
     assert (count, is_async) == (len(PROMPT) - hit, True)
     decode.after_alloc(req, [5, 9, 2], count)
-    orders = decode.build_orders()
+    orders = decode.build_orders(1)
     assert not orders.declines
     (order,) = orders.pulls
     assert order.pull == Pull("p-1", "tcp://127.0.0.1:5000", remote, local, len(PROMPT), hit)
+
+
+def test_only_a_step_with_nothing_to_compute_lets_the_workers_wait() -> None:
+    """vLLM keeps stepping while a KV transfer is in flight; in a step with no token to
+    compute the workers may sleep on their transfers (up to EMPTY_STEP_WAIT_S) instead
+    of returning at once, and in any other step they never wait."""
+    side = SchedulerSide(ConnectorSettings(), "d", "kv_both", 32)
+    assert side.build_orders(0).idle_wait_s == EMPTY_STEP_WAIT_S > 0
+    assert side.build_orders(1).idle_wait_s == 0

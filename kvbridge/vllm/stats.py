@@ -1,0 +1,134 @@
+"""The connector's figures in vLLM's own metrics, as vLLM's connectors report theirs.
+
+Each decode worker records its pulls (`worker.WorkerSide.take_observations`); vLLM
+collects them after every step (`get_kv_connector_stats`), sums them over the TP
+workers (`aggregate`), logs a summary with its throughput line ("KV Transfer metrics:
+...", `reduce`) and feeds its Prometheus registry (`KVBridgePromMetrics.observe`), so a
+vLLM deployment's /metrics carries, next to vLLM's own series:
+
+    vllm:kvbridge_pull_time_seconds   histogram: one decode worker's pull, from the
+                                      order to every byte in place (a first pull
+                                      includes the handshake with the producer)
+    vllm:kvbridge_pull_bytes          histogram: the bytes one decode worker pulled
+    vllm:kvbridge_failed_pulls_total  counter: pulls that failed (reported to vLLM as
+                                      load errors: recomputed or failed by its policy)
+
+All values in one observation list are per decode worker and pull.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from kvbridge.vllm.worker import OBSERVATION_KEYS
+
+
+@dataclass
+class KVBridgeConnectorStats(KVConnectorStats):
+    """The pulls of one interval, summed over the TP workers (`data` holds one list per
+    key of `OBSERVATION_KEYS`, serializable as vLLM requires)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data: dict[str, list[float]] = {key: [] for key in OBSERVATION_KEYS}
+
+    def clone_and_reset(self) -> KVBridgeConnectorStats:
+        old = copy.copy(self)
+        self.reset()
+        return old
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key) for key in OBSERVATION_KEYS)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in OBSERVATION_KEYS:
+            self.data.setdefault(key, []).extend(other.data.get(key, []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        seconds = np.asarray(self.data["pull_seconds"], dtype=np.float64)
+        mib = np.asarray(self.data["pull_bytes"], dtype=np.float64) / 2**20
+        out: dict[str, int | float] = {
+            "Num pulls": int(seconds.size),
+            "Num failed pulls": len(self.data["failed_pulls"]),
+        }
+        if seconds.size:
+            out |= {
+                "Avg pull time (ms)": round(float(seconds.mean()) * 1e3, 3),
+                "P90 pull time (ms)": round(float(np.percentile(seconds, 90)) * 1e3, 3),
+                "Avg MB per pull": round(float(mib.mean()), 3),
+                "Throughput (MB/s)": round(float(mib.sum() / max(seconds.sum(), 1e-9)), 3),
+            }
+        return out
+
+
+#: seconds: a pull on one host takes milliseconds; a first pull on a loaded host, minutes
+_TIME_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 60.0]
+#: bytes: 2 KiB to 8 GiB in steps of 4
+_BYTE_BUCKETS = [float(2 ** (11 + 2 * i)) for i in range(12)]
+
+
+class KVBridgePromMetrics(KVConnectorPromMetrics):
+    """The series above, one child per vLLM engine (vLLM's `engine` label)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric: Any) -> dict[int, Any]:
+            return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+        self.pull_time = per_engine(
+            self._histogram_cls(
+                name="vllm:kvbridge_pull_time_seconds",
+                documentation="One decode worker's KV pull with KVBridgeConnector, from "
+                "the order to every byte in place.",
+                buckets=_TIME_BUCKETS,
+                labelnames=labelnames,
+            )
+        )
+        self.pull_bytes = per_engine(
+            self._histogram_cls(
+                name="vllm:kvbridge_pull_bytes",
+                documentation="Bytes one decode worker pulled with KVBridgeConnector.",
+                buckets=_BYTE_BUCKETS,
+                labelnames=labelnames,
+            )
+        )
+        self.failed_pulls = per_engine(
+            self._counter_cls(
+                name="vllm:kvbridge_failed_pulls",
+                documentation="KV pulls with KVBridgeConnector that failed (reported to "
+                "vLLM as load errors).",
+                labelnames=labelnames,
+            )
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for seconds in transfer_stats_data.get("pull_seconds", []):
+            self.pull_time[engine_idx].observe(seconds)
+        for nbytes in transfer_stats_data.get("pull_bytes", []):
+            self.pull_bytes[engine_idx].observe(nbytes)
+        failed = len(transfer_stats_data.get("failed_pulls", []))
+        if failed:
+            self.failed_pulls[engine_idx].inc(failed)
