@@ -117,7 +117,14 @@ def test_ctrl_c_leaves_no_worker_processes() -> None:
         workers = {p for p in children_of(proc.pid) if alive(p) and is_worker(p)}
         time.sleep(0.2)
     assert len(workers) >= 4, "the workers never started"
+    # freeze the workers so that the run cannot finish before Ctrl-C arrives (on an
+    # idle machine it could: 2 requests take well under a second once they start)
+    for p in workers:
+        os.kill(p, signal.SIGSTOP)
+    assert proc.poll() is None, "the run ended before its workers were frozen"
     proc.send_signal(signal.SIGINT)
+    for p in workers:
+        os.kill(p, signal.SIGCONT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
