@@ -225,18 +225,18 @@ def worker_main(
     """Entry point of a worker process (see `WorkerGroup`): forked from the fork server,
     whose environment is the driver's as it was at the server's start; `environment` is
     the driver's as the group started, as a spawned process would have it."""
-    if os.environ != environment:
-        os.environ.clear()
-        os.environ.update(environment)
-    import torch
-
     # Ctrl-C reaches the whole process group; the driver alone decides how to shut down
     # (it stops or kills its workers), so a worker ignores it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     comm: ShmCommunicator | None = None
     call_buffer: CallBuffer | None = None
     reply_buffer: ReplyBuffer | None = None
-    try:
+    try:  # from here on, any failure reaches the driver with its reason
+        if os.environ != environment:
+            os.environ.clear()
+            os.environ.update(environment)
+        import torch
+
         torch.set_num_threads(num_threads)
         reply_buffer = ReplyBuffer.attach(reply_buffer_name)
         unlink_segment(reply_buffer_name)  # the driver has it mapped too
