@@ -65,6 +65,8 @@ class Expose(msgspec.Struct, tag=True):
     block_ids: list[int]
     num_tokens: int
     start_token: int = 0
+    generation: int = 0
+    lease_s: float | None = None  # None: the worker's lease_s
 
 
 class Pull(msgspec.Struct, tag=True):
@@ -74,6 +76,7 @@ class Pull(msgspec.Struct, tag=True):
     local_block_ids: list[int]
     num_tokens: int
     start_token: int = 0
+    generation: int = 0
 
 
 class Verify(msgspec.Struct, tag=True):
@@ -127,6 +130,7 @@ class Finished(msgspec.Struct, tag=True):
     num_descriptors: int
     num_unmerged: int
     num_indices: int
+    failure: str = ""  # `PullFailure` value of a failed pull that has one
 
 
 class Verified(msgspec.Struct, tag=True):

@@ -195,6 +195,7 @@ class _Worker:
                                 r.num_descriptors,
                                 r.num_unmerged,
                                 r.num_indices,
+                                r.failure.value if r.failure is not None else "",
                             ),
                         )
         finally:
@@ -232,18 +233,9 @@ class _Worker:
             if isinstance(cmd, SetEndpoints) and producer is not None:
                 producer.set_worker_endpoints(cmd.endpoints)
             elif isinstance(cmd, Expose) and producer is not None:
-                producer.expose(
-                    cmd.request_id, cmd.block_ids, cmd.num_tokens, start_token=cmd.start_token
-                )
+                producer.expose(**msgspec.structs.asdict(cmd))  # its fields are the call's
             elif isinstance(cmd, Pull) and consumer is not None:
-                consumer.pull(
-                    cmd.request_id,
-                    cmd.endpoint,
-                    cmd.producer_block_ids,
-                    cmd.local_block_ids,
-                    cmd.num_tokens,
-                    cmd.start_token,
-                )
+                consumer.pull(**msgspec.structs.asdict(cmd))  # its fields are the call's
             elif isinstance(cmd, Verify) and self.initial is not None:
                 want = expected_decode_cache(
                     self.kv_model,

@@ -191,10 +191,10 @@ def test_a_hello_flood_leaves_the_real_peer_working(pair) -> None:
     assert refused > 0 and len(p0._sessions) <= 32
     assert ("D", 0) in p0._sessions.peers()  # never evicted while in use
     real.transport.read_state = XferState.DONE
+    assert drive(p0, [real], rounds=30) == []  # not used before P0 confirms it held it
+    deliver(p0, real.transport.reads[0][2])
     (res,) = drive(p0, [real], rounds=30)
     assert res.state is TransferState.DONE
-    deliver(p0, real.transport.reads[0][2])
-    p0.poll()
     assert [(r.request_id, r.cause) for r in released] == [("warm", ReleaseCause.COMPLETED)]
 
 
