@@ -119,7 +119,7 @@ class KVRequest:
     release_causes: list[str] = field(default_factory=list)
     aborted: bool = False  # decode: the host aborted it while its pull was in flight
     #: decode: why its workers' pulls failed, where a counter tells it apart
-    #: (`ConnectorEvent.cause`: stale)
+    #: (`ConnectorEvent.cause`: stale, integrity)
     pull_failures: set[str] = field(default_factory=set)
 
     @property
@@ -157,7 +157,8 @@ class KVConnectorScheduler:
         #: prefill: exposed requests released so far, by cause (`release_cause`)
         self.releases: collections.Counter[str] = collections.Counter()
         #: decode: requests whose pull failed so far, by the cause a counter tells apart
-        #: (stale: a producer did not hold what was read for the whole read)
+        #: (stale: a producer did not hold what was read for the whole read; integrity:
+        #: the bytes read differ from the producer's digest)
         self.pull_failures: collections.Counter[str] = collections.Counter()
         #: consumer: introduced endpoints every worker had met at the last report
         self.connected: list[str] = []

@@ -51,6 +51,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     scratch_bytes: int = 0  # benchmarks: a registered contiguous buffer of this size
     pattern: bool = True  # False (benchmarks): skip the verifiable fill, no Verify
     max_units: int = 1 << 22  # TransferConfig.max_units (tests force the exact-list path)
+    #: `Integrity` value: the harness checks every pull's digests unless told otherwise
+    integrity: str = "on"
     netns: str = ""  # run on this test host (harness.hosts): its network namespace
     hostname: str = ""  # ... under this hostname, in UTS and IPC namespaces of its own
 

@@ -43,6 +43,7 @@ from kvbridge.harness.commands import (
 from kvbridge.plan.layout import cache_shape, num_regions
 from kvbridge.plan.verifier import expected_decode_cache, fill_worker_cache, uint_dtype
 from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.integrity import Integrity
 
 if TYPE_CHECKING:
     from kvbridge.transfer.consumer import KVConsumer
@@ -131,6 +132,7 @@ class _Worker:
             handshake_timeout_s=spec.handshake_timeout_s,
             liveness_timeout_s=spec.liveness_timeout_s,
             max_units=spec.max_units,
+            integrity=Integrity(spec.integrity),
         )
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None

@@ -166,7 +166,7 @@ class ConnectorEvent(msgspec.Struct, frozen=True):
     elapsed_ms: float = 0.0
     #: producer: why the blocks were released (`ReleaseCause` value: completed, aborted,
     #: lease_expired, closed); consumer: why a pull failed where a counter tells it apart
-    #: (`PullFailure` value: stale), else ""; "" for a refused order
+    #: (`PullFailure` value: stale, integrity), else ""; "" for a refused order
     cause: str = ""
 
 

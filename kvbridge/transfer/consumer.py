@@ -64,6 +64,7 @@ from kvbridge.transfer.descriptors import (
     unit_size,
 )
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.integrity import Integrity, digest, is_checked, region_views
 from kvbridge.transfer.messages import (
     Hello,
     LayoutWire,
@@ -88,6 +89,7 @@ class PullFailure(enum.Enum):
     """Why a pull failed, where a counter tells it apart (else it has no cause)."""
 
     STALE = "stale"  # a producer did not hold the exposure for the whole read
+    INTEGRITY = "integrity"  # the bytes read differ from the producer's digest of them
 
 
 class TransferState(enum.Enum):
@@ -123,6 +125,7 @@ class _Pull:
     start_token: int = 0  # tokens [0, start_token) are ours already: not read
     decline: str | None = None  # not a pull: tell the producer we will not read, and why
     generation: int = 0  # the exposure read (its capability's)
+    checked: bool = False  # its bytes are checked against the producers' digests
     state: TransferState = TransferState.HANDSHAKING
     xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
     temp_dlists: list[Any] = field(default_factory=list)
@@ -132,6 +135,8 @@ class _Pull:
     silent: set[int] = field(default_factory=set)
     # prefill ranks we read bytes from that have not yet answered held (`ReadAck`)
     awaiting: set[int] = field(default_factory=set)
+    copies: dict[int, list[CopyList]] = field(default_factory=dict)  # prefill rank -> lists
+    digests: dict[int, bytes] | None = None  # of what we read, per prefill rank (checked)
     stats: tuple[int, int, int, int] = (0, 0, 0, 0)
     # set once the pull has ended: its outcome, reported when no READ of it can still
     # write into its blocks (NIXL could not cancel one: retried every RELEASE_RETRY_S)
@@ -161,6 +166,14 @@ class KVConsumer:
         self.regions, self.num_blocks = regions, num_blocks
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self._clock = clock
+        self._views = region_views(regions)  # to digest what we pulled
+        if self._views is None and config.integrity is not Integrity.OFF:
+            log.warning(
+                "decode worker %d: integrity=%s is not checked for a %s cache (host memory only)",
+                rank,
+                config.integrity.value,
+                regions.mem_type.value,
+            )
         self._pulls: dict[str, _Pull] = {}
         self._local_dlists: dict[int, Any] = {}
         self._orphan_dlists: list[Any] = []  # of READs still uncancelled at close
@@ -235,6 +248,7 @@ class KVConsumer:
             self._clock() + self.config.transfer_timeout_s,
             start_token,
             generation=generation,
+            checked=self._views is not None and is_checked(self.config.integrity, request_id),
         )
 
     def decline(self, request_id: str, endpoint: str, reason: str) -> None:
@@ -407,11 +421,16 @@ class KVConsumer:
         """Take the ReadAcks of `pull` (every READ done): DONE once every producer
         worker read answered held, FAILED (stale) at the first that did not. Whether
         the pull ended."""
+        if pull.checked and pull.digests is None:  # while the producers digest theirs
+            assert self._views is not None
+            views = self._views
+            pull.digests = {p: digest(views, pull.copies[p], "dst") for p in pull.awaiting}
         for p in sorted(pull.awaiting):
             peer = pull.instance.readers[p]
-            ack = peer.acks.pop((pull.request_id, pull.generation), None)
+            ack = peer.acks.get((pull.request_id, pull.generation))
             if ack is None:
                 continue
+            del peer.acks[(pull.request_id, pull.generation)]
             if not ack.held:
                 self._finish(
                     pull,
@@ -420,6 +439,17 @@ class KVConsumer:
                     f"{pull.request_id!r} (generation {pull.generation}) when our ReadDone "
                     f"arrived ({ack.reason}); the bytes read may be another request's",
                     failure=PullFailure.STALE,
+                )
+                return True
+            if pull.digests is not None and ack.digest and ack.digest != pull.digests[p]:
+                nbytes = sum(cl.nbytes for cl in pull.copies[p])
+                self._finish(
+                    pull,
+                    TransferState.FAILED,
+                    f"integrity check failed: the {nbytes} bytes of {pull.request_id!r} read "
+                    f"from prefill worker {p} ({peer.endpoint}) differ from its digest of what "
+                    "it exposed; the KV is not used",
+                    failure=PullFailure.INTEGRITY,
                 )
                 return True
             pull.awaiting.discard(p)
@@ -518,6 +548,7 @@ class KVConsumer:
         posts: list[tuple[int, ProducerWorker, tuple[Any, np.ndarray, Any, np.ndarray]]] = []
         for cl in lists:
             p = cl.read.prefill_rank
+            pull.copies.setdefault(p, []).append(cl)
             peer = inst.readers[p]
             assert peer.welcome is not None and peer.regions is not None
             if (
@@ -619,7 +650,7 @@ class KVConsumer:
         """Send a failure notice owed to `peer` (met again: its new session signs it);
         whether it went out."""
         try:
-            self.transport.send_notif(peer.agent, self._read_done(request_id, peer, reason, 0))
+            self.transport.send_notif(peer.agent, self._read_done(request_id, peer, reason))
         except TransferError as exc:
             log.warning(
                 "decode worker %d: the failure notice of %r owed to %s could not be sent "
@@ -640,10 +671,18 @@ class KVConsumer:
 
     def _done(self, pull: _Pull, peer: ProducerWorker, failure: str | None = None) -> bytes:
         """Our signed ReadDone of `pull` for `peer`."""
-        return self._read_done(pull.request_id, peer, failure, pull.generation)
+        return self._read_done(
+            pull.request_id, peer, failure, pull.generation, pull.start_token, pull.checked
+        )
 
     def _read_done(
-        self, request_id: str, peer: ProducerWorker, failure: str | None, generation: int
+        self,
+        request_id: str,
+        peer: ProducerWorker,
+        failure: str | None,
+        generation: int = 0,
+        start_token: int = 0,
+        checked: bool = False,
     ) -> bytes:
         """Our signed ReadDone for `peer` (its session's key; names it as receiver; sent
         now, so within the producer's lease)."""
@@ -659,6 +698,8 @@ class KVConsumer:
                 ok=failure is None,
                 reason=(failure or "")[:4000],
                 generation=generation,
+                start_token=start_token,
+                digest=checked,
             )
         )
 

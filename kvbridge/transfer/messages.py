@@ -179,6 +179,10 @@ class ReadDone(msgspec.Struct, frozen=True, tag="read_done", forbid_unknown_fiel
     reason: Reason = ""
     #: the exposure read (`Expose.generation`, from the pull's capability)
     generation: U64 = 0
+    #: the pull's first token (its copy lists begin there), and whether the reader
+    #: checks a digest of what it read (`integrity.py`): the ReadAck then carries one
+    start_token: Count = 0
+    digest: bool = False
 
 
 class ReadAck(msgspec.Struct, frozen=True, tag="read_ack", forbid_unknown_fields=True):
@@ -194,6 +198,9 @@ class ReadAck(msgspec.Struct, frozen=True, tag="read_ack", forbid_unknown_fields
     rank: Count
     held: bool
     reason: Reason = ""
+    #: held and asked: the digest of the exposed bytes the reader's copy lists cover
+    #: (`integrity.digest`); b"": not computed (not asked, or device memory)
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 Message = Hello | Welcome | Refused | Ping | Pong | ReadDone | ReadAck

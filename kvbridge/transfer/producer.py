@@ -46,12 +46,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.plan.copylist import blocks_needed, copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.errors import ProtocolError, TransferError
+from kvbridge.transfer.integrity import digest, region_views
 from kvbridge.transfer.messages import (
     Hello,
     LayoutWire,
@@ -105,6 +107,7 @@ class _Exposure:
     lease_s: float
     reader: str | None = None  # the only decode instance allowed to notify, if given
     generation: int = 0  # which exposure of `request_id` this is (the capability's)
+    start_token: int = 0  # `block_ids` hold tokens [start_token, num_tokens)
     instance_id: str | None = None  # the decode instance whose workers notified
     plan: TransferPlan | None = None  # that instance's plan with us
     notified: set[int] = field(default_factory=set)
@@ -143,6 +146,7 @@ class KVProducer:
         self.model, self.layout, self.rank = model, layout, rank
         self.shard = worker_shard_checked(model, layout, "prefill", rank, regions, num_blocks)
         self.regions, self.num_blocks = regions, num_blocks
+        self._views = region_views(regions)  # to digest what a reader asks for
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self.on_release = on_release
         self._clock = clock
@@ -220,7 +224,7 @@ class KVProducer:
             )
         lease = self.config.lease_s if lease_s is None else lease_s
         self._exposed[request_id] = _Exposure(
-            ids, num_tokens, self._clock() + lease, lease, reader, generation
+            ids, num_tokens, self._clock() + lease, lease, reader, generation, start_token
         )
         for _, msg, session in self._early.pop(request_id, []):
             self._apply(msg, session)
@@ -388,7 +392,8 @@ class KVProducer:
             self._ignore(f"duplicate notification for {msg.request_id!r} rank {msg.rank}")
             return
         exp.notified.add(msg.rank)
-        self._ack(msg, session)  # pinned (same generation) since before the reads began
+        # pinned (same generation) since before the reads began
+        self._ack(msg, session, digest=self._digest(exp, msg, session) if msg.digest else b"")
         if not msg.ok:
             exp.failures.append(f"decode rank {msg.rank}: {msg.reason}")
         if exp.notified >= set(readers):
@@ -405,9 +410,12 @@ class KVProducer:
                     f"{len(readers)} decode workers notified",
                 )
 
-    def _ack(self, msg: ReadDone, session: Session, stale: str | None = None) -> None:
-        """Answer an ok `msg` over its sender's side channel: held, or not (`stale`: why
-        the bytes it read may not be the exposure's). A failure notice gets no answer."""
+    def _ack(
+        self, msg: ReadDone, session: Session, stale: str | None = None, digest: bytes = b""
+    ) -> None:
+        """Answer an ok `msg` over its sender's side channel: held (with the `digest` it
+        asked for), or not (`stale`: why the bytes it read may not be the exposure's). A
+        failure notice gets no answer."""
         if not msg.ok:
             return
         if stale is not None:
@@ -421,8 +429,27 @@ class KVProducer:
                 msg.rank,
                 stale,
             )
-        ack = ReadAck(msg.request_id, msg.generation, self.rank, stale is None, stale or "")
+        ack = ReadAck(msg.request_id, msg.generation, self.rank, stale is None, stale or "", digest)
         self._server.send_to(session.peer, ack)
+
+    def _digest(self, exp: _Exposure, msg: ReadDone, session: Session) -> bytes:
+        """The digest of our bytes that decode worker `msg.rank` read for its pull from
+        token `msg.start_token` (`integrity.digest`); b"" if it cannot be computed."""
+        plan, views = session.plan, self._views
+        bp, bd = plan.prefill.block_size, plan.decode.block_size
+        skip = msg.start_token // bp - exp.start_token // bp
+        if views is None or not 0 <= skip < len(exp.block_ids) or msg.start_token >= exp.num_tokens:
+            return b""
+        # stand-in decode block ids: the source runs (and their order) do not depend on them
+        d_ids = np.arange(blocks_needed(exp.num_tokens, bd, msg.start_token))
+        try:
+            lists = copy_lists(
+                plan, msg.rank, exp.block_ids[skip:], d_ids, exp.num_tokens, msg.start_token
+            )
+        except KVBridgeError as exc:
+            log.warning("prefill worker %d: no digest of %r: %s", self.rank, msg.request_id, exc)
+            return b""
+        return digest(views, [cl for cl in lists if cl.read.prefill_rank == self.rank], "src")
 
     def _ignore(self, what: str, warn: bool = False) -> None:
         self.num_ignored_notifs += 1

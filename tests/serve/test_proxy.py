@@ -423,11 +423,12 @@ def test_stale_pulls_reach_the_proxys_metrics_once_each():
     d1, d2 = InstanceMetrics("d1", "decode"), InstanceMetrics("d2", "decode")
     d1.count_pull_failures({"stale": 2})
     d1.count_pull_failures({"stale": 2})
-    d2.count_pull_failures({"stale": 1, "some-later-cause": 4})
+    d2.count_pull_failures({"stale": 1, "integrity": 4, "some-later-cause": 5})
     merged = merge_expositions([d1.render(), d2.render()])
     assert metric_value(merged, "kv_stale_pulls_total", instance="d1") == 2
     assert metric_value(merged, "kv_stale_pulls_total") == 3
     assert merged.count("# TYPE kvbridge_kv_stale_pulls_total counter") == 1
+    assert metric_value(merged, "kv_integrity_failures_total") == 4
 
 
 def test_api_key_guards_the_openai_api_but_not_health():

@@ -17,6 +17,7 @@ from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import KVConsumer, TransferState
+from kvbridge.transfer.integrity import Integrity
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
 from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
 from kvbridge.transfer.side_channel import SideChannelClient
@@ -52,7 +53,9 @@ def make_consumer(clock: Clock, instance_id: str = "D", rank: int = 0) -> KVCons
         regions=regions(DECODE, rank),
         num_blocks=NUM_BLOCKS,
         transport=FakeTransport(f"{instance_id}{rank}"),
-        config=TransferConfig(token=TOKEN, transfer_timeout_s=5, handshake_timeout_s=2),
+        config=TransferConfig(
+            token=TOKEN, transfer_timeout_s=5, handshake_timeout_s=2, integrity=Integrity.OFF
+        ),
         instance_id=instance_id,
         clock=clock,
     )
@@ -260,7 +263,9 @@ def test_the_handshake_on_the_wire_shows_no_agent_metadata_with_a_token(token) -
     # tp 1: the consumer reaches worker 0 at the endpoint it was given, the relay
     c = make_consumer(clock)
     if token is None:
-        c.config = TransferConfig(transfer_timeout_s=5, handshake_timeout_s=2)
+        c.config = TransferConfig(
+            transfer_timeout_s=5, handshake_timeout_s=2, integrity=Integrity.OFF
+        )
         c.directory.config = c.config
     try:
         p.expose("r1", [3], 4)
