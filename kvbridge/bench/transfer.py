@@ -45,7 +45,9 @@ from kvbridge.plan.layout import (
     InstanceLayout,
 )
 from kvbridge.plan.planner import make_plan
+from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.integrity import SAMPLE_EVERY, Integrity
 
 if TYPE_CHECKING:  # the worker harness needs msgspec and NIXL: imported when run
     from kvbridge.harness.cluster import Cluster
@@ -101,6 +103,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the prefill and decode workers on two test hosts (network namespaces on "
         "a bridge; needs root): the transfer crosses a link over TCP",
+    )
+    parser.add_argument(
+        "--kv-integrity",
+        choices=[m.value for m in Integrity],
+        default=TransferConfig.integrity.value,
+        help="check each pull's digest (on), never (off) or one request in "
+        f"{SAMPLE_EVERY} (sample; default %(default)s), to see what the check costs",
     )
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.add_argument(
@@ -294,6 +303,7 @@ def _measure_pair(
             backend_params=params,
             lease_s=600,
             token=token,
+            integrity=args.kv_integrity,
             **on_prefill,
         )
         dec = c.start(
@@ -308,6 +318,7 @@ def _measure_pair(
             backend_params=params,
             transfer_timeout_s=120,
             token=token,
+            integrity=args.kv_integrity,
             **on_decode,
         )
         plan_s, raw_s, descs, first_s = [], [], (0, 0, 0), 0.0

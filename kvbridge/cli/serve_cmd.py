@@ -24,6 +24,7 @@ from kvbridge.cli.plan_cmd import layout_arg
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP
 from kvbridge.serve.config import Engine, InstanceConfig, ProxyConfig
+from kvbridge.transfer.integrity import SAMPLE_EVERY, Integrity
 
 #: The flags' defaults are InstanceConfig's (the one declaration of each setting);
 #: tests/serve/test_config.py checks every flag named after one of its fields.
@@ -74,6 +75,14 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         default=_DEFAULTS["kv_load_failure"].value,
         help="when a KV pull fails: recompute the prompt on the decode instance "
         "(default) or answer an error",
+    )
+    p.add_argument(
+        "--kv-integrity",
+        choices=[m.value for m in Integrity],
+        default=_DEFAULTS["kv_integrity"].value,
+        help="decode: check each pulled request's bytes against the prefill's digest of "
+        "them (a mismatch is a failed pull): on, off, or sample (one request in "
+        f"{SAMPLE_EVERY}; default %(default)s)",
     )
     p.add_argument(
         "--lease-s",
@@ -319,6 +328,7 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         kv_advertise_host=args.kv_advertise_host,
         insecure=args.insecure,
         kv_load_failure=KVLoadFailure(args.kv_load_failure),
+        kv_integrity=Integrity(args.kv_integrity),
         lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s,
         liveness_timeout_s=args.liveness_timeout_s,

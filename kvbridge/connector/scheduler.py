@@ -46,7 +46,13 @@ from kvbridge.connector.states import (
     RequestState,
     check_transition,
 )
-from kvbridge.transfer.capability import Capability, Redeemed, issue, prompt_digest
+from kvbridge.transfer.capability import (
+    Capability,
+    Redeemed,
+    issue,
+    new_generation,
+    prompt_digest,
+)
 from kvbridge.transfer.capability import check as check_capability
 from kvbridge.transfer.connector import (
     Cancel,
@@ -112,6 +118,9 @@ class KVRequest:
     #: prefill: its workers' release causes so far (`ConnectorEvent.cause`)
     release_causes: list[str] = field(default_factory=list)
     aborted: bool = False  # decode: the host aborted it while its pull was in flight
+    #: decode: why its workers' pulls failed, where a counter tells it apart
+    #: (`ConnectorEvent.cause`: stale, integrity)
+    pull_failures: set[str] = field(default_factory=set)
 
     @property
     def first_token_id(self) -> int | None:
@@ -147,6 +156,10 @@ class KVConnectorScheduler:
         self.replays_refused = 0
         #: prefill: exposed requests released so far, by cause (`release_cause`)
         self.releases: collections.Counter[str] = collections.Counter()
+        #: decode: requests whose pull failed so far, by the cause a counter tells apart
+        #: (stale: a producer did not hold what was read for the whole read; integrity:
+        #: the bytes read differ from the producer's digest)
+        self.pull_failures: collections.Counter[str] = collections.Counter()
         #: consumer: introduced endpoints every worker had met at the last report
         self.connected: list[str] = []
         self.nbytes_total = 0
@@ -269,6 +282,7 @@ class KVConnectorScheduler:
                 block_ids[cached // bd :],
                 cap.num_tokens,
                 start_token=cached,
+                generation=cap.generation,
             )
         )
 
@@ -331,8 +345,9 @@ class KVConnectorScheduler:
         start = min(max(rec.params.start_token, 0), n)  # the reader holds [0, start)
         exposed = block_ids[start // self.block_size :]
         lease = self.config.exposure_lease_s
+        generation = new_generation()
         self._meta.send.append(
-            Expose(rec.request_id, exposed, n, rec.params.reader or None, start, lease)
+            Expose(rec.request_id, exposed, n, rec.params.reader or None, start, lease, generation)
         )
         cap = Capability(
             rec.request_id,
@@ -345,6 +360,7 @@ class KVConnectorScheduler:
             start,
             self.block_size,
             rec.prompt_digest,
+            generation,
         )
         rec.capability, rec.block_ids = cap, list(block_ids)
         rec.remaining, rec.started = self.world_size, time.perf_counter()
@@ -390,6 +406,8 @@ class KVConnectorScheduler:
         rec.release_causes.append(ev.cause or ("completed" if ev.ok else "aborted"))
         if not ev.ok:
             rec.failures.append(ev.reason)
+            if rec.state is not RequestState.EXPOSED and ev.cause:
+                rec.pull_failures.add(ev.cause)
             if rec.state is RequestState.EXPOSED and rec.remaining:
                 # one worker could not expose or lost it: release the others now
                 self._meta.cancel.append(Cancel(rec.request_id, ev.reason))
@@ -398,6 +416,7 @@ class KVConnectorScheduler:
         rec.transfer_ms = (time.perf_counter() - rec.started) * 1e3
         self.nbytes_total += rec.nbytes
         reason = "; ".join(sorted(set(rec.failures)))
+        self.pull_failures.update(rec.pull_failures)  # once per request
         if rec.state is RequestState.EXPOSED:
             self.releases[release_cause(rec.release_causes)] += 1
             self._move(rec, RequestState.RELEASED, reason or "pulled")

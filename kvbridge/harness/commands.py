@@ -51,6 +51,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     scratch_bytes: int = 0  # benchmarks: a registered contiguous buffer of this size
     pattern: bool = True  # False (benchmarks): skip the verifiable fill, no Verify
     max_units: int = 1 << 22  # TransferConfig.max_units (tests force the exact-list path)
+    #: `Integrity` value: the harness checks every pull's digests unless told otherwise
+    integrity: str = "on"
     netns: str = ""  # run on this test host (harness.hosts): its network namespace
     hostname: str = ""  # ... under this hostname, in UTS and IPC namespaces of its own
 
@@ -65,6 +67,8 @@ class Expose(msgspec.Struct, tag=True):
     block_ids: list[int]
     num_tokens: int
     start_token: int = 0
+    generation: int = 0
+    lease_s: float | None = None  # None: the worker's lease_s
 
 
 class Pull(msgspec.Struct, tag=True):
@@ -74,6 +78,7 @@ class Pull(msgspec.Struct, tag=True):
     local_block_ids: list[int]
     num_tokens: int
     start_token: int = 0
+    generation: int = 0
 
 
 class Verify(msgspec.Struct, tag=True):
@@ -127,6 +132,7 @@ class Finished(msgspec.Struct, tag=True):
     num_descriptors: int
     num_unmerged: int
     num_indices: int
+    failure: str = ""  # `PullFailure` value of a failed pull that has one
 
 
 class Verified(msgspec.Struct, tag=True):

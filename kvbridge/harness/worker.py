@@ -43,6 +43,7 @@ from kvbridge.harness.commands import (
 from kvbridge.plan.layout import cache_shape, num_regions
 from kvbridge.plan.verifier import expected_decode_cache, fill_worker_cache, uint_dtype
 from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.integrity import Integrity
 
 if TYPE_CHECKING:
     from kvbridge.transfer.consumer import KVConsumer
@@ -131,6 +132,7 @@ class _Worker:
             handshake_timeout_s=spec.handshake_timeout_s,
             liveness_timeout_s=spec.liveness_timeout_s,
             max_units=spec.max_units,
+            integrity=Integrity(spec.integrity),
         )
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
@@ -195,6 +197,7 @@ class _Worker:
                                 r.num_descriptors,
                                 r.num_unmerged,
                                 r.num_indices,
+                                r.failure.value if r.failure is not None else "",
                             ),
                         )
         finally:
@@ -232,18 +235,9 @@ class _Worker:
             if isinstance(cmd, SetEndpoints) and producer is not None:
                 producer.set_worker_endpoints(cmd.endpoints)
             elif isinstance(cmd, Expose) and producer is not None:
-                producer.expose(
-                    cmd.request_id, cmd.block_ids, cmd.num_tokens, start_token=cmd.start_token
-                )
+                producer.expose(**msgspec.structs.asdict(cmd))  # its fields are the call's
             elif isinstance(cmd, Pull) and consumer is not None:
-                consumer.pull(
-                    cmd.request_id,
-                    cmd.endpoint,
-                    cmd.producer_block_ids,
-                    cmd.local_block_ids,
-                    cmd.num_tokens,
-                    cmd.start_token,
-                )
+                consumer.pull(**msgspec.structs.asdict(cmd))  # its fields are the call's
             elif isinstance(cmd, Verify) and self.initial is not None:
                 want = expected_decode_cache(
                     self.kv_model,

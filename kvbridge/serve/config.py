@@ -20,6 +20,7 @@ from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.serve.isolation import PrefixCacheIsolation
 from kvbridge.transfer.config import TransferConfig, is_loopback, load_token
+from kvbridge.transfer.integrity import Integrity
 
 
 class Role(enum.Enum):
@@ -83,6 +84,8 @@ class InstanceConfig:
     transfer_timeout_s: float = TransferConfig.transfer_timeout_s
     liveness_timeout_s: float = TransferConfig.liveness_timeout_s
     handshake_timeout_s: float = TransferConfig.handshake_timeout_s
+    #: decode: check pulled KV against the prefill's digests (TransferConfig declares it)
+    kv_integrity: Integrity = TransferConfig.integrity
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
     kv_advertise_host: str | None = None  # the address peers reach the KV side channel at
     insecure: bool = False  # allow a non-loopback HTTP host without a shared token
@@ -145,6 +148,7 @@ class InstanceConfig:
             transfer_timeout_s=self.transfer_timeout_s,
             liveness_timeout_s=self.liveness_timeout_s,
             handshake_timeout_s=self.handshake_timeout_s,
+            integrity=self.kv_integrity,
         )
 
     def to_json(self) -> bytes:

@@ -164,6 +164,7 @@ class Instance:
             m.pinned_blocks.set(engine.kv.pinned_blocks)
             m.replays_refused.set(engine.kv.replays_refused)
             m.count_releases(engine.kv.releases)
+            m.count_pull_failures(engine.kv.pull_failures)
 
     def _claim(self, engine: LLMEngine, rid: str) -> None:
         """Refuse an id this instance still holds (see the module docstring)."""

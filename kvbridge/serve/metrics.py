@@ -16,6 +16,8 @@ Names and labels (dashboards depend on them):
               kvbridge_kv_pinned_blocks{instance,role}
               kvbridge_kv_releases_total{instance,role,cause}  (prefill: exposed KV freed)
               kvbridge_kv_instance_load_failures_total{instance,role}
+              kvbridge_kv_stale_pulls_total{instance,role}  (decode: read but not held)
+              kvbridge_kv_integrity_failures_total{instance,role}  (decode: digest mismatch)
               kvbridge_kv_instance_bytes_total{instance,role}
               kvbridge_prefix_cache_queries_total{instance,role}
               kvbridge_prefix_cache_hits_total{instance,role}
@@ -200,8 +202,26 @@ class InstanceMetrics:
             [*names, "cause"],
             registry=r,
         )
+        self.stale_pulls = Counter(
+            "kvbridge_kv_stale_pulls_total",
+            "KV pulls this decode instance read but did not use because the prefill "
+            "instance no longer held what was read when the read ended (lease expired, "
+            "released, another exposure); each was then recomputed or failed by the "
+            "failure policy.",
+            names,
+            registry=r,
+        ).labels(**labels)
+        self.integrity_failures = Counter(
+            "kvbridge_kv_integrity_failures_total",
+            "KV pulls this decode instance did not use because the bytes read differed "
+            "from the prefill instance's digest of what it exposed (--kv-integrity); each "
+            "was then recomputed or failed by the failure policy.",
+            names,
+            registry=r,
+        ).labels(**labels)
         self._labels = labels
         self._releases_seen: dict[str, int] = {}
+        self._pull_failures_seen: dict[str, int] = {}
         self.replays_refused = Gauge(
             "kvbridge_kv_replays_refused",
             "KV-plane messages this prefill instance refused as forged, replayed or "
@@ -218,6 +238,17 @@ class InstanceMetrics:
             if total > seen:
                 self.kv_releases.labels(**self._labels, cause=cause).inc(total - seen)
                 self._releases_seen[cause] = total
+
+    def count_pull_failures(self, totals: Mapping[str, int]) -> None:
+        """Bring the pull-failure counters (`kvbridge_kv_stale_pulls_total`,
+        `kvbridge_kv_integrity_failures_total`) up to the connector's running totals by
+        cause (`KVConnectorScheduler.pull_failures`)."""
+        counters = {"stale": self.stale_pulls, "integrity": self.integrity_failures}
+        for cause, total in totals.items():
+            seen = self._pull_failures_seen.get(cause, 0)
+            if cause in counters and total > seen:
+                counters[cause].inc(total - seen)
+                self._pull_failures_seen[cause] = total
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

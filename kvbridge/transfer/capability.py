@@ -19,6 +19,7 @@ Signed with a key derived from the shared token (`auth.derive`); without a token
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Annotated
@@ -29,7 +30,7 @@ import numpy as np
 from kvbridge.transfer.auth import derive, sign, verify
 from kvbridge.transfer.errors import AuthError
 
-_VERSION = 3
+_VERSION = 4  # 4: `generation`
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 
 
@@ -47,6 +48,15 @@ class Capability(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int = 0  # tokens per block of the producer (0: not said)
     #: `prompt_digest` of the prompt's token ids (b"": bound to no prompt, refused)
     prompt_digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+    #: which exposure of `request_id` this opens (`Expose.generation`): the reader names
+    #: it in its ReadDone, and uses the bytes only once the producer confirms it held it
+    generation: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+def new_generation() -> int:
+    """A fresh exposure generation: random, so no exposure (of any request id, before or
+    after a restart) shares one with another but by a 2**-63 chance."""
+    return secrets.randbits(63)
 
 
 def prompt_digest(token_ids: Sequence[int]) -> bytes:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbridge.errors import ConfigError
+from kvbridge.transfer.integrity import Integrity
 
 #: Environment variables read by `load_token`.
 TOKEN_ENV = "KVBRIDGE_TRANSFER_TOKEN"
@@ -49,6 +50,9 @@ class TransferConfig:
         max_message_bytes: side-channel messages larger than this are rejected.
         max_units: most descriptors one prepared descriptor list may hold; finer
             copy lists fall back to per-request descriptor lists.
+        integrity: whether a consumer checks a digest of what it pulled against the
+            producer's (`integrity.py`): every pull, none, or a sample (the default:
+            the check costs more than a same-host pull; docs/benchmarks.md).
     """
 
     host: str = "127.0.0.1"
@@ -61,6 +65,7 @@ class TransferConfig:
     handshake_timeout_s: float = 15.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_units: int = 1 << 22
+    integrity: Integrity = Integrity.SAMPLE
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_port < 65536:

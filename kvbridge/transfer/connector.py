@@ -103,6 +103,7 @@ class Expose(msgspec.Struct, frozen=True, tag="expose"):
     reader: str | None = None
     start_token: int = 0  # a partial pull: block_ids hold tokens [start_token, num_tokens)
     lease_s: float | None = None
+    generation: int = 0  # names this exposure; its capability carries it to the reader
 
 
 class Pull(msgspec.Struct, frozen=True, tag="pull"):
@@ -114,6 +115,7 @@ class Pull(msgspec.Struct, frozen=True, tag="pull"):
     local_block_ids: list[int]
     num_tokens: int
     start_token: int = 0  # read tokens [start_token, num_tokens); both lists from its block
+    generation: int = 0  # the exposure's (its capability's): the producer confirms it
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
@@ -163,7 +165,8 @@ class ConnectorEvent(msgspec.Struct, frozen=True):
     nbytes: int = 0
     elapsed_ms: float = 0.0
     #: producer: why the blocks were released (`ReleaseCause` value: completed, aborted,
-    #: lease_expired, closed); "" for a consumer's event or a refused order
+    #: lease_expired, closed); consumer: why a pull failed where a counter tells it apart
+    #: (`PullFailure` value: stale, integrity), else ""; "" for a refused order
     cause: str = ""
 
 
@@ -302,6 +305,7 @@ class WorkerConnector:
                 lease_s=request.lease_s,
                 reader=request.reader,
                 start_token=request.start_token,
+                generation=request.generation,
             )
             self._started[request.request_id] = time.monotonic()
         elif isinstance(request, Pull):
@@ -312,6 +316,7 @@ class WorkerConnector:
                 request.local_block_ids,
                 request.num_tokens,
                 request.start_token,
+                request.generation,
             )
             self._started[request.request_id] = time.monotonic()
         elif isinstance(request, Cancel):
@@ -374,10 +379,10 @@ class WorkerConnector:
         if self.consumer is not None:
             for res in self.consumer.poll():
                 ok = res.state.value == "done"
+                elapsed = self._elapsed_ms(res.request_id)
+                cause = res.failure.value if res.failure is not None else ""
                 self._events.append(
-                    ConnectorEvent(
-                        res.request_id, ok, res.reason, res.nbytes, self._elapsed_ms(res.request_id)
-                    )
+                    ConnectorEvent(res.request_id, ok, res.reason, res.nbytes, elapsed, cause)
                 )
                 self._has_events.set()
         return self.poll_interval()

@@ -24,7 +24,16 @@ blocks are handed back only when none of its READs can still write into them: on
 could not cancel keeps the pull (and its blocks) held, retried every second, and its
 outcome is reported, and its producers told, once it is released, so a late completion
 never lands in blocks given to another request (and the producer keeps its source
-blocks until then). Not thread-safe: `pull`, `poll`, `close` from one thread at a time
+blocks until then).
+
+Fencing: a pull's READs are DONE once NIXL has copied the bytes, but the bytes are the
+exposure's only if the producer still held it for the whole read (a reader paused or cut
+off past the lease reads blocks the producer may have given to another request). So a
+pull is DONE only once every producer worker it read bytes from answered its ReadDone
+with `ReadAck(held=True)` for the pull's generation (the capability's); `held=False`
+fails it at once as stale (`PullFailure.STALE`, its reason naming the exposure), and an
+answer that never comes fails it at the liveness or transfer bound like a READ.
+Not thread-safe: `pull`, `poll`, `close` from one thread at a time
 (a `WorkerConnector` holds its lock around each).
 """
 
@@ -55,6 +64,7 @@ from kvbridge.transfer.descriptors import (
     unit_size,
 )
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.integrity import Integrity, digest, is_checked, region_views
 from kvbridge.transfer.messages import (
     Hello,
     LayoutWire,
@@ -73,6 +83,13 @@ log = logging.getLogger("kvbridge.transfer.consumer")
 CONNECT_SETTLE_S = 0.3
 #: How often an ended pull retries releasing a READ NIXL could not cancel (seconds).
 RELEASE_RETRY_S = 1.0
+
+
+class PullFailure(enum.Enum):
+    """Why a pull failed, where a counter tells it apart (else it has no cause)."""
+
+    STALE = "stale"  # a producer did not hold the exposure for the whole read
+    INTEGRITY = "integrity"  # the bytes read differ from the producer's digest of them
 
 
 class TransferState(enum.Enum):
@@ -94,6 +111,7 @@ class TransferResult:
     num_descriptors: int = 0  # copy-list descriptors after merging adjacent runs
     num_unmerged: int = 0  # before merging
     num_indices: int = 0  # prepared-list entries posted (NIXL merges consecutive ones)
+    failure: PullFailure | None = None  # FAILED: the cause a counter tells apart
 
 
 @dataclass
@@ -106,6 +124,8 @@ class _Pull:
     deadline: float
     start_token: int = 0  # tokens [0, start_token) are ours already: not read
     decline: str | None = None  # not a pull: tell the producer we will not read, and why
+    generation: int = 0  # the exposure read (its capability's)
+    checked: bool = False  # its bytes are checked against the producers' digests
     state: TransferState = TransferState.HANDSHAKING
     xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
     temp_dlists: list[Any] = field(default_factory=list)
@@ -113,10 +133,14 @@ class _Pull:
     # prefill ranks read by more than one READ: none carries the notification; it
     # follows the last
     silent: set[int] = field(default_factory=set)
+    # prefill ranks we read bytes from that have not yet answered held (`ReadAck`)
+    awaiting: set[int] = field(default_factory=set)
+    copies: dict[int, list[CopyList]] = field(default_factory=dict)  # prefill rank -> lists
+    digests: dict[int, bytes] | None = None  # of what we read, per prefill rank (checked)
     stats: tuple[int, int, int, int] = (0, 0, 0, 0)
     # set once the pull has ended: its outcome, reported when no READ of it can still
     # write into its blocks (NIXL could not cancel one: retried every RELEASE_RETRY_S)
-    outcome: tuple[TransferState, str] | None = None
+    outcome: tuple[TransferState, str, PullFailure | None] | None = None
     retry_at: float = 0.0  # when to try releasing its uncancelled READs again
 
 
@@ -142,6 +166,14 @@ class KVConsumer:
         self.regions, self.num_blocks = regions, num_blocks
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self._clock = clock
+        self._views = region_views(regions)  # to digest what we pulled
+        if self._views is None and config.integrity is not Integrity.OFF:
+            log.warning(
+                "decode worker %d: integrity=%s is not checked for a %s cache (host memory only)",
+                rank,
+                config.integrity.value,
+                regions.mem_type.value,
+            )
         self._pulls: dict[str, _Pull] = {}
         self._local_dlists: dict[int, Any] = {}
         self._orphan_dlists: list[Any] = []  # of READs still uncancelled at close
@@ -177,11 +209,13 @@ class KVConsumer:
         local_block_ids: Sequence[int] | np.ndarray,
         num_tokens: int,
         start_token: int = 0,
+        generation: int = 0,
     ) -> None:
         """Start loading `request_id`'s tokens [start_token, num_tokens) from the producer
         instance at `endpoint` (its worker 0's side channel) into `local_block_ids`;
         returns at once. Both block lists start with the block holding token
-        `start_token` (a partial pull: this worker holds the earlier tokens already)."""
+        `start_token` (a partial pull: this worker holds the earlier tokens already).
+        `generation` is the exposure's (the capability's): the producer confirms it."""
         if request_id in self._pulls:
             raise TransferError(f"request_id={request_id!r} is already being pulled")
         local = np.asarray(local_block_ids, dtype=np.int64).ravel()
@@ -213,6 +247,8 @@ class KVConsumer:
             num_tokens,
             self._clock() + self.config.transfer_timeout_s,
             start_token,
+            generation=generation,
+            checked=self._views is not None and is_checked(self.config.integrity, request_id),
         )
 
     def decline(self, request_id: str, endpoint: str, reason: str) -> None:
@@ -338,7 +374,7 @@ class KVConsumer:
     def _advance_pull(self, pull: _Pull, now: float) -> None:
         if pull.outcome is not None:  # ended; a READ NIXL could not cancel yet
             if now >= pull.retry_at:
-                self._finish(pull, *pull.outcome)
+                self._finish(pull, pull.outcome[0], pull.outcome[1])
             return
         inst = pull.instance
         if pull.state is TransferState.HANDSHAKING:
@@ -376,11 +412,51 @@ class KVConsumer:
                     self.directory.drop(peer, reason)
                     self._finish(pull, TransferState.FAILED, reason)
                     return
-            if not pull.xfers:
-                self._finish(pull, TransferState.DONE, "")
+            if not pull.xfers and self._confirmed(pull):
                 return
         if now >= pull.deadline:
             self._finish(pull, TransferState.FAILED, self._timeout_reason(pull))
+
+    def _confirmed(self, pull: _Pull) -> bool:
+        """Take the ReadAcks of `pull` (every READ done): DONE once every producer
+        worker read answered held, FAILED (stale) at the first that did not. Whether
+        the pull ended."""
+        if pull.checked and pull.digests is None:  # while the producers digest theirs
+            assert self._views is not None
+            views = self._views
+            pull.digests = {p: digest(views, pull.copies[p], "dst") for p in pull.awaiting}
+        for p in sorted(pull.awaiting):
+            peer = pull.instance.readers[p]
+            ack = peer.acks.get((pull.request_id, pull.generation))
+            if ack is None:
+                continue
+            del peer.acks[(pull.request_id, pull.generation)]
+            if not ack.held:
+                self._finish(
+                    pull,
+                    TransferState.FAILED,
+                    f"stale pull: prefill worker {p} ({peer.endpoint}) no longer held "
+                    f"{pull.request_id!r} (generation {pull.generation}) when our ReadDone "
+                    f"arrived ({ack.reason}); the bytes read may be another request's",
+                    failure=PullFailure.STALE,
+                )
+                return True
+            if pull.digests is not None and ack.digest and ack.digest != pull.digests[p]:
+                nbytes = sum(cl.nbytes for cl in pull.copies[p])
+                self._finish(
+                    pull,
+                    TransferState.FAILED,
+                    f"integrity check failed: the {nbytes} bytes of {pull.request_id!r} read "
+                    f"from prefill worker {p} ({peer.endpoint}) differ from its digest of what "
+                    "it exposed; the KV is not used",
+                    failure=PullFailure.INTEGRITY,
+                )
+                return True
+            pull.awaiting.discard(p)
+        if pull.awaiting:
+            return False
+        self._finish(pull, TransferState.DONE, "")
+        return True
 
     def _forget_unreachable(self) -> None:
         """Forget idle producers whose side channel is down (`forget_unreachable`)."""
@@ -399,9 +475,10 @@ class KVConsumer:
         for pull in list(self._pulls.values()):
             if pull.outcome is not None:
                 continue  # ended already; its READs are being released
+            reading = {p for p, _ in pull.xfers.values()} | pull.awaiting
             gone = [
                 (p, pull.instance.readers[p])
-                for p, _ in pull.xfers.values()
+                for p in sorted(reading)
                 if not pull.instance.readers[p].client.is_connected
             ]
             if gone:
@@ -420,8 +497,13 @@ class KVConsumer:
 
     def _timeout_reason(self, pull: _Pull) -> str:
         t = f"timed out after {self.config.transfer_timeout_s:g} s"
-        if pull.state is TransferState.READING:
+        if pull.state is TransferState.READING and pull.xfers:
             return f"{t} reading from prefill workers {sorted({p for p, _ in pull.xfers.values()})}"
+        if pull.state is TransferState.READING:
+            return (
+                f"{t} waiting for prefill workers {sorted(pull.awaiting)} to confirm they held "
+                f"{pull.request_id!r} for the whole read (ReadAck)"
+            )
         waiting = [w.endpoint for w in pull.instance.workers() if w.state is not PeerState.READY]
         return f"{t} waiting for handshakes with {sorted(set(waiting))}"
 
@@ -466,6 +548,7 @@ class KVConsumer:
         posts: list[tuple[int, ProducerWorker, tuple[Any, np.ndarray, Any, np.ndarray]]] = []
         for cl in lists:
             p = cl.read.prefill_rank
+            pull.copies.setdefault(p, []).append(cl)
             peer = inst.readers[p]
             assert peer.welcome is not None and peer.regions is not None
             if (
@@ -489,6 +572,7 @@ class KVConsumer:
         # several (whole blocks + a partial last block) gets it after the last completes.
         reads_of = Counter(p for p, _, _ in posts)
         pull.silent = {p for p, n in reads_of.items() if n > 1}
+        pull.awaiting = set(reads_of)
         for p, peer, (local, local_idx, remote, remote_idx) in posts:
             try:
                 notif = b"" if p in pull.silent else self._done(pull, peer)
@@ -587,9 +671,19 @@ class KVConsumer:
 
     def _done(self, pull: _Pull, peer: ProducerWorker, failure: str | None = None) -> bytes:
         """Our signed ReadDone of `pull` for `peer`."""
-        return self._read_done(pull.request_id, peer, failure)
+        return self._read_done(
+            pull.request_id, peer, failure, pull.generation, pull.start_token, pull.checked
+        )
 
-    def _read_done(self, request_id: str, peer: ProducerWorker, failure: str | None) -> bytes:
+    def _read_done(
+        self,
+        request_id: str,
+        peer: ProducerWorker,
+        failure: str | None,
+        generation: int = 0,
+        start_token: int = 0,
+        checked: bool = False,
+    ) -> bytes:
         """Our signed ReadDone for `peer` (its session's key; names it as receiver; sent
         now, so within the producer's lease)."""
         assert peer.welcome is not None
@@ -603,6 +697,9 @@ class KVConsumer:
                 sent_at=time.time(),
                 ok=failure is None,
                 reason=(failure or "")[:4000],
+                generation=generation,
+                start_token=start_token,
+                digest=checked,
             )
         )
 
@@ -612,7 +709,13 @@ class KVConsumer:
         return self._local_dlists[g]
 
     def _finish(
-        self, pull: _Pull, state: TransferState, reason: str, *, final: bool = False
+        self,
+        pull: _Pull,
+        state: TransferState,
+        reason: str,
+        *,
+        final: bool = False,
+        failure: PullFailure | None = None,
     ) -> None:
         """End `pull` with `state`. A READ NIXL cannot cancel may still write into the
         pull's blocks (a late completion after a link heals), so while one is left the
@@ -620,7 +723,7 @@ class KVConsumer:
         outcome is reported, and its blocks handed back, once no READ of it can land
         (`final`, at close: reported anyway, the cache goes with the agent)."""
         first = pull.outcome is None
-        state, reason = pull.outcome = pull.outcome or (state, reason)
+        state, reason, failure = pull.outcome = pull.outcome or (state, reason, failure)
         pull.xfers = {i: px for i, px in pull.xfers.items() if not self.transport.release(px[1])}
         if pull.xfers and not final:
             pull.retry_at = self._clock() + RELEASE_RETRY_S
@@ -669,5 +772,6 @@ class KVConsumer:
                 ndesc,
                 nunmerged,
                 nidx,
+                failure,
             )
         )

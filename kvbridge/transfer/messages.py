@@ -6,7 +6,8 @@ Wire format of one message (one ZMQ frame, or one NIXL notification):
 
 Side-channel messages are signed with the shared token (`mac` empty without one, and
 `key_id` empty); a `ReadDone` is always signed with its session's key, named by
-`key_id` = the session id (see `auth.py`). Nothing is ever unpickled: bodies decode
+`key_id` = the session id (see `auth.py`). A `ReadAck` is the one message a producer
+sends unasked, over the side channel of the decode worker whose `ReadDone` it answers. Nothing is ever unpickled: bodies decode
 into the `Message` union below with msgspec, which rejects unknown kinds, missing or
 mistyped fields and over-long lists or strings. Decoding order: size -> envelope ->
 version -> MAC -> body, so an unauthenticated peer never reaches the body decoder.
@@ -26,8 +27,10 @@ from kvbridge.transfer.auth import sign, verify
 from kvbridge.transfer.errors import AuthError, ProtocolError
 
 #: Bumped on any change in what a message means: 3 names a cache's channel-major
-#: halves (`LBHKNC:K=CN`), which a version-2 peer described as token-major.
-PROTOCOL_VERSION = 3
+#: halves (`LBHKNC:K=CN`), which a version-2 peer described as token-major; 4 fences
+#: pulls (`ReadDone.generation`, `ReadAck`): a version-3 reader would use bytes no
+#: producer confirmed.
+PROTOCOL_VERSION = 4
 
 #: Bounds on untrusted fields (a worker holds at most this many cache regions, ...).
 MAX_REGIONS = 4096
@@ -174,9 +177,33 @@ class ReadDone(msgspec.Struct, frozen=True, tag="read_done", forbid_unknown_fiel
     sent_at: float
     ok: bool = True
     reason: Reason = ""
+    #: the exposure read (`Expose.generation`, from the pull's capability)
+    generation: U64 = 0
+    #: the pull's first token (its copy lists begin there), and whether the reader
+    #: checks a digest of what it read (`integrity.py`): the ReadAck then carries one
+    start_token: Count = 0
+    digest: bool = False
 
 
-Message = Hello | Welcome | Refused | Ping | Pong | ReadDone
+class ReadAck(msgspec.Struct, frozen=True, tag="read_ack", forbid_unknown_fields=True):
+    """Producer worker -> consumer (side channel, unasked): the answer to an ok
+    `ReadDone` of `request_id` at `generation`. `held` is True only if that exposure was
+    still pinned when the ReadDone arrived: it was pinned before the reads began and the
+    reads ended before the ReadDone left, so the bytes read are the bytes exposed.
+    False (lease expired, released, another generation, refused): they may be another
+    request's; `reason` says why. `rank` is the producer worker's."""
+
+    request_id: Name
+    generation: U64
+    rank: Count
+    held: bool
+    reason: Reason = ""
+    #: held and asked: the digest of the exposed bytes the reader's copy lists cover
+    #: (`integrity.digest`); b"": not computed (not asked, or device memory)
+    digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
+
+
+Message = Hello | Welcome | Refused | Ping | Pong | ReadDone | ReadAck
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):

@@ -12,6 +12,7 @@ has a deadline (`handshake_timeout_s`). Single-threaded, owned by one `KVConsume
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import os
@@ -30,11 +31,22 @@ from kvbridge.transfer.auth import session_id, session_key
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.descriptors import unit_descs
 from kvbridge.transfer.errors import ProtocolError
-from kvbridge.transfer.messages import Hello, ReadDone, Refused, Welcome, encode, spec_error
+from kvbridge.transfer.messages import (
+    Hello,
+    ReadAck,
+    ReadDone,
+    Refused,
+    Welcome,
+    encode,
+    spec_error,
+)
 from kvbridge.transfer.regions import CacheRegions, MemType
 from kvbridge.transfer.side_channel import SideChannelClient
 
 log = logging.getLogger("kvbridge.transfer.consumer")
+
+#: ReadAcks kept per producer worker until their pull takes them (the oldest go first).
+MAX_ACKS = 4096
 
 
 class PeerState(enum.Enum):
@@ -59,6 +71,10 @@ class ProducerWorker:
     hello_nonce: bytes = b""  # our Hello's; the Welcome must echo it
     session_key: bytes = b""  # signs our notifications to this worker (auth.session_key)
     session_id: bytes = b""
+    #: (request id, generation) -> the worker's answer to our ReadDone (`ReadAck`)
+    acks: collections.OrderedDict[tuple[str, int], ReadAck] = field(
+        default_factory=collections.OrderedDict
+    )
 
     def sign(self, msg: ReadDone) -> bytes:
         """`msg` as this session's signed notification to the worker."""
@@ -122,6 +138,8 @@ class ProducerDirectory:
         for w in list(self._workers.values()):
             if w.state is PeerState.CONNECTING:
                 self._advance(w, now)
+            elif w.state is PeerState.READY:
+                self._take_acks(w)
         for inst in list(self._instances.values()):
             if inst.plan is None and inst.worker0.state is PeerState.READY and not inst.reason:
                 self._plan(inst)
@@ -217,6 +235,29 @@ class ProducerDirectory:
                 self.drop(w, f"handshake with {w.endpoint} failed: {spec_error(exc)}")
         else:
             self.drop(w, f"{w.endpoint} answered a handshake with {type(reply).__name__}")
+
+    def _take_acks(self, w: ProducerWorker) -> None:
+        """Keep the ReadAcks a met worker sent (its answers to our ReadDones) for their
+        pulls; anything else it sends unasked is logged and dropped."""
+        while True:
+            try:
+                msg = w.client.try_recv()
+            except ProtocolError as exc:
+                log.warning("decode worker %d: bad message from %s: %s", self.rank, w.endpoint, exc)
+                continue
+            if msg is None:
+                return
+            if not isinstance(msg, ReadAck):
+                log.warning(
+                    "decode worker %d: %s sent an unasked %s; ignored",
+                    self.rank,
+                    w.endpoint,
+                    type(msg).__name__,
+                )
+                continue
+            w.acks[(msg.request_id, msg.generation)] = msg
+            while len(w.acks) > MAX_ACKS:
+                w.acks.popitem(last=False)
 
     def _accept(self, w: ProducerWorker, welcome: Welcome) -> None:
         """Validate a Welcome against our Hello and the geometry it claims, derive the

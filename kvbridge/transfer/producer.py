@@ -15,6 +15,15 @@ A notification that arrives before its request's `expose` (engines race) is kept
 one lease and applied by `expose`. Notifications for already released (or never
 exposed) requests and from workers the plan does not expect are ignored (logged).
 
+Fencing: each exposure carries a generation (`expose(..., generation)`, from the
+pull's capability, named again by the consumer's ReadDone). Every ok ReadDone is
+answered over the side channel with a `ReadAck`: `held` True only if that exposure (same
+generation) was still pinned when the ReadDone arrived (its reads ended before it was
+sent, and began after the exposure was pinned, so the bytes read were held throughout);
+False, with the reason, for a request released meanwhile (lease expired, aborted),
+another generation, or a refused notification. A consumer uses its pulled bytes only
+after every producer worker it read from answered held.
+
 Who may notify: every notification is signed with the key of the handshake session
 of the decode worker that sends it (`sessions.py`), names this worker as receiver, is
 recent (`sent_at` within a lease) and is taken once; a request exposed for a given
@@ -37,12 +46,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.plan.copylist import blocks_needed, copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.errors import ProtocolError, TransferError
+from kvbridge.transfer.integrity import digest, region_views
 from kvbridge.transfer.messages import (
     Hello,
     LayoutWire,
@@ -50,6 +61,7 @@ from kvbridge.transfer.messages import (
     ModelWire,
     Ping,
     Pong,
+    ReadAck,
     ReadDone,
     Refused,
     Welcome,
@@ -94,6 +106,8 @@ class _Exposure:
     deadline: float
     lease_s: float
     reader: str | None = None  # the only decode instance allowed to notify, if given
+    generation: int = 0  # which exposure of `request_id` this is (the capability's)
+    start_token: int = 0  # `block_ids` hold tokens [start_token, num_tokens)
     instance_id: str | None = None  # the decode instance whose workers notified
     plan: TransferPlan | None = None  # that instance's plan with us
     notified: set[int] = field(default_factory=set)
@@ -132,11 +146,13 @@ class KVProducer:
         self.model, self.layout, self.rank = model, layout, rank
         self.shard = worker_shard_checked(model, layout, "prefill", rank, regions, num_blocks)
         self.regions, self.num_blocks = regions, num_blocks
+        self._views = region_views(regions)  # to digest what a reader asks for
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self.on_release = on_release
         self._clock = clock
         self._exposed: dict[str, _Exposure] = {}
-        self._recent: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # released request ids -> how (for a late ReadDone's ReadAck)
+        self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()
         # notifications that arrived before their request's `expose`, by request id
         self._early: collections.OrderedDict[str, list[tuple[float, ReadDone, Session]]] = (
             collections.OrderedDict()
@@ -152,6 +168,7 @@ class KVProducer:
         self.num_replays = 0  # notifications and Hellos refused as forged or replayed
         self.releases: list[Release] = []  # every release, in order (for the owner/tests)
         self.num_ignored_notifs = 0
+        self.num_stale_acks = 0  # ReadAcks answered held=False
         self.refusals: collections.deque[str] = collections.deque(maxlen=64)  # recent, for owners
         self._server = SideChannelServer(
             config.host, config.port_of(rank), config.token, config.max_message_bytes, self._handle
@@ -181,10 +198,12 @@ class KVProducer:
         lease_s: float | None = None,
         reader: str | None = None,
         start_token: int = 0,
+        generation: int = 0,
     ) -> None:
         """Pin `block_ids` (this request's KV of tokens [start_token, num_tokens), from the
         block holding token `start_token` on) for decode workers to read; with `reader`,
-        only that decode instance's notifications count."""
+        only that decode instance's notifications count. `generation` names this exposure
+        (the pull's capability carries it): only ReadDones naming it are answered held."""
         ids = tuple(int(b) for b in np.asarray(block_ids).ravel())
         if request_id in self._exposed:
             raise TransferError(f"request_id={request_id!r} is already exposed; ids must be unique")
@@ -204,7 +223,9 @@ class KVProducer:
                 f"{span} of {request_id!r} does not fit {len(ids)} blocks of {bp} tokens"
             )
         lease = self.config.lease_s if lease_s is None else lease_s
-        self._exposed[request_id] = _Exposure(ids, num_tokens, self._clock() + lease, lease, reader)
+        self._exposed[request_id] = _Exposure(
+            ids, num_tokens, self._clock() + lease, lease, reader, generation, start_token
+        )
         for _, msg, session in self._early.pop(request_id, []):
             self._apply(msg, session)
 
@@ -252,7 +273,7 @@ class KVProducer:
     # -- internals ---------------------------------------------------------------------
     def _release(self, request_id: str, cause: ReleaseCause, reason: str) -> None:
         exp = self._exposed.pop(request_id)
-        self._recent[request_id] = None
+        self._recent[request_id] = f"released ({cause.value}): {reason}"[:1000]
         while len(self._recent) > _RECENT:
             self._recent.popitem(last=False)
         rel = Release(request_id, exp.block_ids, cause, reason)
@@ -298,6 +319,7 @@ class KVProducer:
         if why:
             self.num_replays += 1
             self._ignore(f"notification for {msg.request_id!r} refused: {why}", warn=True)
+            self._ack(msg, session, f"the ReadDone was refused: {why}")
             return
         self._sessions.touch(sid)
         self._apply(msg, session)
@@ -305,6 +327,8 @@ class KVProducer:
     def _apply(self, msg: ReadDone, session: Session) -> None:
         exp = self._exposed.get(msg.request_id)
         if exp is None:
+            if msg.request_id in self._recent:  # the reader was not done before the release
+                self._ack(msg, session, self._recent[msg.request_id])
             if msg.request_id in self._recent and not msg.ok:
                 # a decode worker that gave up while cut off tells us after the heal
                 # (consumer's owed notices), maybe after the lease released it: harmless
@@ -325,6 +349,16 @@ class KVProducer:
                 while len(self._early) > _RECENT:
                     self._early.popitem(last=False)
             return
+        # (a failure notice of another generation still releases: the reader of this
+        # one then hears held=False and recomputes, which is safe)
+        if msg.ok and msg.generation != exp.generation:
+            why = (
+                f"{msg.request_id!r} is exposed now as generation {exp.generation}, not the "
+                f"generation {msg.generation} that was read"
+            )
+            self._ignore(f"notification: {why}", warn=True)
+            self._ack(msg, session, why)
+            return
         if exp.reader is not None and msg.instance_id != exp.reader:
             self.num_replays += 1
             self._ignore(
@@ -332,6 +366,7 @@ class KVProducer:
                 f"{msg.instance_id!r}; its capability went to {exp.reader!r}",
                 warn=True,
             )
+            self._ack(msg, session, f"its capability went to {exp.reader!r}")
             return
         readers = expected_notifiers(session.plan, self.rank)
         if msg.rank not in readers:
@@ -340,6 +375,7 @@ class KVProducer:
                 f"which the plan does not have read here (readers {list(readers)})",
                 warn=True,
             )
+            self._ack(msg, session, f"decode rank {msg.rank} is not a reader here")
             return
         if exp.instance_id is None:
             exp.instance_id, exp.plan = msg.instance_id, session.plan
@@ -349,12 +385,15 @@ class KVProducer:
                 f"{msg.instance_id!r} (first: {exp.instance_id!r}) or another plan",
                 warn=True,
             )
+            self._ack(msg, session, "another decode instance or plan notified it first")
             return
         if msg.rank in exp.notified:
             self.num_replays += 1
             self._ignore(f"duplicate notification for {msg.request_id!r} rank {msg.rank}")
             return
         exp.notified.add(msg.rank)
+        # pinned (same generation) since before the reads began
+        self._ack(msg, session, digest=self._digest(exp, msg, session) if msg.digest else b"")
         if not msg.ok:
             exp.failures.append(f"decode rank {msg.rank}: {msg.reason}")
         if exp.notified >= set(readers):
@@ -371,11 +410,52 @@ class KVProducer:
                     f"{len(readers)} decode workers notified",
                 )
 
+    def _ack(
+        self, msg: ReadDone, session: Session, stale: str | None = None, digest: bytes = b""
+    ) -> None:
+        """Answer an ok `msg` over its sender's side channel: held (with the `digest` it
+        asked for), or not (`stale`: why the bytes it read may not be the exposure's). A
+        failure notice gets no answer."""
+        if not msg.ok:
+            return
+        if stale is not None:
+            self.num_stale_acks += 1
+            log.warning(
+                "prefill worker %d: %r was read by %r rank %d but not held when its ReadDone "
+                "arrived: %s",
+                self.rank,
+                msg.request_id,
+                msg.instance_id,
+                msg.rank,
+                stale,
+            )
+        ack = ReadAck(msg.request_id, msg.generation, self.rank, stale is None, stale or "", digest)
+        self._server.send_to(session.peer, ack)
+
+    def _digest(self, exp: _Exposure, msg: ReadDone, session: Session) -> bytes:
+        """The digest of our bytes that decode worker `msg.rank` read for its pull from
+        token `msg.start_token` (`integrity.digest`); b"" if it cannot be computed."""
+        plan, views = session.plan, self._views
+        bp, bd = plan.prefill.block_size, plan.decode.block_size
+        skip = msg.start_token // bp - exp.start_token // bp
+        if views is None or not 0 <= skip < len(exp.block_ids) or msg.start_token >= exp.num_tokens:
+            return b""
+        # stand-in decode block ids: the source runs (and their order) do not depend on them
+        d_ids = np.arange(blocks_needed(exp.num_tokens, bd, msg.start_token))
+        try:
+            lists = copy_lists(
+                plan, msg.rank, exp.block_ids[skip:], d_ids, exp.num_tokens, msg.start_token
+            )
+        except KVBridgeError as exc:
+            log.warning("prefill worker %d: no digest of %r: %s", self.rank, msg.request_id, exc)
+            return b""
+        return digest(views, [cl for cl in lists if cl.read.prefill_rank == self.rank], "src")
+
     def _ignore(self, what: str, warn: bool = False) -> None:
         self.num_ignored_notifs += 1
         (log.warning if warn else log.debug)("prefill worker %d ignored %s", self.rank, what)
 
-    def _handle(self, msg: Message) -> Message | None:
+    def _handle(self, msg: Message, peer: bytes = b"") -> Message | None:
         if isinstance(msg, Ping):
             return Pong(nonce=msg.nonce, instance_id=self.instance_id)
         if not isinstance(msg, Hello):
@@ -409,7 +489,7 @@ class KVProducer:
             return Refused(kind="incompatible", reason=spec_error(exc))
         try:
             _, nonce = self._sessions.open(
-                msg.instance_id, msg.rank, msg.nonce, plan, self._is_reading
+                msg.instance_id, msg.rank, msg.nonce, plan, self._is_reading, peer
             )
         except SessionRefused as exc:
             if exc.kind == "replay":

@@ -42,6 +42,8 @@ class Session:
     key: bytes
     created: float
     last_notified: float | None = None
+    #: the ZMQ routing id of the decode worker's side channel (`ReadAck`s go there)
+    peer: bytes = b""
 
 
 class SessionRefused(Exception):
@@ -90,9 +92,11 @@ class SessionTable:
         hello_nonce: bytes,
         plan: TransferPlan,
         reading: Callable[[str], bool],
+        peer: bytes = b"",
     ) -> tuple[bytes, bytes]:
-        """A new session for a Hello; returns (session id, our nonce). `reading(iid)` tells
-        whether instance `iid` reads a pinned request. Raises SessionRefused."""
+        """A new session for a Hello that came from side-channel client `peer`; returns
+        (session id, our nonce). `reading(iid)` tells whether instance `iid` reads a
+        pinned request. Raises SessionRefused."""
         if hello_nonce in self._nonces:
             raise SessionRefused(
                 "replay", "this Hello's nonce was answered before: a replayed handshake"
@@ -123,7 +127,7 @@ class SessionTable:
         nonce = os.urandom(16)
         key = session_key(self._token, hello_nonce, nonce, (instance_id, rank), self._me)
         sid = session_id(key)
-        self._sessions[sid] = Session(instance_id, rank, plan, key, now)
+        self._sessions[sid] = Session(instance_id, rank, plan, key, now, peer=peer)
         return sid, nonce
 
     def touch(self, sid: bytes) -> None:

@@ -14,6 +14,7 @@ that tries to stream more; such a peer is disconnected by ZMQ itself.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -27,8 +28,9 @@ from kvbridge.transfer.messages import Message, Refused, decode, encode
 
 log = logging.getLogger("kvbridge.transfer.side_channel")
 
-#: A handler maps a request to its reply (None: no reply).
-Handler = Callable[[Message], Message | None]
+#: A handler maps a request, and the ZMQ routing id of the peer that sent it (what
+#: `SideChannelServer.send_to` takes), to its reply (None: no reply).
+Handler = Callable[[Message, bytes], Message | None]
 
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
 
@@ -62,6 +64,9 @@ class SideChannelServer:
         self._sock = _ctx().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 4 * max_bytes)
+        # a client that reconnects (a link that healed) keeps its routing id: its new
+        # connection takes over the old one, so `send_to` reaches it again
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if token is not None:
             public, secret = curve_server_keys(token)
             self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
@@ -101,7 +106,7 @@ class SideChannelServer:
             if len(payload) != 1:
                 raise ProtocolError(f"request has {len(payload)} frames; send exactly one")
             request = decode(payload[0], self._token, self._max_bytes)
-            reply = self._handler(request)
+            reply = self._handler(request, identity)
         except Exception as exc:  # never let one peer's message stop the server
             if not isinstance(exc, ProtocolError):
                 log.exception("side channel %s: handler failed", self.endpoint)
@@ -120,6 +125,17 @@ class SideChannelServer:
         if reply is not None:
             self._sock.send_multipart([identity, encode(reply, self._token)])
 
+    def send_to(self, peer: bytes, msg: Message) -> None:
+        """Send `msg` unasked to the client whose routing id is `peer` (as the handler
+        was given it). Never blocks or raises: ZMQ drops it if that client is not
+        connected now (its waiter's own timeout or liveness bound then applies)."""
+        try:
+            self._sock.send_multipart([peer, encode(msg, self._token)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning(
+                "side channel %s: cannot send to peer %s: %s", self.endpoint, peer.hex(), exc
+            )
+
     def close(self) -> None:
         self._sock.close(linger=0)
 
@@ -128,7 +144,8 @@ class SideChannelClient:
     """A DEALER connection to one producer worker; one outstanding request at a time.
 
     `send` then `try_recv` (non-blocking) lets a consumer's poll loop wait without
-    blocking; `call` is the blocking form with a timeout. A request that timed out
+    blocking; `call` is the blocking form with a timeout. Once a handshake is done the
+    server may send unasked messages too (`ReadAck`), read with `try_recv`. A request that timed out
     leaves the socket unusable (a late reply could answer the next request), so
     `reset` reconnects before the next one.
 
@@ -148,12 +165,16 @@ class SideChannelClient:
         self._token = token
         self._max_bytes = max_bytes
         self._liveness_ms = int(liveness_timeout_s * 1000) if liveness_timeout_s else 0
+        # one routing id for every connection this client makes, so that a server's
+        # unasked messages (`send_to`) still reach it after ZMQ reconnected
+        self.routing_id = b"kv" + os.urandom(14)
         self._monitor: zmq.Socket[bytes] | None = None
         self._sock = self._connect()
 
     def _connect(self) -> zmq.Socket[bytes]:
         sock = _ctx().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.routing_id)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self._max_bytes)
         if self._liveness_ms:
             sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, self._liveness_ms // 5))

@@ -31,7 +31,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.transfer.capability import Capability, Redeemed, check, issue, prompt_digest
+from kvbridge.transfer.capability import (
+    Capability,
+    Redeemed,
+    check,
+    issue,
+    new_generation,
+    prompt_digest,
+)
 from kvbridge.transfer.connector import Decline, Expose, Pull
 from kvbridge.transfer.errors import AuthError
 from kvbridge.vllm.settings import ROLES, ConnectorSettings
@@ -199,7 +206,15 @@ class SchedulerSide:
         bd, bp = self.block_size, cap.block_size
         local = block_ids[start // bd : math.ceil(cap.num_tokens / bd)]
         remote = cap.block_ids[start // bp - cap.start_token // bp :]
-        pull = Pull(cap.request_id, cap.endpoint, list(remote), list(local), cap.num_tokens, start)
+        pull = Pull(
+            cap.request_id,
+            cap.endpoint,
+            list(remote),
+            list(local),
+            cap.num_tokens,
+            start,
+            cap.generation,
+        )
         self._orders.pulls.append(PullOrder(request.request_id, pull))
 
     def finished_unscheduled(self, request: Any) -> None:
@@ -230,6 +245,7 @@ class SchedulerSide:
             return False, None
         reader = params.get(READER_KEY) or ""
         rid = request.request_id
+        generation = new_generation()
         # the prompt's tokens, a partial last block included
         self._orders.exposes.append(
             Expose(
@@ -238,6 +254,7 @@ class SchedulerSide:
                 n,
                 reader=reader or None,
                 lease_s=self.settings.transfer.lease_s,
+                generation=generation,
             )
         )
         cap = Capability(
@@ -251,6 +268,7 @@ class SchedulerSide:
             0,
             self.block_size,
             prompt_digest(request.prompt_token_ids),
+            generation,
         )
         out = {
             "do_remote_prefill": True,

@@ -234,3 +234,44 @@ def transitions_reason(engine: LLMEngine, rid: str) -> str:
     """The reason the prefill engine's connector recorded for the request's release."""
     assert engine.kv is not None
     return " ".join(t.reason for t in engine.kv.log if t.request_id == rid)
+
+
+@pytest.mark.slow
+def test_a_pull_slower_than_the_lease_never_decodes_from_reused_blocks(
+    pair: tuple[LLMEngine, LLMEngine],
+) -> None:
+    """The decode engine pulls only after the prefill engine's lease released the
+    blocks and a long prompt took every block (the KV there is another request's now):
+    the pull is stale (the prefill worker answers its ReadDone held=False), counted, and
+    the prompt recomputed: the tokens are the colocated ones."""
+    prefill, decode = pair
+    assert prefill.kv is not None and decode.kv is not None
+    prompt = "Stale bytes must never be used, whatever the link does. " * 3
+    ids = prefill.tokenizer.encode(prompt)
+    config = prefill.kv.config
+    prefill.kv.config = dataclasses.replace(config, exposure_lease_s=0.5)
+    try:
+        prefill.add_request(ids, PARAMS, "slow", kv_transfer_params=RemoteDecode("D"))
+        drive([prefill], lambda: prefill.is_finished("slow"))
+        pre = prefill.pop("slow")
+    finally:
+        prefill.kv.config = config
+    drive([prefill], lambda: all_free(prefill))  # nobody came within the lease
+    assert transitions(prefill, "slow")[-1] == (S.EXPOSED, S.RELEASED)
+    bm = prefill.block_manager
+    filler = [100 + (i * 7919) % 20000 for i in range((bm.num_blocks - 1) * 16)]
+    prefill.add_request(filler, SamplingParams(max_tokens=1), "filler")  # every block
+    drive([prefill], lambda: prefill.is_finished("filler"))
+    prefill.pop("filler")
+    stale_before = decode.kv.pull_failures["stale"]
+    decode.add_request(ids, PARAMS, "slow", kv_transfer_params=pre.kv_transfer_params)
+    drive([prefill, decode], lambda: decode.is_finished("slow"))
+    out = decode.pop("slow")
+    assert out.kv_load_error is not None and "stale pull" in out.kv_load_error
+    assert "released (lease_expired)" in out.kv_load_error
+    assert decode.kv.pull_failures["stale"] == stale_before + 1
+    assert transitions(decode, "slow") == [(S.WAITING_FOR_REMOTE_KV, S.RECOMPUTE)]
+    rid = decode.add_request(ids, PARAMS)
+    drive([decode], lambda: decode.is_finished(rid))
+    assert out.token_ids == decode.pop(rid).token_ids
+    drive([prefill, decode], lambda: all_free(prefill, decode))

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from kvbridge.serve.http_server import ServerThread
-from kvbridge.serve.metrics import metric_value
+from kvbridge.serve.metrics import merge_expositions, metric_value
 from kvbridge.serve.proxy import make_app
 from tests.serve.fake_backend import FakeBackend
 from tests.serve.helpers import raw_post
@@ -413,6 +413,22 @@ def test_instance_release_counter_follows_the_connectors_totals_by_cause():
     assert metric_value(text, "kv_releases_total", cause="completed", instance="p1") == 3
     assert metric_value(text, "kv_releases_total", cause="aborted") == 1
     assert metric_value(text, "kv_releases_total", cause="lease_expired") == 0
+
+
+def test_stale_pulls_reach_the_proxys_metrics_once_each():
+    """A decode instance's stale pulls (the connector's running total) are counted once
+    whatever the scrapes, and the proxy's merged exposition carries them."""
+    from kvbridge.serve.metrics import InstanceMetrics
+
+    d1, d2 = InstanceMetrics("d1", "decode"), InstanceMetrics("d2", "decode")
+    d1.count_pull_failures({"stale": 2})
+    d1.count_pull_failures({"stale": 2})
+    d2.count_pull_failures({"stale": 1, "integrity": 4, "some-later-cause": 5})
+    merged = merge_expositions([d1.render(), d2.render()])
+    assert metric_value(merged, "kv_stale_pulls_total", instance="d1") == 2
+    assert metric_value(merged, "kv_stale_pulls_total") == 3
+    assert merged.count("# TYPE kvbridge_kv_stale_pulls_total counter") == 1
+    assert metric_value(merged, "kv_integrity_failures_total") == 4
 
 
 def test_api_key_guards_the_openai_api_but_not_health():

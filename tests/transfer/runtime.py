@@ -10,6 +10,7 @@ from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import KVConsumer
 from kvbridge.transfer.errors import HandshakeError
+from kvbridge.transfer.integrity import Integrity
 from kvbridge.transfer.messages import ReadDone, decode_signed
 from kvbridge.transfer.producer import KVProducer
 
@@ -55,7 +56,15 @@ def consumer(rank: int, clock: Clock, model: ModelKVSpec = MODEL, **config: Any)
         regions=regions(DECODE, rank, model),
         num_blocks=NUM_BLOCKS,
         transport=FakeTransport(f"decode{rank}"),
-        config=TransferConfig(**{"transfer_timeout_s": 5, "handshake_timeout_s": 2, **config}),
+        # (its cache regions are fake addresses: nothing may read them)
+        config=TransferConfig(
+            **{
+                "transfer_timeout_s": 5,
+                "handshake_timeout_s": 2,
+                "integrity": Integrity.OFF,
+                **config,
+            }
+        ),
         instance_id="D",
         clock=clock,
     )

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import msgspec
 import pytest
 import zmq
 
-from kvbridge.harness.check import make_workload
-from kvbridge.harness.cluster import Cluster
+from kvbridge.harness.check import Workload, make_workload
+from kvbridge.harness.cluster import Cluster, WorkerHandle
 from kvbridge.harness.commands import (
     Expose,
     Finished,
@@ -112,6 +113,20 @@ def test_producer_releases_after_the_lease_when_no_consumer_comes(cluster: Clust
     assert c.expect(p, StatusReply, 10).held_blocks == 0
 
 
+def tcp_pair(
+    c: Cluster, work: Workload, monkeypatch: pytest.MonkeyPatch, opts: dict[str, float]
+) -> tuple[WorkerHandle, WorkerHandle]:
+    """Prefill worker P (its cache filled with `work`) and decode worker D, tp 1 each,
+    whose READs go over UCX's TCP transport: a READ then needs P to progress (with
+    shared memory or CMA a reader copies alone, even from a stopped process)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    (p,) = c.start(
+        "prefill", MODEL, TP1, work.prefill_blocks, "P", fill=work.prefill, **opts
+    ).workers
+    (d,) = c.start("decode", MODEL, TP1, work.decode_blocks, "D", salt=9, **opts).workers
+    return p, d
+
+
 def test_a_producer_cut_off_mid_pull_is_told_after_it_answers_again(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -120,14 +135,10 @@ def test_a_producer_cut_off_mid_pull_is_told_after_it_answers_again(
     be told then. Once it answers again and the decode worker meets it again (its next
     pull), the owed failed ReadDone reaches it: the stranded request is released as
     aborted, long before its lease."""
-    monkeypatch.setenv("UCX_TLS", "tcp")  # a READ then needs the producer to progress
     c = cluster
     work = make_workload(TP1, TP1, 3, 20, seed=5)
     opts = {"liveness_timeout_s": 1.0, "handshake_timeout_s": 5.0, "lease_s": 600.0}
-    (p,) = c.start(
-        "prefill", MODEL, TP1, work.prefill_blocks, "P", fill=work.prefill, **opts
-    ).workers
-    (d,) = c.start("decode", MODEL, TP1, work.decode_blocks, "D", salt=9, **opts).workers
+    p, d = tcp_pair(c, work, monkeypatch, opts)
 
     def expose(i: int) -> None:
         span = work.prefill[i]
@@ -158,6 +169,68 @@ def test_a_producer_cut_off_mid_pull_is_told_after_it_answers_again(
     assert "lost contact" in released["r1"].reason
     assert released["r2"].cause == "completed"
     assert c.expect(d, Finished, 30).state == "done"
+
+
+def test_a_reader_paused_past_the_lease_never_uses_what_it_read(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode worker paused (SIGSTOP) mid-pull until the producer's lease released the
+    blocks, which another request then took, reads them on resume: its pull fails as
+    stale (the producer answers its ReadDone held=False), never DONE, and nothing
+    stays held. A pull of the new request from those blocks is confirmed and byte-exact."""
+    c = cluster
+    work = make_workload(TP1, TP1, 3, 20, seed=11)
+    # bounds far past the pauses: only the lease decides here
+    opts = {
+        "liveness_timeout_s": 120.0,
+        "lease_s": 600.0,
+        "transfer_timeout_s": 120.0,
+        "handshake_timeout_s": 120.0,
+    }
+    p, d = tcp_pair(c, work, monkeypatch, opts)
+    warm, ds = work.prefill[2], work.decode[2]  # met: the pulls below need no handshake
+    p.send(Expose("warm", warm.block_ids, warm.num_tokens))
+    d.send(Pull("warm", p.endpoint, warm.block_ids, ds.block_ids, ds.num_tokens))
+    assert c.expect(d, Finished, 60).state == "done"
+    assert c.expect(p, Released, 30).cause == "completed"
+    first = work.prefill[0]
+    p.send(Expose("old", first.block_ids, first.num_tokens, generation=7, lease_s=2.0))
+    p.send(Status())
+    c.expect(p, StatusReply, 10)
+    os.kill(p.pid, signal.SIGSTOP)  # the READ cannot finish while the producer is stopped
+    try:
+        ds = work.decode[0]
+        d.send(Pull("old", p.endpoint, first.block_ids, ds.block_ids, ds.num_tokens, 0, 7))
+        time.sleep(1.0)  # (the decode worker posts its READ meanwhile, or on resume)
+        os.kill(d.pid, signal.SIGSTOP)  # paused mid-pull ...
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    try:
+        rel = c.expect(p, Released, 30)  # ... past the producer's lease
+        assert (rel.request_id, rel.cause) == ("old", "lease_expired")
+        # another request takes the same blocks (a new exposure: another generation)
+        p.send(Expose("new", first.block_ids, first.num_tokens, generation=8))
+        p.send(Status())
+        assert c.expect(p, StatusReply, 10).held_blocks == len(first.block_ids)
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+    stale = c.expect(d, Finished, 60)
+    assert (stale.request_id, stale.state, stale.failure) == ("old", "failed", "stale"), stale
+    assert "no longer held 'old' (generation 7)" in stale.reason, stale.reason
+    assert "lease_expired" in stale.reason, stale.reason
+    d.send(Status())
+    assert c.expect(d, StatusReply, 10).held_blocks == 0
+    # the new exposure, read from the same blocks, is confirmed, and its bytes are right
+    ds = work.decode[1]
+    d.send(Pull("new", p.endpoint, first.block_ids, ds.block_ids, first.num_tokens, 0, 8))
+    done = c.expect(d, Finished, 60)
+    assert (done.request_id, done.state) == ("new", "done"), done.reason
+    assert c.expect(p, Released, 30).cause == "completed"
+    # (the stale READ did land, in blocks the engine then discards: "old"'s own)
+    moved = msgspec.structs.replace(ds, num_tokens=first.num_tokens, key=first.key)
+    d.send(Verify([work.decode[0], moved, work.decode[2]]))
+    v = c.expect(d, Verified, 30)
+    assert v.ok, v.detail
 
 
 def raw_request(endpoint: str, frame: bytes, curve: bool = True) -> Refused | None:

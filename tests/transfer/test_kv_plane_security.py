@@ -17,6 +17,7 @@ from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import KVConsumer, TransferState
+from kvbridge.transfer.integrity import Integrity
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
 from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
 from kvbridge.transfer.side_channel import SideChannelClient
@@ -52,7 +53,9 @@ def make_consumer(clock: Clock, instance_id: str = "D", rank: int = 0) -> KVCons
         regions=regions(DECODE, rank),
         num_blocks=NUM_BLOCKS,
         transport=FakeTransport(f"{instance_id}{rank}"),
-        config=TransferConfig(token=TOKEN, transfer_timeout_s=5, handshake_timeout_s=2),
+        config=TransferConfig(
+            token=TOKEN, transfer_timeout_s=5, handshake_timeout_s=2, integrity=Integrity.OFF
+        ),
         instance_id=instance_id,
         clock=clock,
     )
@@ -191,10 +194,10 @@ def test_a_hello_flood_leaves_the_real_peer_working(pair) -> None:
     assert refused > 0 and len(p0._sessions) <= 32
     assert ("D", 0) in p0._sessions.peers()  # never evicted while in use
     real.transport.read_state = XferState.DONE
+    assert drive(p0, [real], rounds=30) == []  # not used before P0 confirms it held it
+    deliver(p0, real.transport.reads[0][2])
     (res,) = drive(p0, [real], rounds=30)
     assert res.state is TransferState.DONE
-    deliver(p0, real.transport.reads[0][2])
-    p0.poll()
     assert [(r.request_id, r.cause) for r in released] == [("warm", ReleaseCause.COMPLETED)]
 
 
@@ -260,7 +263,9 @@ def test_the_handshake_on_the_wire_shows_no_agent_metadata_with_a_token(token) -
     # tp 1: the consumer reaches worker 0 at the endpoint it was given, the relay
     c = make_consumer(clock)
     if token is None:
-        c.config = TransferConfig(transfer_timeout_s=5, handshake_timeout_s=2)
+        c.config = TransferConfig(
+            transfer_timeout_s=5, handshake_timeout_s=2, integrity=Integrity.OFF
+        )
         c.directory.config = c.config
     try:
         p.expose("r1", [3], 4)

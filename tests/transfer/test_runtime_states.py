@@ -16,6 +16,7 @@ from kvbridge.transfer.consumer import (
     CONNECT_SETTLE_S,
     RELEASE_RETRY_S,
     KVConsumer,
+    PullFailure,
     TransferState,
 )
 from kvbridge.transfer.messages import ReadDone, encode
@@ -51,9 +52,8 @@ def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer
         assert (got.request_id, got.instance_id, got.rank) == ("r1", "D", c.rank)
         assert (got.to_instance, got.to_rank, got.ok) == ("P", 0, True)
         t.read_state = XferState.DONE
-    results = drive(p, cs)
-    assert sorted((r.request_id, r.state) for r in results) == [("r1", TransferState.DONE)] * 2
-    assert all(r.local_block_ids == (1, 6, 3) for r in results)
+    # the READs are done, but the bytes are used only once P confirms it held them
+    assert drive(p, cs) == []
     # the fake moved no bytes, so notifications are delivered by hand, as NIXL would
     first = cs[0].transport.reads[0][2]
     deliver(p, first)
@@ -67,6 +67,9 @@ def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer
     assert [(r.request_id, r.cause, r.block_ids) for r in released] == [
         ("r1", ReleaseCause.COMPLETED, (5, 2, 7))
     ]
+    results = drive(p, cs)  # both answered held (ReadAck)
+    assert sorted((r.request_id, r.state) for r in results) == [("r1", TransferState.DONE)] * 2
+    assert all(r.local_block_ids == (1, 6, 3) for r in results)
     notify(p, cs[1], "r1")  # stale
     p.poll()
     assert p.num_ignored_notifs == 2 and len(released) == 1 and p.num_pinned_blocks == 0
@@ -98,6 +101,8 @@ def test_a_partial_last_block_is_a_second_read_and_the_notification_follows_both
     assert len(whole_l) == len(whole_r) > 0 and len(tail_l) == len(tail_r) > 0
     assert t.sent == []  # not before the READs are done
     t.read_state = XferState.DONE
+    assert drive(p, [c]) == []  # not before P confirms it held r1
+    deliver(p, t.sent[0][1])
     results = drive(p, [c])
     assert [(r.request_id, r.state) for r in results] == [("r1", TransferState.DONE)]
     assert [(opened(c, p, msg).request_id, opened(c, p, msg).ok) for _, msg in t.sent] == [
@@ -112,6 +117,8 @@ def test_split_reads_notify_only_after_the_last_and_never_after_a_failure(produc
     t.xfer_states = {1: XferState.DONE}  # the whole block is in, the partial one is not
     assert drive(p, [c]) == [] and t.sent == []
     t.xfer_states = {1: XferState.DONE, 2: XferState.DONE}
+    assert drive(p, [c]) == []
+    deliver(p, t.sent[0][1])
     assert [r.state for r in drive(p, [c])] == [TransferState.DONE]
     assert [opened(c, p, m).ok for _, m in t.sent] == [True]
     # its own descriptor lists (4 layers x K/V: one run each) are released with it
@@ -250,6 +257,8 @@ def test_read_error_fails_the_request_and_drops_the_cached_connection(producer, 
     assert c.transport.peers == []  # forgotten: the next pull handshakes again
     c.transport.read_state = XferState.DONE
     c.pull("r2", p.endpoint, [1], [1], 4)
+    assert drive(p, [c]) == []
+    deliver(p, c.transport.reads[-1][2])
     (res,) = drive(p, [c])
     assert res.state is TransferState.DONE
 
@@ -441,3 +450,43 @@ def test_a_declined_request_is_released_at_once_not_at_the_lease(producer, clock
     assert p.cancel("r2", "the decode instance answered 503")
     assert released[-1].cause is ReleaseCause.ABORTED and "cancelled" in released[-1].reason
     assert not p.cancel("r2", "again")
+
+
+def test_bytes_read_after_the_lease_or_from_another_generation_are_never_used(
+    producer, clock
+) -> None:
+    """A pull is DONE only once the producer confirms (ReadAck) that it held that
+    exposure, at the pull's generation, until the ReadDone arrived: a ReadDone after the
+    lease released it, or naming another generation, fails the pull as stale with the
+    reason; one whose answer never comes fails at the transfer timeout, saying so."""
+    p, released = producer
+    c = consumer(0, clock)
+    t = c.transport
+    assert isinstance(t, FakeTransport)
+    t.read_state = XferState.DONE
+    p.expose("late", [1], 4, lease_s=1.0, generation=5)
+    c.pull("late", p.endpoint, [1], [2], 4, generation=5)
+    assert drive(p, [c]) == []  # READ done; P has not heard of it yet
+    clock.now += 1.5  # the reader was slower than the lease
+    p.poll()
+    assert [(r.request_id, r.cause) for r in released] == [("late", ReleaseCause.LEASE_EXPIRED)]
+    deliver(p, t.reads[-1][2])
+    (res,) = drive(p, [c])
+    assert (res.state, res.failure) == (TransferState.FAILED, PullFailure.STALE)
+    assert "no longer held 'late' (generation 5)" in res.reason
+    assert "released (lease_expired)" in res.reason and c.num_held_blocks == 0
+
+    p.expose("again", [1], 4, generation=6)  # re-exposed: another generation
+    c.pull("again", p.endpoint, [1], [2], 4, generation=9)
+    drive(p, [c])
+    deliver(p, t.reads[-1][2])
+    (res,) = drive(p, [c])
+    assert res.failure is PullFailure.STALE and "generation 6, not the generation 9" in res.reason
+    assert p.num_pinned_blocks == 1  # the exposure read is not released by it
+
+    c.pull("unanswered", p.endpoint, [1], [3], 4, generation=6)
+    drive(p, [c])  # its ReadDone is never delivered
+    clock.now += 5.1
+    (res,) = drive(p, [c])
+    assert res.state is TransferState.FAILED and res.failure is None
+    assert "waiting for prefill workers [0] to confirm they held 'unanswered'" in res.reason

@@ -18,7 +18,7 @@ TOKEN = b"side-channel-token-0123"
 LIMIT = 64 << 10
 
 
-def handler(msg: Message) -> Message | None:
+def handler(msg: Message, peer: bytes = b"") -> Message | None:
     assert isinstance(msg, Ping)
     return Pong(nonce=msg.nonce, instance_id="server")
 
@@ -129,7 +129,7 @@ def test_a_silent_endpoint_fails_the_call_with_a_reason() -> None:
 def test_a_failing_handler_is_answered_and_the_server_keeps_serving() -> None:
     calls = []
 
-    def flaky(msg: Message) -> Message | None:
+    def flaky(msg: Message, peer: bytes) -> Message | None:
         calls.append(msg)
         if len(calls) == 1:
             raise RuntimeError("boom")

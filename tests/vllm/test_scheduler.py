@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
 import pytest
 
 from kvbridge.transfer.connector import Pull
@@ -26,8 +27,9 @@ def request(rid: str, params: dict | None) -> SimpleNamespace:
     )
 
 
-def prefilled() -> dict:
-    """kv_transfer_params a block-64 prefill instance returns for PROMPT in blocks 7, 3."""
+def prefilled() -> tuple[dict, int]:
+    """kv_transfer_params a block-64 prefill instance returns for PROMPT in blocks 7, 3,
+    and the generation of that exposure."""
     prefill = SchedulerSide(ConnectorSettings(), "p", "kv_both", 64)
     prefill.set_endpoints(["tcp://127.0.0.1:5000"])
     delay, params = prefill.request_finished(
@@ -36,7 +38,7 @@ def prefilled() -> dict:
     assert delay and params is not None
     (expose,) = prefill.build_orders(1).exposes
     assert (expose.block_ids, expose.num_tokens) == ([7, 3], len(PROMPT))  # not 128
-    return params
+    return params, expose.generation
 
 
 @pytest.mark.parametrize(
@@ -49,14 +51,17 @@ def prefilled() -> dict:
 )
 def test_a_smaller_decode_block_pulls_the_prompt_past_its_hit(hit, remote, local) -> None:
     decode = SchedulerSide(ConnectorSettings(), "d", "kv_both", 32)
-    req = request("d-1", prefilled())
+    params, generation = prefilled()
+    req = request("d-1", params)
     count, is_async = decode.num_new_matched_tokens(req, hit)
     assert (count, is_async) == (len(PROMPT) - hit, True)
     decode.after_alloc(req, [5, 9, 2], count)
     orders = decode.build_orders(1)
     assert not orders.declines
     (order,) = orders.pulls
-    assert order.pull == Pull("p-1", "tcp://127.0.0.1:5000", remote, local, len(PROMPT), hit)
+    want = Pull("p-1", "tcp://127.0.0.1:5000", remote, local, len(PROMPT), hit)
+    # the exposure's generation, carried by the capability: the prefill confirms it
+    assert order.pull == msgspec.structs.replace(want, generation=generation)
 
 
 def test_only_a_step_with_nothing_to_compute_lets_the_workers_wait() -> None:
