@@ -113,18 +113,22 @@ def test_ctrl_c_leaves_no_worker_processes() -> None:
     )
     workers: set[int] = set()
     deadline = time.monotonic() + 60
-    while len(workers) < 4 and time.monotonic() < deadline:  # all 4 workers spawned
+    while len(workers) < 2 and time.monotonic() < deadline:  # the run has started workers
         workers = {p for p in children_of(proc.pid) if alive(p) and is_worker(p)}
-        time.sleep(0.2)
-    assert len(workers) >= 4, "the workers never started"
-    # freeze the workers so that the run cannot finish before Ctrl-C arrives (on an
-    # idle machine it could: 2 requests take well under a second once they start)
+        time.sleep(0.05)
+    assert len(workers) >= 2, "the workers never started"
+    # freeze the workers seen so far so that the run cannot finish before Ctrl-C arrives
+    # (on an idle machine a 2-request run finishes in well under a second)
     for p in workers:
         os.kill(p, signal.SIGSTOP)
     assert proc.poll() is None, "the run ended before its workers were frozen"
     proc.send_signal(signal.SIGINT)
     for p in workers:
         os.kill(p, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:  # and any it starts now
+        workers |= {p for p in children_of(proc.pid) if is_worker(p)}
+        time.sleep(0.05)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "interrupted" in err
