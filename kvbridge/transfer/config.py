@@ -76,6 +76,14 @@ class TransferConfig:
             value = getattr(self, field)
             if not value > 0:
                 raise ConfigError(f"{field}={value!r} must be a positive number of seconds")
+        if not isinstance(self.integrity, Integrity):  # a name, from a JSON or vLLM config
+            try:
+                object.__setattr__(self, "integrity", Integrity(self.integrity))
+            except ValueError:
+                names = ", ".join(m.value for m in Integrity)
+                raise ConfigError(
+                    f"integrity={self.integrity!r} is not a KV integrity mode; use {names}"
+                ) from None
         if self.max_message_bytes < 4096:
             raise ConfigError(
                 f"max_message_bytes={self.max_message_bytes} is too small for a handshake; "

@@ -5,12 +5,17 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.errors import ConfigError
+from kvbridge.transfer.integrity import Integrity
 from kvbridge.vllm.settings import ConnectorSettings
 
 
 def test_transfer_keys_reach_the_runtime_config() -> None:
     s = ConnectorSettings.from_extra_config({"lease_s": 300, "base_port": 7000, "claim_s": 60})
     assert (s.transfer.lease_s, s.transfer.base_port, s.claim_s) == (300, 7000, 60.0)
+    # a JSON config names the integrity mode: the runtime gets the mode itself
+    assert ConnectorSettings.from_extra_config({"integrity": "on"}).transfer.integrity is (
+        Integrity.ON
+    )
 
 
 @pytest.mark.parametrize(
@@ -25,6 +30,7 @@ def test_transfer_keys_reach_the_runtime_config() -> None:
         ({"host": "0.0.0.0"}, r"binds every interface"),
         ({"host": "10.0.0.1", "advertise_host": "10.0.0.1"}, r"needs a shared secret"),
         ({"instance_id": 3}, r"instance_id=3 must be a string"),
+        ({"integrity": "maybe"}, r"integrity='maybe' is not a KV integrity mode; use on, off"),
     ],
 )
 def test_bad_settings_are_refused_with_what_works(extra: dict, words: str) -> None:
