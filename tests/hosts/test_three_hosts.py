@@ -119,7 +119,9 @@ def test_an_overload_burst_is_refused_quickly_and_recovered_from(
 
 def test_a_slow_link_still_moving_bytes_is_not_failed(three_hosts: ThreeHosts) -> None:
     dep = three_hosts
-    dep.prefill.slow("20mbit")  # ~44 MB of KV: ~18 s, far past the liveness timeout
+    # ~42 MB of KV at 28 Mbit/s: at least 12 s (tbf lets nothing faster through), past
+    # twice the liveness timeout
+    dep.prefill.slow("28mbit")
     try:
         got = dep.complete("Slowly. " + LONG_PROMPT, 2)
     finally:

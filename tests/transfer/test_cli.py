@@ -99,18 +99,26 @@ def test_unsupported_layout_exits_2_with_the_reason() -> None:
 
 
 def test_ctrl_c_leaves_no_worker_processes() -> None:
-    proc = kvbridge(
-        "--prefill-tp",
-        "2",
-        "--decode-tp",
-        "2",
-        "--requests",
-        "2",
-        "--tokens",
-        "3000",
-        "--timeout",
-        "600",
-    )
+    # the run gets Ctrl-C as from a terminal: a pytest started in the background by a
+    # non-interactive shell ignores SIGINT, and an ignored signal stays ignored across
+    # exec, while a handled one is reset to the default (the run then ignored Ctrl-C and
+    # finished, exit 0)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = kvbridge(
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "2",
+            "--requests",
+            "2",
+            "--tokens",
+            "3000",
+            "--timeout",
+            "600",
+        )
+    finally:
+        signal.signal(signal.SIGINT, handler)
     workers: set[int] = set()
     deadline = time.monotonic() + 60
     while len(workers) < 2 and time.monotonic() < deadline:  # the run has started workers
