@@ -135,6 +135,22 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> N
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
+def warm_up(url: str, model: str, timeout_s: float = 900) -> None:
+    """One short colocated request (salted: it shares no cached prefix with anything),
+    so that a just-started vLLM instance pays its first forward's one-off work before a
+    P/D request does. At tp > 1 vLLM's CPU build compiles its vocabulary masking
+    (`torch.compile`, with a C++ build) at the first forward: on the 2-core host py-spy
+    found all three decode workers of a tp 3 instance in that compile right after the
+    first P/D request's pulls, so without a warm-up it lands in that request's time to
+    its second token."""
+    import httpx
+
+    body = {"model": model, "prompt": "Hello", "max_tokens": 2, "cache_salt": "warm-up"}
+    r = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+    if r.status_code != 200:
+        raise RuntimeError(f"{url}: the warm-up request got {r.status_code}: {r.text[:500]}")
+
+
 @dataclass(frozen=True)
 class VLLMDemoConfig:
     """`kvbridge demo --engine vllm`: two vLLM instances of SmolLM2-135M (vLLM's CPU
@@ -195,6 +211,7 @@ def demo(cfg: VLLMDemoConfig) -> int:
         print("loading (vLLM takes 30-60 s per instance) ...", flush=True)
         for url, proc in zip(urls, procs, strict=True):
             wait_healthy(url, proc, 900)
+            warm_up(url, str(model))
         proxy = ProxyConfig(str(model), (urls[0],), (urls[1],), engine=Engine.VLLM)
         server = ServerThread(proxy_app(proxy)).start()
         body = {"prompt": cfg.prompt, "max_tokens": cfg.max_tokens, "temperature": 0}

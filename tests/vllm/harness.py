@@ -30,6 +30,7 @@ from kvbridge.vllm.launch import (
     stop,
     vllm_command,
     vllm_env,
+    warm_up,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,10 +85,12 @@ class VLLMServer:
                     + self.log_tail()
                 )
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
+                healthy = httpx.get(self.url + "/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
+                healthy = False
+            if healthy:  # and its first forward's one-off work done (see `warm_up`)
+                warm_up(self.url, self.model)
+                return
             time.sleep(1)
         raise TimeoutError(f"vLLM not ready after {timeout_s} s; log {self.log_path}")
 
