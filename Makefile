@@ -33,10 +33,7 @@ typecheck: setup
 unit: setup
 	$(BIN)/pytest -q
 
-# mypy (about 25 s of one core) runs beside the test suite, which keeps about one of two
-# cores busy on average; both must pass.
-test: lint
-	$(MAKE) --no-print-directory -j2 typecheck unit
+test: lint typecheck unit
 
 bench: setup
 	$(BIN)/kvbridge bench plan
