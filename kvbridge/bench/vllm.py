@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import resource
 import secrets
 import statistics
@@ -151,12 +152,34 @@ def _prompts(args: argparse.Namespace, tag: str) -> list[str]:
     return [f"{tag} request {i}: {body} Summary:" for i in range(args.requests + 1)]
 
 
-def _last_error(log: Path) -> str:
-    lines = log.read_text(errors="replace").splitlines()
+#: vLLM's log prefix: "(Worker pid=1) ERROR 12-04 16:40:00 [base_worker.py:1318] "
+_VLLM_PREFIX = re.compile(r"^\([^)]*\) [A-Z]+ \S+ \S+ \[[^\]]*\] ?")
+
+
+def last_error(text: str) -> str:
+    """Why an instance failed, from its log: the exception that ended its last traceback
+    (with the source line it was raised at, for a bare `AssertionError`), else the last
+    line that says error, else the last line."""
+    lines = [_VLLM_PREFIX.sub("", line).rstrip() for line in text.splitlines()]
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    if starts:
+        for i in range(starts[-1] + 1, len(lines)):
+            line = lines[i]
+            if line and not line[0].isspace():  # the first unindented line ends it
+                above = [x.strip() for x in lines[starts[-1] + 1 : i]]
+                code = [x for x in above if x and not set(x) <= set("^~ ")]
+                source = code[-1] if code else ""
+                if ":" not in line and source and not source.startswith("File "):
+                    line = f"{line} at `{source}`"
+                return line[-300:]
     for line in reversed(lines):
         if "Error" in line or "ERROR" in line or "error" in line:
             return line.strip()[-300:]
     return lines[-1].strip()[-300:] if lines else "(empty log)"
+
+
+def _last_error(log: Path) -> str:
+    return last_error(log.read_text(errors="replace"))
 
 
 def _run_pair(
