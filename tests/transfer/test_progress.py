@@ -129,7 +129,11 @@ def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(examp
         wait_until("the failure", lambda: not consumer.is_busy, busy=True)
         (event,) = conn.handle(Poll()).events
         assert event.request_id == "r2" and not event.ok
-        assert "prefill worker" in event.reason, event.reason
+        # either the pull met the dead workers (lost contact with prefill worker 0), or
+        # the thread had already seen their side channel close and forgotten them, so
+        # the pull's new handshake with that endpoint timed out: both name the producer
+        # (the second ended two full-suite runs on 2026-12-04)
+        assert "prefill worker" in event.reason or endpoints[0] in event.reason, event.reason
     finally:
         conn.close()
     assert not progress.is_alive
