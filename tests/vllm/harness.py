@@ -30,6 +30,7 @@ from kvbridge.vllm.launch import (
     stop,
     vllm_command,
     vllm_env,
+    wait_healthy,
     warm_up,
 )
 
@@ -77,22 +78,14 @@ class VLLMServer:
         self.proc = start(cmd, env, self._log)
 
     def wait_ready(self, timeout_s: float = 600) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vLLM exited with {self.proc.returncode}; log {self.log_path}:\n"
-                    + self.log_tail()
-                )
-            try:
-                healthy = httpx.get(self.url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            if healthy:  # and its first forward's one-off work done (see `warm_up`)
-                warm_up(self.url, self.model)
-                return
-            time.sleep(1)
-        raise TimeoutError(f"vLLM not ready after {timeout_s} s; log {self.log_path}")
+        """Healthy (`launch.wait_healthy`, its failures with the log), then warmed up."""
+        try:
+            wait_healthy(self.url, self.proc, timeout_s)
+        except RuntimeError as exc:  # the process exited
+            raise RuntimeError(f"vLLM: {exc}; log {self.log_path}:\n{self.log_tail()}") from None
+        except TimeoutError as exc:
+            raise TimeoutError(f"vLLM: {exc}; log {self.log_path}") from None
+        warm_up(self.url, self.model)  # its first forward's one-off work done
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
