@@ -42,6 +42,24 @@ def _ctx() -> zmq.Context[zmq.Socket[bytes]]:
     return _context
 
 
+def _unbounded_monitor(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
+    """A socket that receives `sock`'s connection events, with no limit on how many wait.
+
+    ZMQ's I/O thread writes monitor events with a blocking send: with pyzmq's
+    `get_monitor_socket` (1,000 messages each side) a monitored client whose events go
+    unread for a while (a peer that accepts and drops it ten times a second, nobody
+    asking `is_connected`) blocks that thread, the only one of the process's context,
+    and every side channel in the process stops connecting. Unlimited here, and drained
+    at each use of the client."""
+    addr = f"inproc://kvbridge-monitor-{os.urandom(8).hex()}"
+    sock.monitor(addr, events)
+    pair = _ctx().socket(zmq.PAIR)
+    pair.setsockopt(zmq.LINGER, 0)
+    pair.setsockopt(zmq.RCVHWM, 0)  # set before connect: the inproc pipe takes it then
+    pair.connect(addr)
+    return pair
+
+
 def curve_server_keys(token: bytes) -> tuple[bytes, bytes]:
     """(public, secret) CURVE keys of every producer side channel, Z85-encoded."""
     secret = z85.encode(curve_server_secret(token))
@@ -179,8 +197,8 @@ class SideChannelClient:
         if self._liveness_ms:
             sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, self._liveness_ms // 5))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._liveness_ms)
-            self._monitor = sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+            self._monitor = _unbounded_monitor(
+                sock, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
             )
         self._connected = self._lost = False
         if self._token is not None:
@@ -201,6 +219,7 @@ class SideChannelClient:
 
     def try_recv(self) -> Message | None:
         """The reply if one arrived, else None; raises ProtocolError on a bad reply."""
+        self._drain_monitor()
         try:
             data = self._sock.recv(zmq.NOBLOCK)
         except zmq.Again:

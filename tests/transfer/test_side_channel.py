@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from kvbridge.transfer import side_channel
 from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.messages import Message, Ping, Pong, Refused, decode, encode
 from kvbridge.transfer.side_channel import SideChannelClient, SideChannelServer, curve_server_keys
@@ -185,3 +186,47 @@ def test_heartbeats_keep_a_busy_peer_alive_and_report_a_gone_one() -> None:
     finally:
         client.close()
         srv.close()
+
+
+@pytest.mark.timeout(300, method="thread")  # before the fix its clean-up hung too
+def test_a_client_whose_events_nobody_reads_does_not_stop_the_process_side_channels(
+    server: SideChannelServer,
+) -> None:
+    """A monitored client refused by its peer over and over (here: the wrong token, ZMQ
+    retrying every millisecond) piles up connection events while nobody asks whether it
+    is connected. Past 2,000 of them pyzmq's own monitor socket blocked ZMQ's one I/O
+    thread of the process, and every side channel made after it never connected (the
+    fresh-clone run whose 26 in-process side-channel tests failed)."""
+    ctx = side_channel._ctx()
+    ctx.setsockopt(zmq.RECONNECT_IVL, 1)  # clients made now retry every millisecond
+    try:
+        unread = SideChannelClient(server.endpoint, b"another-token", LIMIT, 0.5)
+        counted = SideChannelClient(server.endpoint, b"another-token", LIMIT, 0.5)
+    finally:
+        del ctx.sockopts[zmq.RECONNECT_IVL]
+    try:
+        # `counted` is refused as often as `unread`: its events, read as they come, say
+        # when `unread`'s queue passed the 2,000 that stopped the I/O thread
+        seen, deadline = 0, time.monotonic() + 120
+        while seen < 2500:
+            assert time.monotonic() < deadline, f"ZMQ's I/O thread stopped after {seen} events"
+            time.sleep(0.1)
+            seen += drain(counted)
+        fresh = SideChannelClient(server.endpoint, TOKEN, LIMIT)
+        try:
+            assert fresh.call(Ping(nonce=3), timeout_s=30) == Pong(nonce=3, instance_id="server")
+        finally:
+            fresh.close()
+        assert drain(unread) > 2000  # all of them still there, none lost, nothing blocked
+    finally:
+        unread.close()
+        counted.close()
+
+
+def drain(client: SideChannelClient) -> int:
+    """How many connection events wait on `client`'s monitor (read and dropped)."""
+    n = 0
+    while client._monitor is not None and client._monitor.poll(0):
+        client._monitor.recv_multipart()
+        n += 1
+    return n
