@@ -5,8 +5,9 @@ as float32, and can hand out a slice of one (`get(name, dim, start, end)`) so th
 tensor-parallel worker reads only its shard.
 
 GGUF start-up cost is the dequantization (docs/benchmarks.md). It is done once per file: `GGUFWeights.open` dequantizes every tensor into one float32 file under
-``$KVBRIDGE_CACHE_DIR`` (default ``~/.cache/kvbridge``), keyed by the GGUF's path, size and
-mtime, written to a temporary name and renamed into place under a file lock, so concurrent
+``$KVBRIDGE_CACHE_DIR`` (default ``~/.cache/kvbridge``), keyed by the GGUF's content
+(`file_digest`: the same file installed in another environment or clone is found again),
+written to a temporary name and renamed into place under a file lock, so concurrent
 processes wait for the first instead of repeating it. Workers memory-map that file and copy
 out only their slices.
 
@@ -179,10 +180,34 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "kvbridge"
 
 
+def file_digest(path: Path) -> str:
+    """SHA-256 of `path`'s bytes, hex. Hashed once per path, size and mtime (a GGUF of
+    100 MB takes 0.2 s; engines start often): the digest is remembered under the cache
+    directory, in a file named by those three, written whole or not at all."""
+    st = path.stat()
+    seen = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    memo = cache_dir() / "digests" / seen[:32]
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    digest = h.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
+    tmp.write_text(digest)
+    tmp.replace(memo)
+    return digest
+
+
 def ensure_dequantized(path: Path, config: ModelConfig, progress: Progress | None = None) -> Path:
     """Path of the float32 cache of `path`, building it first if absent (see module docstring)."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|v1".encode()).hexdigest()
+    key = hashlib.sha256(f"{file_digest(path)}|v1".encode()).hexdigest()
     root = cache_dir() / "dequant"
     root.mkdir(parents=True, exist_ok=True)
     target = root / f"{path.stem}-{key[:16]}.f32"

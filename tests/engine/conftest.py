@@ -19,7 +19,7 @@ import pytest
 
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import LLMEngine
-from kvbridge.engine.weights import cache_dir
+from kvbridge.engine.weights import cache_dir, file_digest
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,15 +41,14 @@ def model_dir() -> Path:
 
 def oracle_dir() -> Path:
     """Where transformers' own conversion of the GGUF (tokenizer, config, float32 weights)
-    is kept once made, as `save_pretrained` writes it: keyed by the file and by the
+    is kept once made, as `save_pretrained` writes it: keyed by the file's content and by the
     versions of transformers, gguf and torch that converted it. Converting took 33 s here
     and loading the saved copy 3 s (docs/benchmarks.md); nothing of ours touches it."""
     from importlib.metadata import version
 
     path = model_dir() / GGUF_NAME
-    st = path.stat()
     versions = "|".join(version(name) for name in ("transformers", "gguf", "torch"))
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{versions}"
+    key = f"{file_digest(path)}|{versions}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return cache_dir() / "oracle" / f"{path.stem}-{digest}"
 

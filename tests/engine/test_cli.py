@@ -79,7 +79,16 @@ def test_generate_under_torchrun_tp3() -> None:
 
 
 def test_bench_engine_prints_the_no_communication_floor() -> None:
-    args = ["--tp-sizes", "1,3", "--floor", "--no-transformers", "--prompt-tokens", "32"]
+    args = [
+        "--tp-sizes",
+        "1,3",
+        "--floor",
+        "--no-transformers",
+        "--prompt-tokens",
+        "32",
+        "--repeat",
+        "1",
+    ]
     out = subprocess.run(
         [sys.executable, "-m", "kvbridge.bench.engine", *args, "--decode-tokens", "3"],
         capture_output=True,

@@ -56,3 +56,28 @@ def test_concurrent_openers_dequantize_once(
         t.join(timeout=30)
     assert len(calls) == 1
     assert len(results) == 4 and len(set(results)) == 1 and results[0].exists()
+
+
+def test_the_cache_is_keyed_by_content_not_by_where_the_file_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same GGUF installed in another environment (a fresh clone's .venv) finds the
+    cache the first one built; a file whose bytes differ does not."""
+    monkeypatch.setenv("KVBRIDGE_CACHE_DIR", str(tmp_path / "cache"))
+    built: list[Path] = []
+
+    def fake_dequantize(path: Path, config: ModelConfig, target: Path, progress: object) -> None:
+        built.append(path)
+        target.write_bytes(b"\0" * 16)
+        target.with_suffix(".json").write_text('{"tensors": {}}')
+
+    monkeypatch.setattr(weights, "_dequantize_to", fake_dequantize)
+    config = ModelConfig.read(weights.resolve_model("smollm2-135m"))  # (not read by the fake)
+    a, b, c = (tmp_path / name / "m.gguf" for name in ("a", "b", "c"))
+    for path, data in ((a, b"same bytes"), (b, b"same bytes"), (c, b"other bytes")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    first = weights.ensure_dequantized(a, config)
+    assert weights.ensure_dequantized(b, config) == first and built == [a]
+    assert weights.ensure_dequantized(c, config) != first and built == [a, c]
+    assert weights.file_digest(b) == weights.file_digest(a) != weights.file_digest(c)
