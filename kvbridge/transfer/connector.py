@@ -211,6 +211,24 @@ class WorkerConnector:
         transport: Transport | None = None,
         progress_thread: bool = True,
     ) -> None:
+        from kvbridge.transfer.progress import threads_on_every_cpu
+
+        # the agent's, the side channel's and the progress thread are made here: none
+        # inherits a core the engine pinned its calling thread to
+        with threads_on_every_cpu():
+            self._init(spec, model, layout, rank, regions, num_blocks, transport, progress_thread)
+
+    def _init(
+        self,
+        spec: ConnectorSpec,
+        model: ModelKVSpec,
+        layout: InstanceLayout,
+        rank: int,
+        regions: CacheRegions,
+        num_blocks: int,
+        transport: Transport | None,
+        progress_thread: bool,
+    ) -> None:
         from kvbridge.transfer.agent import NixlTransport
         from kvbridge.transfer.consumer import KVConsumer
         from kvbridge.transfer.netdev import device_of

@@ -396,6 +396,12 @@ class KVConsumer:
             for i, (p, xfer) in list(pull.xfers.items()):
                 st = self.transport.state(xfer)
                 if st is XferState.DONE:  # NIXL delivered the READ's notification, if any
+                    log.debug(
+                        "decode worker %d: a READ of %r from prefill worker %d done",
+                        self.rank,
+                        pull.request_id,
+                        p,
+                    )
                     self.transport.release(xfer)
                     del pull.xfers[i]
                     if p not in pull.silent:
@@ -431,6 +437,13 @@ class KVConsumer:
             if ack is None:
                 continue
             del peer.acks[(pull.request_id, pull.generation)]
+            log.debug(
+                "decode worker %d: ReadAck of %r from prefill worker %d (held %s)",
+                self.rank,
+                pull.request_id,
+                p,
+                ack.held,
+            )
             if not ack.held:
                 self._finish(
                     pull,
@@ -589,6 +602,14 @@ class KVConsumer:
         for p, peer in inst.unread.items():
             self._notify(pull, p, peer, self._done(pull, peer))
         pull.stats = (nbytes, ndesc, nunmerged, nidx)
+        log.debug(
+            "decode worker %d: %r posted %d READs of %d bytes from prefill workers %s",
+            self.rank,
+            pull.request_id,
+            len(pull.xfers),
+            nbytes,
+            sorted(pull.awaiting),
+        )
 
     def _reads(
         self, pull: _Pull, cl: CopyList, peer: ProducerWorker, unit: int | None

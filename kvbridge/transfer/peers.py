@@ -210,6 +210,7 @@ class ProducerDirectory:
             w.hello_nonce = os.urandom(16)
             client.send(msgspec.structs.replace(self._hello, nonce=w.hello_nonce))
             self._workers[endpoint] = w
+            log.debug("decode worker %d: Hello sent to %s", self.rank, endpoint)
         return w
 
     def _advance(self, w: ProducerWorker, now: float) -> None:
@@ -229,6 +230,12 @@ class ProducerDirectory:
         elif isinstance(reply, Refused):
             self.drop(w, f"producer {w.endpoint} refused the handshake: {reply.reason}")
         elif isinstance(reply, Welcome):
+            log.debug(
+                "decode worker %d: Welcome from %s, %.3f s before the handshake deadline",
+                self.rank,
+                w.endpoint,
+                w.deadline - now,
+            )
             try:
                 self._accept(w, reply)
             except KVBridgeError as exc:

@@ -322,6 +322,14 @@ class KVProducer:
             self._ack(msg, session, f"the ReadDone was refused: {why}")
             return
         self._sessions.touch(sid)
+        log.debug(
+            "prefill worker %d: ReadDone of %r from %r rank %d, sent %.3f s ago",
+            self.rank,
+            msg.request_id,
+            msg.instance_id,
+            msg.rank,
+            time.time() - msg.sent_at,
+        )
         self._apply(msg, session)
 
     def _apply(self, msg: ReadDone, session: Session) -> None:
@@ -462,6 +470,7 @@ class KVProducer:
             raise ProtocolError(
                 f"a {type(msg).__name__} message is not a request; send Hello or Ping"
             )
+        log.debug("prefill worker %d: Hello from %r rank %d", self.rank, msg.instance_id, msg.rank)
         if len(self.worker_endpoints) != self.layout.world_size:
             return Refused(
                 kind="not_ready",

@@ -25,14 +25,47 @@ whoever calls next (nothing hangs: a pull that would have finished fails with it
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from time import monotonic
 
 log = logging.getLogger("kvbridge.transfer.progress")
 
 #: How long `close` waits for the thread to end its current poll (one poll is bounded).
 JOIN_TIMEOUT_S = 10.0
+#: A wake-up later than this past its time is logged: the host did not run the thread.
+LATE_WAKE_S = 2.0
+
+
+@contextlib.contextmanager
+def threads_on_every_cpu() -> Iterator[None]:
+    """Threads started inside may run on every CPU of the host, whichever core the
+    calling thread is pinned to. A thread inherits its creator's CPUs, and vLLM's CPU
+    workers pin theirs to one core each (VLLM_CPU_OMP_THREADS_BIND), so UCX's, ZMQ's and
+    the progress thread made by a connector there shared that core with the worker's
+    compute and whatever else was pinned to it: on the 2-core host, with a vLLM pair of
+    5 workers, a prefill worker's progress thread woke 7-40 s late and handshakes went
+    unanswered for 180 s (docs/vllm.md). The caller's own pinning is restored after."""
+    getter = getattr(os, "sched_getaffinity", None)
+    setter = getattr(os, "sched_setaffinity", None)
+    if getter is None or setter is None:  # not Linux: nothing is pinned this way
+        yield
+        return
+    pinned = getter(0)
+    every = set(range(os.cpu_count() or 1))
+    try:
+        if not pinned >= every:
+            setter(0, every)
+    except OSError as exc:  # a cpuset that forbids it: the threads keep the caller's CPUs
+        log.warning("cannot widen this thread's CPUs %s for the transfer threads: %s", pinned, exc)
+    try:
+        yield
+    finally:
+        if getter(0) != pinned:
+            setter(0, pinned)
 
 
 class ProgressThread:
@@ -50,6 +83,7 @@ class ProgressThread:
         self._stop = threading.Event()
         self.num_polls = 0
         self.num_sleeps = 0
+        self.num_late_wakes = 0  # waits that ended more than LATE_WAKE_S past their time
         self.is_waiting = False  # True while blocked between two polls
         self.wait_s = 0.0  # the longest the current (or last) wait lasts
         self.failure: str | None = None  # why `step` raised, if it did; the thread ended
@@ -90,5 +124,15 @@ class ProgressThread:
             self.num_sleeps += 1
             self.wait_s = max(wait_s, 0.0)
             self.is_waiting = True
-            self._wake.wait(self.wait_s)
+            began = monotonic()
+            woken = self._wake.wait(self.wait_s)
             self.is_waiting = False
+            late = monotonic() - began - (0.0 if woken else self.wait_s)
+            if late > LATE_WAKE_S:  # the host starved this thread: say so, once per event
+                self.num_late_wakes += 1
+                log.warning(
+                    "transfer progress thread %s ran %.1f s later than asked (a starved "
+                    "host: its transfers, handshakes and leases waited as long)",
+                    self._thread.name,
+                    late,
+                )

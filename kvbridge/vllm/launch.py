@@ -88,13 +88,15 @@ def vllm_command(
 
 def vllm_env(tp_size: int, first_core: int = 0) -> dict[str, str]:
     """The environment for vLLM's CPU build: one core per TP rank, bound by hand
-    (VLLM_CPU_OMP_THREADS_BIND, alternating over the host's cores), a small KV cache,
+    (VLLM_CPU_OMP_THREADS_BIND, alternating over the host's cores, unless the caller's
+    environment sets it, "nobind" for instance), a small KV cache,
     NIXL quiet, a generous execute timeout for a loaded host."""
     ncores = os.cpu_count() or 1
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KVCACHE_SPACE_GIB)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-        str((first_core + r) % ncores) for r in range(tp_size)
+    env.setdefault(
+        "VLLM_CPU_OMP_THREADS_BIND",
+        "|".join(str((first_core + r) % ncores) for r in range(tp_size)),
     )
     env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "900")
     env.setdefault("NIXL_LOG_LEVEL", "WARN")

@@ -11,9 +11,11 @@ its join at close, and a thread failure reported to the next caller.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,7 @@ from kvbridge.transfer.connector import (
     WorkerConnector,
 )
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.progress import ProgressThread
 from kvbridge.transfer.regions import CacheRegions
 
 from .fakes import MODEL, NUM_BLOCKS, PREFILL, FakeTransport, regions
@@ -236,3 +239,60 @@ def test_without_the_thread_the_engine_polls_as_before() -> None:
         assert 0 < conn.idle_poll() <= BUSY_POLL_S
     finally:
         conn.close()
+
+
+def test_a_thread_the_host_did_not_run_in_time_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A wait that ends far past its time (a starved host: 2-core machines running a vLLM
+    pair) is logged with how late it was; an on-time one is not."""
+    from kvbridge.transfer import progress as progress_mod
+
+    clock = iter([0.0, 0.01, 100.0, 105.0])  # (began, ended) of two waits of 0.01 s
+    monkeypatch.setattr(progress_mod, "monotonic", lambda: next(clock, 1e9))
+    steps: list[int] = []
+
+    def step() -> float:
+        steps.append(1)
+        return 0.01
+
+    thread = ProgressThread(step, "kv-progress-test")
+    with caplog.at_level("WARNING", logger="kvbridge.transfer.progress"):
+        thread.start()
+        wait_until("two waits", lambda: thread.num_sleeps >= 3)
+        assert thread.close()
+    assert thread.num_late_wakes == 1  # the second wait ended 5 s after it began
+    (record,) = [r for r in caplog.records if "later than asked" in r.getMessage()]
+    assert "kv-progress-test ran 5.0 s later than asked" in record.getMessage()
+
+
+def test_a_connector_made_by_a_pinned_thread_runs_its_threads_on_every_cpu() -> None:
+    """vLLM's CPU workers pin their thread to one core; the connector's progress thread
+    (and UCX's and ZMQ's, made at the same time) must not inherit that core, and the
+    caller keeps its own pinning."""
+    every = set(range(os.cpu_count() or 1))
+    done: list[tuple[set[int], set[int], set[int]]] = []
+
+    def pinned_worker() -> None:  # a thread of its own: the test runner stays unpinned
+        os.sched_setaffinity(0, {0})
+        conn = make(ConnectorRole.PRODUCER, FakeTransport("prefill0"))
+        try:
+            assert conn.progress is not None
+            tid = conn.progress._thread.native_id
+            assert tid is not None
+            done.append((os.sched_getaffinity(0), os.sched_getaffinity(tid), zmq_io_cpus()))
+        finally:
+            conn.close()
+
+    t = threading.Thread(target=pinned_worker)
+    t.start()
+    t.join(BOUND_S)
+    assert done == [({0}, every, every)]
+
+
+def zmq_io_cpus() -> set[int]:
+    """The CPUs of this process's ZMQ I/O thread (the side channel's context)."""
+    for task in Path("/proc/self/task").iterdir():
+        if (task / "comm").read_text().strip().startswith("ZMQbg/IO"):
+            return os.sched_getaffinity(int(task.name))
+    raise AssertionError("no ZMQ I/O thread in this process")
