@@ -130,8 +130,10 @@ def _kv_config(connector: Connector) -> str:
     )
 
 
-def _env(connector: Connector, tp: int, core: int, args: argparse.Namespace) -> dict[str, str]:
-    env = vllm_env(tp, core)
+def _env(
+    connector: Connector, tp: int, core: int, workers: int, args: argparse.Namespace
+) -> dict[str, str]:
+    env = vllm_env(tp, core, workers)
     if connector is Connector.KVBRIDGE:
         env["KVBRIDGE_TRANSFER_TOKEN"] = args.token
         return env
@@ -207,7 +209,8 @@ def _run_pair(
                 args.model_dir, port, tp, args.block_size, _kv_config(connector), *SMALL_HOST_ARGS
             )
             log = logs / f"{name}-{side}.log"
-            procs.append((side, start(cmd, _env(connector, tp, core, args), open(log, "wb")), log))  # noqa: SIM115
+            env = _env(connector, tp, core, prefill_tp + decode_tp, args)
+            procs.append((side, start(cmd, env, open(log, "wb")), log))  # noqa: SIM115
             urls.append(f"http://127.0.0.1:{port}")
         for (side, proc, log), url in zip(procs, urls, strict=True):
             try:

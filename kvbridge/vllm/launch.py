@@ -86,18 +86,27 @@ def vllm_command(
     return cmd + list(more)
 
 
-def vllm_env(tp_size: int, first_core: int = 0) -> dict[str, str]:
-    """The environment for vLLM's CPU build: one core per TP rank, bound by hand
-    (VLLM_CPU_OMP_THREADS_BIND, alternating over the host's cores, unless the caller's
-    environment sets it, "nobind" for instance), a small KV cache,
-    NIXL quiet, a generous execute timeout for a loaded host."""
+def vllm_env(
+    tp_size: int, first_core: int = 0, workers_on_host: int | None = None
+) -> dict[str, str]:
+    """The environment for vLLM's CPU build: a small KV cache, NIXL quiet, a generous
+    execute timeout for a loaded host, and where its workers run
+    (VLLM_CPU_OMP_THREADS_BIND, unless the caller's environment sets it): one core per
+    TP rank, bound by hand from `first_core` on, when every worker on the host
+    (`workers_on_host`, all instances together; this instance's alone by default) has a
+    core of its own; "nobind" when they outnumber the cores. Workers pinned to shared
+    cores starved one another's threads: on the 2-core host a tp 2 prefill and a tp 3
+    decode pinned "0|1" and "1|0|1" left transfer threads unscheduled for 7-40 s at a
+    time and failed 5 of 10 runs at a 180 s handshake bound; unbound, 3 of 3 passed with
+    no thread late by 2 s (docs/vllm.md)."""
     ncores = os.cpu_count() or 1
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KVCACHE_SPACE_GIB)
-    env.setdefault(
-        "VLLM_CPU_OMP_THREADS_BIND",
-        "|".join(str((first_core + r) % ncores) for r in range(tp_size)),
-    )
+    if (workers_on_host or tp_size) > ncores:
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    else:
+        cores = (str((first_core + r) % ncores) for r in range(tp_size))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(cores))
     env.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "900")
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -206,7 +215,7 @@ def demo(cfg: VLLMDemoConfig) -> int:
             port = free_port()
             kv = kv_transfer_config(extra=LOADED_HOST_SETTINGS)
             cmd = vllm_command(model, port, tp, block, kv, *SMALL_HOST_ARGS)
-            env = vllm_env(tp, core) | secret
+            env = vllm_env(tp, core, cfg.prefill_tp + cfg.decode_tp) | secret
             procs.append(start(cmd, env, open(logs / f"{name}.log", "wb")))  # noqa: SIM115
             urls.append(f"http://127.0.0.1:{port}")
             print(f"{name}: vLLM tp {tp}, block {block} at {urls[-1]} (log {logs / name}.log)")

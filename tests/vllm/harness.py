@@ -61,6 +61,7 @@ class VLLMServer:
         extra: dict[str, Any] | None = None,
         first_core: int = 0,
         failure_policy: str = "fail",
+        workers_on_host: int | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -72,7 +73,7 @@ class VLLMServer:
             settings = {**LOADED_HOST_SETTINGS, **(extra or {})}
             kv = kv_transfer_config(kv_role, settings, failure_policy)
         cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *SMALL_HOST_ARGS)
-        env = vllm_env(tp_size, first_core)
+        env = vllm_env(tp_size, first_core, workers_on_host)
         env["PYTHONPATH"] = str(ROOT)
         self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
         self.proc = start(cmd, env, self._log)

@@ -81,12 +81,15 @@ def bytes_per_token(model: str, tp_size: int) -> int:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
+    workers = case.prefill_tp + case.decode_tp  # pinned one per core only if they fit
     prefill = VLLMServer(
-        case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log", first_core=0
-    )
+        case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log",
+        first_core=0, workers_on_host=workers,
+    )  # fmt: skip
     decode = VLLMServer(
-        case.model, case.decode_tp, case.decode_block, tmp_path / "decode.log", first_core=1
-    )
+        case.model, case.decode_tp, case.decode_block, tmp_path / "decode.log",
+        first_core=1, workers_on_host=workers,
+    )  # fmt: skip
     try:
         prefill.wait_ready()
         decode.wait_ready()
