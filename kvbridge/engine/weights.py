@@ -24,6 +24,7 @@ import json
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,8 @@ def file_digest(path: Path) -> str:
             h.update(chunk)
     digest = h.hexdigest()
     memo.parent.mkdir(parents=True, exist_ok=True)
-    tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
+    # one temporary name per thread: engines opened by threads of one process race here
+    tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}.{threading.get_ident()}")
     tmp.write_text(digest)
     tmp.replace(memo)
     return digest

@@ -220,7 +220,14 @@ class ProducerDirectory:
             self.drop(w, f"bad handshake reply from {w.endpoint}: {exc}")
             return
         if reply is None:
-            if now >= w.deadline:
+            if w.client.is_refused:
+                self.drop(
+                    w,
+                    f"handshake with {w.endpoint} failed: its host refused every connection "
+                    f"for {self.config.liveness_timeout_s:g} s (liveness_timeout_s); is the "
+                    "producer worker running?",
+                )
+            elif now >= w.deadline:
                 self.drop(
                     w,
                     f"handshake with {w.endpoint} timed out after "

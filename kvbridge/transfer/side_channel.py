@@ -198,9 +198,12 @@ class SideChannelClient:
             sock.setsockopt(zmq.HEARTBEAT_IVL, max(50, self._liveness_ms // 5))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._liveness_ms)
             self._monitor = _unbounded_monitor(
-                sock, zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+                sock,
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED,
             )
-        self._connected = self._lost = False
+        self._connected = self._lost = self._ever_connected = False
+        # when the peer's host first refused a connection, if no connection was ever made
+        self._refused_since: float | None = None
         if self._token is not None:
             sock.curve_serverkey = curve_server_keys(self._token)[0]
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
@@ -254,6 +257,17 @@ class SideChannelClient:
         return self._lost
 
     @property
+    def is_refused(self) -> bool:
+        """Whether the peer's host has refused this client's connections for
+        `liveness_timeout_s` and none was ever made: nothing listens on that port any
+        more (its process is gone), so waiting longer for an answer is pointless. A peer
+        that does not answer at all (a cut link, a stopped process) is not refused: its
+        waiter's own timeout applies. Always False without `liveness_timeout_s`."""
+        self._drain_monitor()
+        since = self._refused_since
+        return since is not None and time.monotonic() - since >= self._liveness_ms / 1000
+
+    @property
     def is_connected(self) -> bool:
         """Whether the connection is up, as far as ZMQ knows: handshaken and not dropped
         since (its heartbeats unanswered for `liveness_timeout_s`, or closed by the
@@ -270,6 +284,14 @@ class SideChannelClient:
             if event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
                 self._connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 self._lost = event == zmq.EVENT_DISCONNECTED
+                self._ever_connected = True
+                self._refused_since = None
+            elif (
+                event == zmq.EVENT_CONNECT_RETRIED
+                and not self._ever_connected
+                and self._refused_since is None
+            ):
+                self._refused_since = time.monotonic()
 
     def reset(self) -> None:
         self.close()

@@ -282,6 +282,29 @@ def test_unanswered_handshake_and_stuck_read_fail_in_bounded_time(producer, cloc
     assert res.local_block_ids == (3,) and c.num_held_blocks == 0
 
 
+def test_a_producer_whose_port_refuses_fails_at_the_liveness_bound_not_the_timeout(
+    clock,
+) -> None:
+    """A producer worker that is gone (its host refuses connections to its port) fails
+    the handshake once refused for the liveness bound, long before the handshake
+    timeout: a decode instance falls back (recompute) in seconds, not a timeout later."""
+    import socket
+
+    with socket.socket() as sock:  # a port of this host that nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    c = consumer(0, clock, liveness_timeout_s=0.3, handshake_timeout_s=600)
+    c.pull("r1", f"tcp://127.0.0.1:{port}", [0], [0], 4)
+    deadline = time.monotonic() + 60
+    while not (done := c.poll()):
+        assert time.monotonic() < deadline, "the refused handshake never failed"
+        time.sleep(0.02)
+    (res,) = done
+    assert res.state is TransferState.FAILED, res
+    assert "refused every connection for 0.3 s" in res.reason, res.reason
+    assert c.num_held_blocks == 0
+
+
 def test_expose_and_pull_validate_their_arguments(producer, clock) -> None:
     p, _ = producer
     with pytest.raises(Exception, match=r"block_ids of 'x' must lie in \[0, 8\)"):

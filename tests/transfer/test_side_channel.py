@@ -188,6 +188,35 @@ def test_heartbeats_keep_a_busy_peer_alive_and_report_a_gone_one() -> None:
         srv.close()
 
 
+def test_a_port_nothing_listens_on_is_refused_a_silent_server_is_not() -> None:
+    """`is_refused` once a peer's host refused connections for the liveness bound (its
+    process is gone); a server whose owner never polls is reached by ZMQ's I/O thread and
+    is never reported refused."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    srv = SideChannelServer("127.0.0.1", 0, TOKEN, LIMIT, handler)  # never polled
+    gone = SideChannelClient(f"tcp://127.0.0.1:{port}", TOKEN, LIMIT, liveness_timeout_s=0.3)
+    silent = SideChannelClient(srv.endpoint, TOKEN, LIMIT, liveness_timeout_s=0.3)
+    try:
+        silent.send(Ping(nonce=1))
+        deadline = time.monotonic() + 30
+        while not gone.is_refused:
+            assert time.monotonic() < deadline, "a closed port was never reported refused"
+            time.sleep(0.05)
+        while not silent.is_connected:
+            assert time.monotonic() < deadline, "never connected"
+            time.sleep(0.05)
+        time.sleep(0.6)  # two bounds
+        assert not silent.is_refused and silent.is_connected
+    finally:
+        gone.close()
+        silent.close()
+        srv.close()
+
+
 @pytest.mark.timeout(300, method="thread")  # before the fix its clean-up hung too
 def test_a_client_whose_events_nobody_reads_does_not_stop_the_process_side_channels(
     server: SideChannelServer,
