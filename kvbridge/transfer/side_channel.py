@@ -201,7 +201,7 @@ class SideChannelClient:
                 sock,
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED,
             )
-        self._connected = self._lost = self._ever_connected = False
+        self._connected = self._lost = False
         # when the peer's host first refused a connection, if no connection was ever made
         self._refused_since: float | None = None
         if self._token is not None:
@@ -284,11 +284,10 @@ class SideChannelClient:
             if event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED):
                 self._connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
                 self._lost = event == zmq.EVENT_DISCONNECTED
-                self._ever_connected = True
                 self._refused_since = None
-            elif (
+            elif (  # refused before any connection was made (then one of those two holds)
                 event == zmq.EVENT_CONNECT_RETRIED
-                and not self._ever_connected
+                and not (self._connected or self._lost)
                 and self._refused_since is None
             ):
                 self._refused_since = time.monotonic()

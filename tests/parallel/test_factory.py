@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -17,13 +16,8 @@ from kvbridge.engine.parallel import (
 )
 from kvbridge.engine.parallel.shm_segment import SHM_DIR
 from kvbridge.engine.parallel.worker import Kind, decode_frame, encode_frame
+from kvbridge.serve.launcher import free_port
 from tests.parallel.workers import factory_scenario
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_single_process_and_explicit_segment() -> None:

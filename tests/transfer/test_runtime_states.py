@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
+from kvbridge.serve.launcher import free_port
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.consumer import (
     CONNECT_SETTLE_S,
@@ -288,11 +289,7 @@ def test_a_producer_whose_port_refuses_fails_at_the_liveness_bound_not_the_timeo
     """A producer worker that is gone (its host refuses connections to its port) fails
     the handshake once refused for the liveness bound, long before the handshake
     timeout: a decode instance falls back (recompute) in seconds, not a timeout later."""
-    import socket
-
-    with socket.socket() as sock:  # a port of this host that nothing listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a port of this host that nothing listens on
     c = consumer(0, clock, liveness_timeout_s=0.3, handshake_timeout_s=600)
     c.pull("r1", f"tcp://127.0.0.1:{port}", [0], [0], 4)
     deadline = time.monotonic() + 60

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from kvbridge.serve.launcher import free_port
 from kvbridge.transfer import side_channel
 from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.messages import Message, Ping, Pong, Refused, decode, encode
@@ -192,11 +193,7 @@ def test_a_port_nothing_listens_on_is_refused_a_silent_server_is_not() -> None:
     """`is_refused` once a peer's host refused connections for the liveness bound (its
     process is gone); a server whose owner never polls is reached by ZMQ's I/O thread and
     is never reported refused."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a port of this host that nothing listens on
     srv = SideChannelServer("127.0.0.1", 0, TOKEN, LIMIT, handler)  # never polled
     gone = SideChannelClient(f"tcp://127.0.0.1:{port}", TOKEN, LIMIT, liveness_timeout_s=0.3)
     silent = SideChannelClient(srv.endpoint, TOKEN, LIMIT, liveness_timeout_s=0.3)
