@@ -3,7 +3,7 @@
 kvbridge serve                       proxy :8300 + prefill (tp 3) + decode (tp 9)
 kvbridge serve --role prefill --tp 3 --port 8301
 kvbridge serve --role decode  --tp 9 --port 8302
-kvbridge serve --role proxy --prefill http://h1:8301 --decode http://h2:8302
+kvbridge serve --role proxy --prefill https://h1:8301 --decode https://h2:8302
 kvbridge serve --role proxy --engine vllm --prefill http://h1:8100 --decode http://h2:8200
 kvbridge demo [--engine vllm]
 """
@@ -130,6 +130,22 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         metavar="HOST",
         help="the address other hosts reach the KV side channel at (needed when --kv-host "
         "is 0.0.0.0); UCX is kept to the interface carrying it",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        metavar="PEM",
+        help="certificate of an instance's internal API (HTTPS), with --tls-key. Without "
+        "one, an instance whose --host other hosts can reach makes its own, certified by "
+        "the shared token (the proxy trusts it); on loopback the API stays plain HTTP",
+    )
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="the --tls-cert's private key")
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="the proxy checks the instances' --tls-cert against these CAs, host names "
+        "included (default: the shared token's deployment CA)",
     )
     p.add_argument(
         "--insecure",
@@ -336,6 +352,8 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         max_body_mb=args.max_body_mb,
         max_queued_requests=args.max_queued_requests,
         claim_s=args.kv_claim_s,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
 
 
@@ -354,6 +372,7 @@ def deployment_config(args: argparse.Namespace) -> Any:
         args.port,
         args.start_timeout_s,
         api_key(args),
+        tls_ca=args.tls_ca,
         **proxy_options(args),
     )
 
@@ -431,6 +450,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 api_key(args),
                 args.insecure,
                 engine=Engine(args.engine),
+                tls_ca=args.tls_ca,
                 **proxy_options(args),
             )
         )
@@ -442,7 +462,7 @@ def _run_deployment(args: argparse.Namespace, run_proxy: Any) -> int:
     cfg = deployment_config(args)
     from kvbridge.serve.launcher import Deployment
 
-    dep = Deployment()
+    dep = Deployment(verify=cfg.instance_tls())
     try:
         urls: dict[str, list[str]] = {"prefill": [], "decode": []}
         for side, inst, count in (

@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ from kvbridge.errors import KVBridgeError
 CLONE_NEWNET = 0x40000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
+ETH_P_ALL = 0x0003
+SO_RCVBUFFORCE = 33
+SOL_PACKET = 263
+PACKET_STATISTICS = 6
 #: The private subnet of the test hosts (host i is SUBNET.{i+1}); no route leads to it
 #: from the root namespace.
 SUBNET = "10.213.0"
@@ -80,6 +85,17 @@ def sh(argv: Sequence[str], timeout_s: float = 30.0, check: bool = True) -> str:
     if check and done.returncode != 0:
         raise HostError(f"`{' '.join(argv)}` exited {done.returncode}: {done.stderr.strip()}")
     return done.stdout
+
+
+@dataclass
+class Capture:
+    """The frames a `TestHost.capture` saw, concatenated, and how many it missed."""
+
+    data: bytearray = field(default_factory=bytearray)
+    dropped: int = 0
+
+    def __contains__(self, needle: bytes) -> bool:
+        return needle in self.data
 
 
 @dataclass
@@ -174,6 +190,39 @@ class TestHost:
     def bytes_sent(self) -> int:
         """Bytes this host has sent on its link (the bridge end's receive counter)."""
         return int(Path(f"/sys/class/net/{self.veth}/statistics/rx_bytes").read_text())
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[Capture]:
+        """What a sniffer on this host's cable sees: every frame its link carries, both
+        ways, until the block ends (an AF_PACKET socket on the bridge's end of the veth,
+        in the root namespace, with a 64 MiB buffer); `Capture.dropped` counts the
+        frames the kernel could not hand over."""
+        sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 64 << 20)
+        sock.bind((self.veth, 0))
+        sock.settimeout(0.05)
+        seen, stop = Capture(), threading.Event()
+
+        def run() -> None:
+            while not stop.is_set():
+                try:
+                    seen.data.extend(sock.recv(1 << 18))
+                except TimeoutError:
+                    continue
+                except OSError:
+                    if stop.wait(0.05):  # the link is down: wait for it, or the end
+                        return
+
+        thread = threading.Thread(target=run, name=f"capture-{self.name}", daemon=True)
+        thread.start()
+        try:
+            yield seen
+        finally:
+            stop.set()
+            thread.join(5)
+            stats = sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)
+            seen.dropped = int.from_bytes(stats[4:8], "little")  # tpacket_stats.tp_drops
+            sock.close()
 
     @contextlib.contextmanager
     def inside(self) -> Iterator[None]:

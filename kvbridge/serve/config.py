@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import enum
 import math
+import ssl
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvbridge.connector import KVLoadFailure
 from kvbridge.engine.config import EngineConfig
@@ -61,6 +63,20 @@ def _check_exposure(host: str, token: bytes | None, insecure: bool) -> None:
         )
 
 
+def _check_instance_url(flag: str, url: str) -> None:
+    """Refuse plain HTTP to an instance on another host: the calls carry prompts, and
+    such an instance serves HTTPS (`tls.py`)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{flag} {url}: give an instance URL such as https://HOST:PORT")
+    if parts.scheme == "http" and not is_loopback(parts.hostname):
+        raise ConfigError(
+            f"{flag} {url}: an instance on another host serves its internal API over "
+            "HTTPS (the calls carry prompts; it is certified by the shared token or by "
+            f"--tls-cert): use https://{parts.netloc}{parts.path}"
+        )
+
+
 @dataclass(frozen=True)
 class InstanceConfig:
     """One prefill or decode instance: its engine, its HTTP server, its KV runtime."""
@@ -94,6 +110,10 @@ class InstanceConfig:
     max_queued_requests: int | None = None
     #: a decode instance must take a prefilled request's KV within this long
     claim_s: float = 10.0
+    #: the HTTPS certificate and key of the internal API (`tls.py`); by default an
+    #: instance binding a non-loopback host makes its own, certified by the token
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
@@ -111,10 +131,25 @@ class InstanceConfig:
             )
         _check_body_limit(self.max_body_mb)
         _check_exposure(self.host, self.token(), self.insecure)
+        from kvbridge.serve.tls import check_server_files
+
+        check_server_files(self.tls_cert, self.tls_key)
 
     def token(self) -> bytes | None:
         """The shared secret (--kv-token-file, else the environment), or None."""
         return load_token(path=self.kv_token_file)
+
+    @property
+    def serves_tls(self) -> bool:
+        """Whether the internal API is HTTPS: with the operator's certificate, or when
+        other hosts can reach it and a token certifies it (loopback stays plain)."""
+        if self.tls_cert is not None:
+            return True
+        return not is_loopback(self.host) and self.token() is not None
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.serves_tls else "http"
 
     @property
     def max_body_bytes(self) -> int:
@@ -186,15 +221,29 @@ class ProxyConfig:
     prefix_cache_isolation: PrefixCacheIsolation | None = None
     hide_cached_tokens: bool = False  # leave cache figures out of responses
     engine: Engine = Engine.KVBRIDGE  # what the instances are
+    #: the CAs of the instances' own --tls-cert (else the token's deployment CA)
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         _check_body_limit(self.max_body_mb)
         _check_exposure(self.host, self.token(), self.insecure)
+        if self.engine is Engine.KVBRIDGE and self.token() is not None:
+            for flag, urls in (("--prefill", self.prefill_urls), ("--decode", self.decode_urls)):
+                for url in urls:
+                    _check_instance_url(flag, url)
+        if self.tls_ca is not None:
+            self.instance_tls()  # a bundle that does not load is refused here
         isolation = PrefixCacheIsolation.resolve(self.prefix_cache_isolation, bool(self.api_key))
         object.__setattr__(self, "prefix_cache_isolation", isolation)
 
     def token(self) -> bytes | None:
         return load_token(path=self.kv_token_file)
+
+    def instance_tls(self) -> ssl.SSLContext:
+        """How the proxy checks the instances' HTTPS (`tls.client_context`)."""
+        from kvbridge.serve.tls import client_context
+
+        return client_context(self.token(), self.tls_ca)
 
     @property
     def recompute_on_failure(self) -> bool:
@@ -218,9 +267,16 @@ class DeploymentConfig:
     api_key: str | None = None
     prefix_cache_isolation: PrefixCacheIsolation | None = None
     hide_cached_tokens: bool = False
+    tls_ca: str | None = None  # ProxyConfig.tls_ca
 
     def __post_init__(self) -> None:  # refused before any instance starts
         PrefixCacheIsolation.resolve(self.prefix_cache_isolation, bool(self.api_key))
+
+    def instance_tls(self) -> ssl.SSLContext:
+        """How this host checks its instances' HTTPS (`tls.client_context`)."""
+        from kvbridge.serve.tls import client_context
+
+        return client_context(self.decode.token(), self.tls_ca)
 
     def proxy(self, prefill_urls: list[str], decode_urls: list[str]) -> ProxyConfig:
         return ProxyConfig(
@@ -236,4 +292,5 @@ class DeploymentConfig:
             self.decode.insecure,
             prefix_cache_isolation=self.prefix_cache_isolation,
             hide_cached_tokens=self.hide_cached_tokens,
+            tls_ca=self.tls_ca,
         )

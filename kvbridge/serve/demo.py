@@ -9,6 +9,7 @@ instance (whatever the fallback then did: the reason is printed), or if the text
 
 from __future__ import annotations
 
+import ssl
 import sys
 import time
 from dataclasses import replace
@@ -24,13 +25,19 @@ from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment, LaunchError, free_port
 from kvbridge.serve.proxy_main import proxy_app, proxy_banner
+from kvbridge.serve.tls import client_context
 
 
 def colocated_text(
-    decode_url: str, prompt: str, max_tokens: int, token: bytes | None = None
+    decode_url: str,
+    prompt: str,
+    max_tokens: int,
+    token: bytes | None = None,
+    verify: ssl.SSLContext | None = None,
 ) -> str:
     """The same greedy request computed entirely on one instance (signed with `token`
-    when the instance has one)."""
+    when the instance has one; its HTTPS checked with `verify`, by default against the
+    token's deployment CA)."""
     req = wire.DecodeRequest(
         GenerateRequest(
             request_id=f"colocated-{time.time_ns()}",
@@ -46,6 +53,7 @@ def colocated_text(
         headers={"content-type": "application/json"},
         timeout=300,
         auth=SignedRequests(token) if token is not None else None,
+        verify=verify or client_context(token),
     ) as r:
         if r.status_code != 200:
             r.read()
@@ -82,6 +90,7 @@ def ask(
     max_tokens: int,
     token: bytes | None = None,
     api_key: str | None = None,
+    verify: ssl.SSLContext | None = None,
 ) -> int:
     """Send the prompt through the proxy, print the completion and its stages, and check
     it: 0 if the KV came over and the text equals colocated generation, else 1."""
@@ -112,7 +121,7 @@ def ask(
     if failure is not None:
         say(f"FAILED: {failure}")
         return 1
-    reference = colocated_text(decode_url, prompt, max_tokens, token)
+    reference = colocated_text(decode_url, prompt, max_tokens, token, verify)
     if reference != text:
         say(f"MISMATCH: colocated generation gives {reference!r}")
         return 1
@@ -138,7 +147,7 @@ def wait_introduced(proxy_url: str, timeout_s: float) -> str:
 
 def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
     say = print
-    dep = Deployment()
+    dep = Deployment(verify=cfg.instance_tls())
     proxy: ServerThread | None = None
     try:
         say(
@@ -169,6 +178,7 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
             max_tokens,
             proxy_cfg.token(),
             proxy_cfg.api_key,
+            dep.verify,
         )
     except LaunchError as exc:
         print(f"kvbridge demo: {exc}", file=sys.stderr)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ from kvbridge.serve.backend import (
 )
 from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.introducer import Introducer
+from kvbridge.serve.tls import client_context
 
 log = logging.getLogger("kvbridge.serve")
 
@@ -125,6 +127,7 @@ class DisaggBackend(Backend):
         timeout_s: float = 300.0,
         down_s: float = DOWN_S,
         token: bytes | None = None,
+        verify: ssl.SSLContext | None = None,
     ) -> None:
         if not decode_urls:
             raise BackendError("at least one decode instance is needed", 500)
@@ -143,6 +146,7 @@ class DisaggBackend(Backend):
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             auth=SignedRequests(token) if token is not None else None,
+            verify=verify or client_context(token),
             limits=httpx.Limits(
                 max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
             ),

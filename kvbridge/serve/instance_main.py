@@ -26,6 +26,7 @@ from kvbridge.serve.engine_loop import EngineLoop
 from kvbridge.serve.instance import Instance
 from kvbridge.serve.instance_app import build_app
 from kvbridge.serve.proxy_main import reach
+from kvbridge.serve.tls import server_files
 
 
 def _progress(stage: str, done: int, total: int) -> None:
@@ -33,6 +34,21 @@ def _progress(stage: str, done: int, total: int) -> None:
         print(f"  {stage}", file=sys.stderr, flush=True)
     elif done == total or done % max(1, total // 10) == 0:
         print(f"  {stage}: {done}/{total}", file=sys.stderr, flush=True)
+
+
+def _server_config(cfg: InstanceConfig, inst: Instance) -> uvicorn.Config:
+    """uvicorn's config of the internal API, loaded (with its certificate, if HTTPS:
+    a key `tls.server_files` made is on disk only while it loads)."""
+    app = build_app(inst)
+    if not cfg.serves_tls:
+        config = uvicorn.Config(app, log_level="warning")
+        config.load()
+        return config
+    names = [cfg.host, cfg.kv_advertise_host or "", socket.gethostname(), "localhost", "127.0.0.1"]
+    with server_files(cfg.token(), cfg.tls_cert, cfg.tls_key, names) as (cert, key):
+        config = uvicorn.Config(app, log_level="warning", ssl_certfile=cert, ssl_keyfile=key)
+        config.load()
+    return config
 
 
 def run_instance(cfg: InstanceConfig) -> int:
@@ -83,15 +99,21 @@ def run_instance(cfg: InstanceConfig) -> int:
         else f"NO shared token: {who} may call the internal API, anyone on this host may "
         "handshake with the KV side channel"
     )
+    if cfg.serves_tls:
+        security += (
+            "; internal API over TLS ("
+            + ("--tls-cert" if cfg.tls_cert else "certified by the deployment's token")
+            + ")"
+        )
     print(
-        f"[{instance_id}] internal API on http://{cfg.host}:{port} ({reach(cfg.host)})"
+        f"[{instance_id}] internal API on {cfg.scheme}://{cfg.host}:{port} ({reach(cfg.host)})"
         + (f", KV side channel {inst.endpoint}" if inst.endpoint else "")
         + f"; UCX devices {devices}; {security}",
         file=sys.stderr,
         flush=True,
     )
     try:
-        server = uvicorn.Server(uvicorn.Config(build_app(inst), log_level="warning"))
+        server = uvicorn.Server(_server_config(cfg, inst))
         server.run(sockets=[sock])
     finally:
         loop.stop()

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ class Child:
     host: str
     port_file: Path
     proc: subprocess.Popen[bytes]
+    scheme: str = "http"
     port: int = 0
 
     @property
@@ -62,7 +64,7 @@ class Child:
                     )
                 time.sleep(0.05)
             self.port = int(self.port_file.read_text())
-        return f"http://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.host}:{self.port}"
 
 
 def _sigterm_exit(signum: int, frame: object) -> None:
@@ -86,6 +88,8 @@ def _exit_cleanly_on_sigterm() -> None:
 class Deployment:
     """The instance processes of one `kvbridge serve`; the proxy runs in the caller."""
 
+    #: how the instances' HTTPS is checked (`DeploymentConfig.instance_tls`)
+    verify: ssl.SSLContext | None = None
     children: list[Child] = field(default_factory=list)
     _tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvbridge-")))
 
@@ -105,7 +109,7 @@ class Deployment:
             f.write(doc)
         cmd = [sys.executable, "-m", "kvbridge.serve.instance_main", str(config_file)]
         proc = subprocess.Popen(cmd, start_new_session=True)
-        child = Child(name, config.host, port_file, proc)
+        child = Child(name, config.host, port_file, proc, config.scheme)
         self.children.append(child)
         atexit.register(self.stop)
         return child
@@ -127,7 +131,10 @@ class Deployment:
                 if not child.port_file.exists():
                     continue
                 try:
-                    if httpx.get(f"{child.url}/health", timeout=1.0).status_code == 200:
+                    health = httpx.get(
+                        f"{child.url}/health", timeout=1.0, verify=self.verify or True
+                    )
+                    if health.status_code == 200:
                         pending.remove(child)
                         if callable(say):
                             say(f"{child.name} instance ready at {child.url}")

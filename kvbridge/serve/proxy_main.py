@@ -61,6 +61,7 @@ def proxy_app(cfg: ProxyConfig) -> FastAPI:
             cfg.model,
             recompute_on_failure=cfg.recompute_on_failure,
             token=cfg.token(),
+            verify=cfg.instance_tls(),
         )
     return make_app(
         backend,

@@ -14,7 +14,8 @@ import httpx
 
 from kvbridge.harness.hosts import HostNetwork, TestHost
 from kvbridge.serve.metrics import metric_value
-from tests.serve.helpers import TOKEN_FILE, colocated, complete, small_instance
+from kvbridge.serve.tls import client_context
+from tests.serve.helpers import TOKEN, TOKEN_FILE, colocated, complete, small_instance
 
 PORT = 8000
 #: About 1,000 tokens: ~44 MB of KV from a tp-1 prefill worker, long enough on a
@@ -22,6 +23,9 @@ PORT = 8000
 LONG_PROMPT = "The history of the old harbour town is long and full of events. " * 65
 #: The requests each test instance holds at once (--max-queued-requests).
 MAX_QUEUED = 64
+#: How the test process checks the instances' HTTPS (they bind test-host addresses, so
+#: they serve TLS certified by the deployment's token), as the proxy does.
+VERIFY = client_context(TOKEN)
 
 
 def serve(args: list[str]) -> list[str]:
@@ -64,7 +68,10 @@ class ThreeHosts:
         host.start([sys.executable, "-m", "kvbridge.serve.instance_main", path])
 
     def url(self, host: TestHost) -> str:
-        return f"http://{host.address}:{PORT}"
+        """The proxy's OpenAI API (plain HTTP here), or an instance's internal API (HTTPS:
+        it binds an address other hosts reach)."""
+        scheme = "http" if host is self.proxy else "https"
+        return f"{scheme}://{host.address}:{PORT}"
 
     def wait_healthy(self, timeout_s: float) -> None:
         """Return once the proxy and every instance answer /health 200."""
@@ -78,7 +85,8 @@ class ThreeHosts:
     def is_healthy(self, host: TestHost) -> bool:
         with self.proxy.inside():
             try:
-                return httpx.get(f"{self.url(host)}/health", timeout=5).status_code == 200
+                got = httpx.get(f"{self.url(host)}/health", timeout=5, verify=VERIFY)
+                return got.status_code == 200
             except httpx.HTTPError:
                 return False
 
@@ -117,7 +125,7 @@ class ThreeHosts:
     def metric(self, host: TestHost, name: str, **labels: str) -> float:
         """`host`'s `kvbridge_<name>` (its samples with `labels`, summed)."""
         with host.inside():
-            text = httpx.get(f"{self.url(host)}/metrics", timeout=30).text
+            text = httpx.get(f"{self.url(host)}/metrics", timeout=30, verify=VERIFY).text
         return metric_value(text, name, **labels)
 
     def wait_released(self, host: TestHost, timeout_s: float) -> None:

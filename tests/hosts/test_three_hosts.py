@@ -14,14 +14,18 @@ import httpx
 import msgspec
 import pytest
 
+from kvbridge.harness.hosts import HostNetwork
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.wire import DecodeRequest
-from tests.hosts.helpers import LONG_PROMPT, MAX_QUEUED, ThreeHosts
+from tests.hosts.helpers import LONG_PROMPT, MAX_QUEUED, VERIFY, ThreeHosts
+from tests.serve.helpers import complete
 
 pytestmark = pytest.mark.slow
 
 #: The instances' liveness timeout (the InstanceConfig default the tests start with).
 LIVENESS_S = 5.0
+#: The header of a TLS 1.2/1.3 record of application data.
+TLS_APPLICATION_DATA = b"\x17\x03\x03"
 
 
 def test_three_hosts_answer_as_one_host(three_hosts: ThreeHosts) -> None:
@@ -33,6 +37,30 @@ def test_three_hosts_answer_as_one_host(three_hosts: ThreeHosts) -> None:
     kv_bytes = got["kvbridge_stages"]["kv_bytes"]
     assert kv_bytes > 0 and "kvbridge_kv_load_error" not in got
     assert dep.prefill.bytes_sent() - sent > kv_bytes  # the KV crossed the prefill link
+
+
+def test_a_sniffer_on_the_links_sees_no_prompt(
+    three_hosts: ThreeHosts, network: HostNetwork
+) -> None:
+    """The proxy's calls to instances on other hosts carry prompts and completions over
+    TLS (issue #21): captured on the prefill and decode hosts' cables during a request,
+    the secret in its prompt is nowhere, while the same capture on a client's cable sees
+    it in that client's plain-HTTP request to the proxy (the capture can see a prompt)."""
+    dep = three_hosts
+    secret = "The vault code is Zanzibar-7319."
+    client = network.add("client")
+    with dep.prefill.capture() as to_prefill, dep.decode.capture() as to_decode:
+        got = dep.complete(f"{secret} Repeat it:", 4)
+    with client.capture() as to_client, client.inside():
+        complete(dep.url(dep.proxy), f"{secret} Now once more:", 1)
+    kv_bytes = got["kvbridge_stages"]["kv_bytes"]
+    assert kv_bytes > 0 and "kvbridge_kv_load_error" not in got
+    assert secret.encode() in to_client
+    assert len(to_prefill.data) > kv_bytes  # the KV crossed the captured cable
+    for seen in (to_prefill, to_decode):
+        assert seen.dropped == 0  # every frame was looked at
+        assert secret.encode() not in seen and b"Zanzibar" not in seen
+        assert TLS_APPLICATION_DATA in seen
 
 
 def test_bad_callers_are_refused_while_good_ones_are_served(three_hosts: ThreeHosts) -> None:
@@ -51,7 +79,7 @@ def test_bad_callers_are_refused_while_good_ones_are_served(three_hosts: ThreeHo
                     msgspec.json.encode(DecodeRequest(gen, None)),
                 ),
             ):
-                r = httpx.post(url, content=body, timeout=30)
+                r = httpx.post(url, content=body, timeout=30, verify=VERIFY)
                 assert r.status_code == 401, r.text
                 assert r.json()["error"]["code"] == "unauthenticated"
             # over the limit: 413 from the proxy; an instance refuses an unsigned body
@@ -60,7 +88,7 @@ def test_bad_callers_are_refused_while_good_ones_are_served(three_hosts: ThreeHo
                 (f"{dep.url(dep.proxy)}/v1/completions", 413),
                 (f"{dep.url(dep.decode)}/internal/generate", 401),
             ):
-                r = httpx.post(url, content=huge, timeout=60)
+                r = httpx.post(url, content=huge, timeout=60, verify=VERIFY)
                 assert r.status_code == status, r.text
         assert good.result(timeout=300) == want
 

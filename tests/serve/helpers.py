@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import secrets
 import select
+import shutil
 import socket
 import tempfile
 import time
@@ -28,6 +30,14 @@ _TOKEN_DIR = tempfile.mkdtemp(prefix="kvbridge-test-")
 TOKEN_FILE = os.path.join(_TOKEN_DIR, "token")
 with open(os.open(TOKEN_FILE, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as _f:
     _f.write(TOKEN)
+
+
+def _remove_token_dir(owner: int = os.getpid()) -> None:
+    if os.getpid() == owner:  # not from a forked child at its exit
+        shutil.rmtree(_TOKEN_DIR, ignore_errors=True)
+
+
+atexit.register(_remove_token_dir)
 AUTH = SignedRequests(TOKEN)
 
 
