@@ -51,7 +51,6 @@ from kvbridge.serve.backend import (
 )
 from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.introducer import Introducer
-from kvbridge.serve.tls import client_context
 
 log = logging.getLogger("kvbridge.serve")
 
@@ -146,7 +145,7 @@ class DisaggBackend(Backend):
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             auth=SignedRequests(token) if token is not None else None,
-            verify=verify or client_context(token),
+            verify=verify or _token_tls(token),
             limits=httpx.Limits(
                 max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
             ),
@@ -504,6 +503,14 @@ class DisaggBackend(Backend):
     async def close(self) -> None:
         await self.introducer.close()
         await self._client.aclose()
+
+
+def _token_tls(token: bytes | None) -> ssl.SSLContext:
+    # imported here: the proxy in front of vLLM (`--engine vllm`, vLLM's environment)
+    # never needs the instances' TLS, nor the `cryptography` it is made with
+    from kvbridge.serve.tls import client_context
+
+    return client_context(token)
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
