@@ -95,11 +95,13 @@ class Stop(msgspec.Struct, tag=True):
 
 class RawRead(msgspec.Struct, tag=True):
     """Benchmark baseline: one single-descriptor READ of `nbytes` from a peer's scratch
-    buffer into ours (the peer must already be known, i.e. handshaked)."""
+    buffer into ours (the peer must already be known, i.e. handshaked); with `write`,
+    a WRITE of ours into the peer's instead."""
 
     agent_name: str
     remote_addr: int
     nbytes: int
+    write: bool = False
 
 
 Command = SetEndpoints | Expose | Pull | Verify | Status | Stop | RawRead

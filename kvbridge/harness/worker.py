@@ -219,7 +219,8 @@ class _Worker:
         )
         idx = np.zeros(1, dtype=np.int32)
         t0 = time.perf_counter()
-        xfer, state = t.read(local, idx, remote, idx, b"")
+        post = t.write if cmd.write else t.read
+        xfer, state = post(local, idx, remote, idx, b"")
         deadline = time.monotonic() + 60
         while state is XferState.PROC and time.monotonic() < deadline:
             state = t.state(xfer)

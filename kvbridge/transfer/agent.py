@@ -25,6 +25,13 @@ from kvbridge.transfer.regions import CacheRegions, MemType
 
 log = logging.getLogger("kvbridge.transfer.agent")
 
+#: UCX settings a worker takes unless its environment sets them (the user's value wins).
+#: UCT's TCP transport has no GET: UCX answers each READ across hosts with active
+#: messages copied through segments of this size at both ends. With UCX's 8 KiB, 256 MiB
+#: crossed two test hosts in 201-224 ms; with 64 KiB to 512 KiB in 114-148 ms (no change
+#: on one host, where CMA reads; docs/benchmarks.md, 2026-12-05).
+UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+
 
 class XferState(enum.Enum):
     PROC = "PROC"
@@ -73,6 +80,8 @@ class NixlTransport:
         net_device: str | None = None,
     ) -> None:
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+        for key, value in UCX_DEFAULTS.items():  # read when the process's UCX starts
+            os.environ.setdefault(key, value)
         if net_device:
             os.environ.setdefault("UCX_NET_DEVICES", net_device)
         from nixl_cu12._api import nixl_agent, nixl_agent_config
@@ -151,16 +160,33 @@ class NixlTransport:
         """Post one READ of remote descriptors `remote_idx` into local `local_idx`; the
         peer receives `notif` when it completes. Raises TransferError if NIXL refuses
         (e.g. NIXL_ERR_REMOTE_DISCONNECT: the peer process is gone)."""
+        return self._post("READ", local, local_idx, remote, remote_idx, notif)
+
+    def write(
+        self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
+    ) -> tuple[Any, XferState]:
+        """Post one WRITE of local descriptors `local_idx` into remote `remote_idx` (the
+        benchmarks' push baseline: over TCP, UCX moves a WRITE without copies, a READ
+        through bounce buffers at both ends)."""
+        return self._post("WRITE", local, local_idx, remote, remote_idx, notif)
+
+    def _post(
+        self,
+        op: str,
+        local: Any,
+        local_idx: np.ndarray,
+        remote: Any,
+        remote_idx: np.ndarray,
+        notif: bytes,
+    ) -> tuple[Any, XferState]:
         handle = None
         try:
-            handle = self._agent.make_prepped_xfer(
-                "READ", local, local_idx, remote, remote_idx, notif
-            )
+            handle = self._agent.make_prepped_xfer(op, local, local_idx, remote, remote_idx, notif)
             return handle, XferState(self._agent.transfer(handle))
         except Exception as exc:
             if handle is not None:
                 self.release(handle)
-            raise TransferError(f"NIXL READ failed: {type(exc).__name__}: {exc}") from exc
+            raise TransferError(f"NIXL {op} failed: {type(exc).__name__}: {exc}") from exc
 
     def state(self, xfer: Any) -> XferState:
         try:
