@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +28,13 @@ MAX_QUEUED = 64
 #: How the test process checks the instances' HTTPS (they bind test-host addresses, so
 #: they serve TLS certified by the deployment's token), as the proxy does.
 VERIFY = client_context(TOKEN)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def serve(args: list[str]) -> list[str]:
@@ -127,6 +136,34 @@ class ThreeHosts:
         with host.inside():
             text = httpx.get(f"{self.url(host)}/metrics", timeout=30, verify=VERIFY).text
         return metric_value(text, name, **labels)
+
+    def wait_introduced(self, timeout_s: float) -> None:
+        """Wait until every instance answers /health and the proxy has introduced every
+        decode instance to every prefill instance (after instances started again)."""
+        self.wait_healthy(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.proxy.inside():
+                health = httpx.get(f"{self.url(self.proxy)}/health", timeout=30).json()
+            states = [s for peers in health["introductions"].values() for s in peers.values()]
+            if health["status"] == "ok" and states and set(states) == {"connected"}:
+                return
+            assert time.monotonic() < deadline, health
+            time.sleep(0.5)
+
+    def worker_pids(self, host: TestHost) -> list[int]:
+        """The tp worker processes of `host`'s instance (children of its fork server)."""
+        parents = {}
+        for pid in host.pids():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                parents[pid] = int(stat.rsplit(")", 1)[1].split()[1])
+        forkservers = {
+            pid
+            for pid in parents
+            if b"forkserver" in _cmdline(pid) and b"forkserver" not in _cmdline(parents[pid])
+        }
+        return sorted(pid for pid, parent in parents.items() if parent in forkservers)
 
     def wait_released(self, host: TestHost, timeout_s: float) -> None:
         """Wait until `host`'s instance holds no KV blocks (allocated or pinned)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
+import signal
 import threading
 import time
 
@@ -224,3 +226,66 @@ def test_a_killed_prefill_host_leaves_decode_and_proxy_answering(
         health = httpx.get(f"{dep.url(dep.proxy)}/health", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "degraded"
     dep.wait_released(dep.decode, 60)
+
+
+def test_decode_workers_paused_past_the_lease_use_no_stale_byte(three_hosts: ThreeHosts) -> None:
+    """Issue #22's fence through `kvbridge serve` across hosts: the decode host's workers
+    are paused (SIGSTOP) in the middle of a pull until the prefill's lease freed the
+    blocks, and another request is prefilled into the freed cache meanwhile. On resume
+    the paused READs finish, but the prefill answers that it no longer held what they
+    read: the pull is failed as stale, recomputed, counted on the proxy's /metrics, and
+    both answers equal colocated generation. (After the kill test: both instances start
+    again, the prefill with a lease shorter than the pause, the decode with a liveness
+    bound longer than it, so the pause reads as what it is, not as a dead prefill.)"""
+    dep = three_hosts
+    dep.prefill.kill()
+    dep.decode.kill()
+    dep.start_instance(dep.prefill, "prefill", 1, lease_s=6, claim_s=5)
+    dep.start_instance(dep.decode, "decode", 3, liveness_timeout_s=120)
+    dep.wait_introduced(900)
+    stale_before = dep.metric(dep.proxy, "kv_stale_pulls_total")
+    expired_before = dep.metric(dep.prefill, "kv_releases_total", cause="lease_expired")
+    first, second = "Paused. " + LONG_PROMPT, "Meanwhile. " + LONG_PROMPT
+    answers: dict[str, dict] = {}
+
+    def ask(prompt: str) -> None:
+        answers[prompt] = dep.complete(prompt, 2)
+
+    workers = dep.worker_pids(dep.decode)
+    assert len(workers) == 3, workers
+    asking = [threading.Thread(target=ask, args=(p,)) for p in (first, second)]
+    dep.prefill.slow("100mbit")  # the pull takes ~4 s
+    sent = dep.prefill.bytes_sent()
+    asking[0].start()
+    try:
+        deadline = time.monotonic() + 300
+        while dep.prefill.bytes_sent() - sent < 10e6:  # a quarter of the KV is across
+            assert time.monotonic() < deadline and asking[0].is_alive(), answers
+            time.sleep(0.01)
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        dep.prefill.unslow()
+        deadline = time.monotonic() + 60  # the prefill frees the blocks at its lease
+        while dep.metric(dep.prefill, "kv_releases_total", cause="lease_expired") == expired_before:
+            assert time.monotonic() < deadline, "the prefill's lease never expired"
+            time.sleep(0.2)
+        asking[1].start()  # prefilled into the freed cache while the readers sleep
+        while not dep.metric(dep.prefill, "kv_pinned_blocks"):
+            assert time.monotonic() < deadline and asking[1].is_alive(), answers
+            time.sleep(0.05)
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+        dep.prefill.unslow()
+    for t in asking:
+        t.join(300)
+    got = answers[first]
+    assert got["choices"][0]["text"] == dep.colocated(first, 2)  # recomputed
+    assert "no longer held" in got["kvbridge_kv_load_error"], got
+    assert got["kvbridge_stages"]["kv_load_failed"]
+    again = answers[second]
+    assert again["choices"][0]["text"] == dep.colocated(second, 2)
+    stale = sum("no longer held" in a.get("kvbridge_kv_load_error", "") for a in answers.values())
+    assert dep.metric(dep.proxy, "kv_stale_pulls_total") == stale_before + stale
+    dep.wait_released(dep.decode, 60)
+    dep.wait_released(dep.prefill, 60)
