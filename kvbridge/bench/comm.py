@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.transfer.netdev import free_port
 
 if TYPE_CHECKING:
     from kvbridge.engine.parallel import WorkerContext, WorkerGroup
@@ -53,12 +53,6 @@ def _int_list(text: str, field: str) -> list[int]:
     return values
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_comm_bench(args: argparse.Namespace) -> int:
     from kvbridge.engine.parallel import WorkerGroup
 
@@ -84,7 +78,7 @@ def run_comm_bench(args: argparse.Namespace) -> int:
             )
             gloo: dict[str, float] = {}
             if not args.no_gloo:
-                group.call("gloo_init", json.dumps({"port": _free_port()}).encode())
+                group.call("gloo_init", json.dumps({"port": free_port()}).encode())
                 gloo = _slowest(
                     group.call("gloo", json.dumps({**spec, "calls": args.gloo_calls}).encode())
                 )

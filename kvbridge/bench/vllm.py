@@ -43,10 +43,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from kvbridge.transfer.netdev import free_port
 from kvbridge.vllm.launch import (
     LOADED_HOST_SETTINGS,
     SMALL_HOST_ARGS,
-    free_port,
     kv_transfer_config,
     start,
     stop,

@@ -23,9 +23,10 @@ from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import DeploymentConfig
 from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.http_server import ServerThread
-from kvbridge.serve.launcher import Deployment, LaunchError, free_port
+from kvbridge.serve.launcher import Deployment, LaunchError
 from kvbridge.serve.proxy_main import proxy_app, proxy_banner
 from kvbridge.serve.tls import client_context
+from kvbridge.transfer.netdev import free_port
 
 
 def colocated_text(

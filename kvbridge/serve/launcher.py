@@ -14,7 +14,6 @@ import dataclasses
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -32,12 +31,6 @@ from kvbridge.serve.config import InstanceConfig
 
 class LaunchError(KVBridgeError):
     """An instance did not come up (it exited, or was not healthy in time)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

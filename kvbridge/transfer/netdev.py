@@ -1,4 +1,5 @@
-"""Which network interface carries an address (Linux), so UCX can be kept to it.
+"""Which network interface carries an address (Linux), so UCX can be kept to it; and a
+free TCP port.
 
 UCX opens a TCP listener on every interface it may use. With everything on 127.0.0.1
 (kvbridge's default) that would still listen on the machine's external interfaces;
@@ -61,3 +62,11 @@ def device_of(host: str) -> str | None:
         if _ipv4_of(name) == str(ip):
             return name
     return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `host` now (bind to port 0, read it, close): for
+    a child process or a test that must be told its port before it binds it."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -17,7 +17,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.errors import ConfigError
+from kvbridge.transfer.netdev import free_port
 
 #: vLLM's CPU build: the KV cache space per instance (GiB) unless the caller set it.
 KVCACHE_SPACE_GIB = "1"
@@ -46,12 +46,6 @@ SMALL_HOST_ARGS = (
 )  # fmt: skip
 #: A decode worker's log line for a finished pull (worker.py): its rank and bytes.
 PULLED = re.compile(r"kvbridge decode worker (\d+) pulled \S+: tokens \[\d+, \d+\), (\d+) bytes")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kv_transfer_config(

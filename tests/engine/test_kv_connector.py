@@ -27,8 +27,8 @@ from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import Completion, LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import FinishReason
-from kvbridge.serve.launcher import free_port
 from kvbridge.transfer.capability import check, issue
+from kvbridge.transfer.netdev import free_port
 
 S = RequestState
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # 3+ blocks of 16

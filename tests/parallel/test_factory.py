@@ -16,7 +16,7 @@ from kvbridge.engine.parallel import (
 )
 from kvbridge.engine.parallel.shm_segment import SHM_DIR
 from kvbridge.engine.parallel.worker import Kind, decode_frame, encode_frame
-from kvbridge.serve.launcher import free_port
+from kvbridge.transfer.netdev import free_port
 from tests.parallel.workers import factory_scenario
 
 

@@ -433,7 +433,7 @@ def test_sigterm_to_serve_stops_its_instances(tmp_path):
     import subprocess
     import sys
 
-    from kvbridge.serve.launcher import free_port
+    from kvbridge.transfer.netdev import free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "kvbridge.cli.main", "serve", "--prefill-tp", "1"]

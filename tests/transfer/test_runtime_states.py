@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.serve.launcher import free_port
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.consumer import (
     CONNECT_SETTLE_S,
@@ -21,6 +20,7 @@ from kvbridge.transfer.consumer import (
     TransferState,
 )
 from kvbridge.transfer.messages import ReadDone, encode
+from kvbridge.transfer.netdev import free_port
 from kvbridge.transfer.producer import KVProducer, ReleaseCause
 
 from .fakes import (

@@ -10,10 +10,10 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvbridge.serve.launcher import free_port
 from kvbridge.transfer import side_channel
 from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.messages import Message, Ping, Pong, Refused, decode, encode
+from kvbridge.transfer.netdev import free_port
 from kvbridge.transfer.side_channel import SideChannelClient, SideChannelServer, curve_server_keys
 
 TOKEN = b"side-channel-token-0123"
