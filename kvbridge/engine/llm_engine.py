@@ -167,6 +167,11 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []  # from calls between steps
+        # the workers learn their instance's endpoints now, before anyone can reach this
+        # engine: a producer worker refuses handshakes until it knows them, and an idle
+        # engine sends the connector's orders only at its first step or poll (a decode
+        # instance introduced at start-up was refused, once per decode worker, until then)
+        self._kv_flush(poll=False)
 
     def _cache_salt(self) -> bytes:
         """What besides the tokens makes a block's bytes: the model file, the layout
