@@ -13,9 +13,11 @@ that tries to stream more; such a peer is disconnected by ZMQ itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 
 import zmq
@@ -58,6 +60,19 @@ def _unbounded_monitor(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes
     pair.setsockopt(zmq.RCVHWM, 0)  # set before connect: the inproc pipe takes it then
     pair.connect(addr)
     return pair
+
+
+def _close_client_sockets(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes] | None) -> None:
+    """Close a client's socket and its monitor, the monitor's end last. ZMQ's I/O thread
+    writes each connection event to the monitor with a blocking send: with the
+    receiving end closed first while the socket still retried a refused connection, the
+    next event blocked that thread, the process's only one, and every side channel in
+    the process stopped (a client collected unclosed could go in either order)."""
+    if monitor is not None:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disable_monitor()
+        monitor.close(linger=0)
+    sock.close(linger=0)
 
 
 def curve_server_keys(token: bytes) -> tuple[bytes, bytes]:
@@ -187,6 +202,7 @@ class SideChannelClient:
         # unasked messages (`send_to`) still reach it after ZMQ reconnected
         self.routing_id = b"kv" + os.urandom(14)
         self._monitor: zmq.Socket[bytes] | None = None
+        self._closer: weakref.finalize[..., SideChannelClient] | None = None
         self._sock = self._connect()
 
     def _connect(self) -> zmq.Socket[bytes]:
@@ -207,10 +223,13 @@ class SideChannelClient:
         if self._token is not None:
             sock.curve_serverkey = curve_server_keys(self._token)[0]
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        # closed in that order by `close`, or when this client is collected unclosed:
+        # the finalizer holds both sockets, so neither is collected before it runs
+        self._closer = weakref.finalize(self, _close_client_sockets, sock, self._monitor)
         try:
             sock.connect(self.endpoint)
         except zmq.ZMQError as exc:
-            sock.close(linger=0)
+            self._closer()
             raise HandshakeError(
                 f"endpoint={self.endpoint!r} is not a usable side-channel address ({exc}); "
                 "expected tcp://HOST:PORT"
@@ -297,8 +316,6 @@ class SideChannelClient:
         self._sock = self._connect()
 
     def close(self) -> None:
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(linger=0)
-            self._monitor = None
-        self._sock.close(linger=0)
+        if self._closer is not None:
+            self._closer()
+        self._monitor = None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -256,3 +259,70 @@ def drain(client: SideChannelClient) -> int:
         client._monitor.recv_multipart()
         n += 1
     return n
+
+
+def test_a_monitored_client_collected_unclosed_closes_its_monitor_last(
+    server: SideChannelServer,
+) -> None:
+    """A monitored client nobody closed (its owner dropped) while its peer refuses it:
+    when it is collected its socket stops first and its monitor after, whatever order
+    the collector takes. The other order stops the process: ZMQ's I/O thread blocks
+    writing the next connection event to a monitor with nobody on the other end, and
+    every side channel of the process stops connecting (a fresh-clone run whose later
+    in-process side-channel tests all failed, after a test that never closed a consumer;
+    the other order is forced here in a process of its own)."""
+    ctx = side_channel._ctx()
+    ctx.setsockopt(zmq.RECONNECT_IVL, 1)  # retry every millisecond: events at once
+    try:
+        dropped = SideChannelClient(f"tcp://127.0.0.1:{free_port()}", TOKEN, LIMIT, 0.5)
+    finally:
+        del ctx.sockopts[zmq.RECONNECT_IVL]
+    sock, monitor = dropped._sock, dropped._monitor
+    assert monitor is not None
+    dropped.cycle = dropped  # type: ignore[attr-defined]  # collected by the cycle collector
+    del dropped
+    gc.collect()
+    assert sock.closed and monitor.closed  # although this test still holds both
+    time.sleep(0.3)
+    assert ping_answered(server.endpoint)
+    # the other order, forced in a process of its own: its side channels stop
+    wrong = subprocess.run(
+        [sys.executable, "-c", WRONG_ORDER, server.endpoint, TOKEN.decode()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert wrong.stdout.strip() == "stopped", wrong.stderr
+
+
+#: A client whose monitor is closed before it, then a fresh client's ping.
+WRONG_ORDER = """
+import os, sys, time, zmq
+from kvbridge.transfer import side_channel
+from kvbridge.transfer.messages import Ping
+from kvbridge.transfer.netdev import free_port
+from kvbridge.transfer.side_channel import SideChannelClient
+from kvbridge.transfer.errors import HandshakeError
+side_channel._ctx().setsockopt(zmq.RECONNECT_IVL, 1)
+c = SideChannelClient(f"tcp://127.0.0.1:{free_port()}", sys.argv[2].encode(), 1 << 20, 0.5)
+del side_channel._ctx().sockopts[zmq.RECONNECT_IVL]
+c._monitor.close(linger=0)
+time.sleep(0.3)
+fresh = SideChannelClient(sys.argv[1], sys.argv[2].encode(), 1 << 20)
+try:
+    fresh.call(Ping(nonce=5), timeout_s=3)
+    print("answered", flush=True)
+except HandshakeError:
+    print("stopped", flush=True)
+os._exit(0)  # the stopped I/O thread would hang the interpreter's exit
+"""
+
+
+def ping_answered(endpoint: str) -> bool:
+    fresh = SideChannelClient(endpoint, TOKEN, LIMIT)
+    try:
+        return fresh.call(Ping(nonce=4), timeout_s=3) == Pong(nonce=4, instance_id="server")
+    except HandshakeError:
+        return False
+    finally:
+        fresh.close()
