@@ -310,7 +310,7 @@ c._monitor.close(linger=0)
 time.sleep(0.3)
 fresh = SideChannelClient(sys.argv[1], sys.argv[2].encode(), 1 << 20)
 try:
-    fresh.call(Ping(nonce=5), timeout_s=3)
+    fresh.call(Ping(nonce=5), timeout_s=1)
     print("answered", flush=True)
 except HandshakeError:
     print("stopped", flush=True)
