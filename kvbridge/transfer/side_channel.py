@@ -63,7 +63,8 @@ def _unbounded_monitor(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes
 
 
 def _close_client_sockets(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes] | None) -> None:
-    """Close a client's socket and its monitor, the monitor's end last. ZMQ's I/O thread
+    """Close a client's socket and its monitor: monitoring stopped first (ZMQ closes its
+    sending end), then the monitor's receiving end, then the socket. ZMQ's I/O thread
     writes each connection event to the monitor with a blocking send: with the
     receiving end closed first while the socket still retried a refused connection, the
     next event blocked that thread, the process's only one, and every side channel in
@@ -223,7 +224,7 @@ class SideChannelClient:
         if self._token is not None:
             sock.curve_serverkey = curve_server_keys(self._token)[0]
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-        # closed in that order by `close`, or when this client is collected unclosed:
+        # closed in the safe order by `close`, or when this client is collected unclosed:
         # the finalizer holds both sockets, so neither is collected before it runs
         self._closer = weakref.finalize(self, _close_client_sockets, sock, self._monitor)
         try:

@@ -261,16 +261,16 @@ def drain(client: SideChannelClient) -> int:
     return n
 
 
-def test_a_monitored_client_collected_unclosed_closes_its_monitor_last(
+def test_a_monitored_client_collected_unclosed_stops_its_monitor_before_closing_it(
     server: SideChannelServer,
 ) -> None:
     """A monitored client nobody closed (its owner dropped) while its peer refuses it:
-    when it is collected its socket stops first and its monitor after, whatever order
-    the collector takes. The other order stops the process: ZMQ's I/O thread blocks
-    writing the next connection event to a monitor with nobody on the other end, and
-    every side channel of the process stops connecting (a fresh-clone run whose later
-    in-process side-channel tests all failed, after a test that never closed a consumer;
-    the other order is forced here in a process of its own)."""
+    when it is collected, its monitoring is stopped before the monitor's end is closed,
+    whatever order the collector takes. The other order stops the process: ZMQ's I/O
+    thread blocks writing the next connection event to a monitor with nobody on the
+    other end, and every side channel of the process stops connecting (a fresh-clone run
+    whose later in-process side-channel tests all failed, after a test that never closed
+    a consumer; the other order is forced here in a process of its own)."""
     ctx = side_channel._ctx()
     ctx.setsockopt(zmq.RECONNECT_IVL, 1)  # retry every millisecond: events at once
     try:
