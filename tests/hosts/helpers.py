@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from kvbridge.harness.hosts import HostNetwork, TestHost
+from kvbridge.serve.demo import wait_introduced
 from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.tls import client_context
 from tests.serve.helpers import TOKEN, TOKEN_FILE, colocated, complete, small_instance
@@ -141,15 +142,9 @@ class ThreeHosts:
         """Wait until every instance answers /health and the proxy has introduced every
         decode instance to every prefill instance (after instances started again)."""
         self.wait_healthy(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with self.proxy.inside():
-                health = httpx.get(f"{self.url(self.proxy)}/health", timeout=30).json()
-            states = [s for peers in health["introductions"].values() for s in peers.values()]
-            if health["status"] == "ok" and states and set(states) == {"connected"}:
-                return
-            assert time.monotonic() < deadline, health
-            time.sleep(0.5)
+        with self.proxy.inside():  # (its /health probes mark the instances up again)
+            states = wait_introduced(self.url(self.proxy), timeout_s)
+        assert set(states.split("; ")) == {"connected"}, states
 
     def worker_pids(self, host: TestHost) -> list[int]:
         """The tp worker processes of `host`'s instance (children of its fork server)."""
