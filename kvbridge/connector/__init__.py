@@ -41,9 +41,11 @@ if TYPE_CHECKING:
         ConnectorRole,
         ConnectorSpec,
     )
+    from kvbridge.transfer.identity import Identity
     from kvbridge.transfer.netdev import device_of as net_device_of
 
 _LAZY = {
+    "Identity": "kvbridge.transfer.identity",
     **dict.fromkeys(
         [
             "ConnectorMetadata",
@@ -81,6 +83,7 @@ __all__ = [
     "ConnectorMetadata",
     "ConnectorRole",
     "ConnectorSpec",
+    "Identity",
     "InvalidTransition",
     "KVConnectorConfig",
     "KVConnectorScheduler",

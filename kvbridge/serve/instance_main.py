@@ -15,6 +15,7 @@ import uvicorn
 from kvbridge.connector import (
     ConnectorRole,
     ConnectorSpec,
+    Identity,
     KVConnectorConfig,
     is_loopback,
     net_device_of,
@@ -53,9 +54,16 @@ def _server_config(cfg: InstanceConfig, inst: Instance) -> uvicorn.Config:
 
 def run_instance(cfg: InstanceConfig) -> int:
     role = cfg.role
-    instance_id = f"{role.value}-{uuid.uuid4().hex[:8]}"
-    role_name = ConnectorRole.PRODUCER if role is Role.PREFILL else ConnectorRole.CONSUMER
-    spec = ConnectorSpec(role=role_name, instance_id=instance_id, transfer=cfg.transfer_config())
+    if role is Role.PREFILL:
+        instance_id, identity = f"{role.value}-{uuid.uuid4().hex[:8]}", ""
+        role_name = ConnectorRole.PRODUCER
+    else:  # a key pair of its own, which its id names: nobody else can pull as it
+        key = Identity.generate()
+        instance_id, identity = key.bind(role.value), key.secret.decode()
+        role_name = ConnectorRole.CONSUMER
+    spec = ConnectorSpec(
+        role=role_name, instance_id=instance_id, transfer=cfg.transfer_config(), identity=identity
+    )
     config = cfg.engine_config()
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -80,6 +80,10 @@ class ConnectorSpec(msgspec.Struct, frozen=True):
     role: ConnectorRole
     instance_id: str
     transfer: TransferConfig = TransferConfig()
+    #: a decode instance's CURVE secret key (Z85; `identity.Identity`), shared by its
+    #: workers: their side-channel connections present it, and `instance_id` names it
+    #: (`Identity.bind`); "" for none (an ephemeral key per connection, an unbound id)
+    identity: str = ""
 
 
 class GetEndpoint(msgspec.Struct, frozen=True, tag="endpoint"):
@@ -231,6 +235,7 @@ class WorkerConnector:
     ) -> None:
         from kvbridge.transfer.agent import NixlTransport
         from kvbridge.transfer.consumer import KVConsumer
+        from kvbridge.transfer.identity import Identity
         from kvbridge.transfer.netdev import device_of
         from kvbridge.transfer.producer import KVProducer
 
@@ -240,18 +245,23 @@ class WorkerConnector:
             regions,
             net_device=device_of(spec.transfer.reachable_host),
         )
-        side = KVProducer if self.role is ConnectorRole.PRODUCER else KVConsumer
+        common: dict[str, Any] = dict(
+            model=model,
+            layout=layout,
+            rank=rank,
+            regions=regions,
+            num_blocks=num_blocks,
+            transport=self.transport,
+            config=spec.transfer,
+            instance_id=spec.instance_id,
+        )
         try:
-            runtime = side(
-                model=model,
-                layout=layout,
-                rank=rank,
-                regions=regions,
-                num_blocks=num_blocks,
-                transport=self.transport,
-                config=spec.transfer,
-                instance_id=spec.instance_id,
-            )
+            runtime: KVProducer | KVConsumer
+            if self.role is ConnectorRole.PRODUCER:
+                runtime = KVProducer(**common)
+            else:
+                identity = Identity(spec.identity.encode()) if spec.identity else None
+                runtime = KVConsumer(**common, identity=identity)
         except BaseException:
             if transport is None:  # ours: deregister the memory and drop the agent
                 self.transport.close()

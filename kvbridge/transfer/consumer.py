@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.plan.copylist import CopyList, copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
@@ -64,6 +64,7 @@ from kvbridge.transfer.descriptors import (
     unit_size,
 )
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.identity import Identity, bound_fingerprint
 from kvbridge.transfer.integrity import Integrity, digest, is_checked, region_views
 from kvbridge.transfer.messages import (
     Hello,
@@ -160,7 +161,15 @@ class KVConsumer:
         config: TransferConfig,
         instance_id: str,
         clock: Callable[[], float] = time.monotonic,
+        identity: Identity | None = None,
     ) -> None:
+        if identity is not None:
+            identity.check_id(instance_id)
+        elif bound_fingerprint(instance_id) is not None and config.token is not None:
+            raise ConfigError(
+                f"instance_id={instance_id!r} is bound to a key but no identity was given; "
+                "pass the instance's Identity (every producer would refuse this worker)"
+            )
         self.model, self.layout, self.rank = model, layout, rank
         self.shard = worker_shard_checked(model, layout, "decode", rank, regions, num_blocks)
         self.regions, self.num_blocks = regions, num_blocks
@@ -196,6 +205,7 @@ class KVConsumer:
             config=config,
             hello=hello,
             clock=clock,
+            identity=identity,
         )
         # failure notices producers cut off could not be told, paid after the heal
         self.owed = OwedNotices(ttl_s=config.lease_s, clock=clock)

@@ -31,6 +31,7 @@ from kvbridge.transfer.auth import session_id, session_key
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.descriptors import unit_descs
 from kvbridge.transfer.errors import ProtocolError
+from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.messages import (
     Hello,
     ReadAck,
@@ -115,9 +116,11 @@ class ProducerDirectory:
         config: TransferConfig,
         hello: Hello,
         clock: Callable[[], float],
+        identity: Identity | None = None,
     ) -> None:
         self.model, self.layout, self.rank = model, layout, rank
         self.transport, self.config, self._hello, self._clock = transport, config, hello, clock
+        self.identity = identity  # the key pair every side-channel connection presents
         self._workers: dict[str, ProducerWorker] = {}
         self._instances: dict[str, ProducerInstance] = {}
 
@@ -205,6 +208,7 @@ class ProducerDirectory:
                 self.config.token,
                 self.config.max_message_bytes,
                 self.config.liveness_timeout_s,
+                self.identity,
             )
             w = ProducerWorker(endpoint, client, self._clock() + self.config.handshake_timeout_s)
             w.hello_nonce = os.urandom(16)

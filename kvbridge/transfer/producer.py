@@ -53,6 +53,7 @@ from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.errors import ProtocolError, TransferError
+from kvbridge.transfer.identity import binding_refusal
 from kvbridge.transfer.integrity import digest, region_views
 from kvbridge.transfer.messages import (
     Hello,
@@ -471,6 +472,11 @@ class KVProducer:
                 f"a {type(msg).__name__} message is not a request; send Hello or Ping"
             )
         log.debug("prefill worker %d: Hello from %r rank %d", self.rank, msg.instance_id, msg.rank)
+        impostor = binding_refusal(msg.instance_id, self._server.peer_key)
+        if impostor is not None:
+            log.warning("prefill worker %d refused a handshake: %s", self.rank, impostor)
+            self.refusals.append(impostor)
+            return Refused(kind="auth", reason=impostor)
         if len(self.worker_endpoints) != self.layout.world_size:
             return Refused(
                 kind="not_ready",

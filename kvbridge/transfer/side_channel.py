@@ -3,8 +3,11 @@
 The server is poll-driven (the producer's owner calls `poll()` from its loop, so no
 extra thread touches state). With a shared token both ends speak ZMQ CURVE: the
 server's keypair derives from the token (`auth.curve_server_secret`), each client
-makes an ephemeral one, so every byte after ZMQ's greeting is encrypted and a peer
-without the token cannot complete the handshake (its messages never reach us). Each request is one frame (see `messages.py`); a
+uses its instance's key pair (`identity.Identity`) or an ephemeral one, so every byte
+after ZMQ's greeting is encrypted and a peer without the token cannot complete the
+handshake (its messages never reach us). The server learns each client's public key
+from the handshake (ZMQ's authenticator, ZAP) and gives it to its handler (`peer_key`).
+Each request is one frame (see `messages.py`); a
 malformed, oversized, unknown-kind or unauthenticated frame is answered with
 `Refused`, logged with its reason, and the server goes on serving other peers.
 ZMQ's own MAXMSGSIZE (a multiple of the limit) bounds what it buffers from a peer
@@ -21,11 +24,14 @@ import weakref
 from collections.abc import Callable
 
 import zmq
+from zmq.auth import CURVE_ALLOW_ANY
+from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from kvbridge.transfer.auth import curve_server_secret
 from kvbridge.transfer.errors import AuthError, HandshakeError, ProtocolError
+from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.messages import Message, Refused, decode, encode
 
 log = logging.getLogger("kvbridge.transfer.side_channel")
@@ -35,6 +41,7 @@ log = logging.getLogger("kvbridge.transfer.side_channel")
 Handler = Callable[[Message, bytes], Message | None]
 
 _context: zmq.Context[zmq.Socket[bytes]] | None = None
+_authenticator: ThreadAuthenticator | None = None
 
 
 def _ctx() -> zmq.Context[zmq.Socket[bytes]]:
@@ -42,6 +49,19 @@ def _ctx() -> zmq.Context[zmq.Socket[bytes]]:
     if _context is None:
         _context = zmq.Context()
     return _context
+
+
+def _start_authenticator() -> None:
+    """Run ZMQ's authenticator (ZAP) for this process's context once: it admits every
+    CURVE client (the server key, from the token, already keeps out non-holders) and
+    names each connection by its client's public key, which the server hands to its
+    handler (`SideChannelServer.peer_key`) to check an instance id bound to a key."""
+    global _authenticator
+    if _authenticator is None:
+        auth = ThreadAuthenticator(_ctx(), log=logging.getLogger("kvbridge.transfer.zap"))
+        auth.start()
+        auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
+        _authenticator = auth
 
 
 def _unbounded_monitor(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
@@ -101,10 +121,15 @@ class SideChannelServer:
         # a client that reconnects (a link that healed) keeps its routing id: its new
         # connection takes over the old one, so `send_to` reaches it again
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        #: the CURVE public key (Z85) of the client whose message the handler is given
+        #: now (None without a token: no key is authenticated)
+        self.peer_key: bytes | None = None
         if token is not None:
+            _start_authenticator()
             public, secret = curve_server_keys(token)
             self._sock.curve_publickey, self._sock.curve_secretkey = public, secret
             self._sock.curve_server = True
+            self._sock.zap_domain = b"kvbridge"
         try:
             if port:
                 self._sock.bind(f"tcp://{host}:{port}")
@@ -127,11 +152,14 @@ class SideChannelServer:
             return 0
         while handled < max_messages:
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             handled += 1
-            self._serve(frames)
+            if self._token is not None and len(frames) > 1:
+                self.peer_key = str(frames[1].get("User-Id")).encode()
+            self._serve([f.bytes for f in frames])
+            self.peer_key = None
         return handled
 
     def _serve(self, frames: list[bytes]) -> None:
@@ -194,9 +222,11 @@ class SideChannelClient:
         token: bytes | None,
         max_bytes: int,
         liveness_timeout_s: float | None = None,
+        identity: Identity | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._token = token
+        self._identity = identity
         self._max_bytes = max_bytes
         self._liveness_ms = int(liveness_timeout_s * 1000) if liveness_timeout_s else 0
         # one routing id for every connection this client makes, so that a server's
@@ -223,7 +253,11 @@ class SideChannelClient:
         self._refused_since: float | None = None
         if self._token is not None:
             sock.curve_serverkey = curve_server_keys(self._token)[0]
-            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+            if self._identity is not None:  # the instance's own key: its id names it
+                sock.curve_publickey = self._identity.public
+                sock.curve_secretkey = self._identity.secret
+            else:
+                sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
         # closed in the safe order by `close`, or when this client is collected unclosed:
         # the finalizer holds both sockets, so neither is collected before it runs
         self._closer = weakref.finalize(self, _close_client_sockets, sock, self._monitor)

@@ -78,6 +78,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         check_vllm(vllm_config)
         self.settings = ConnectorSettings.from_extra_config(dict(kv.kv_connector_extra_config))
         self.instance_id = self.settings.instance_id or str(kv.engine_id)
+        if self.settings.identity is not None:  # every process reads the same key
+            self.instance_id = self.settings.identity.bind(self.instance_id)
         self.kv_role = str(kv.kv_role)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)

@@ -16,9 +16,11 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,20 @@ def kv_transfer_config(
             "kv_connector_extra_config": extra or {},
         }
     )
+
+
+def new_identity_file(name: str) -> str:
+    """A fresh instance key (`Identity`) in a new private directory: the
+    `identity_file` of one vLLM instance (remove it with `remove_identity_file`)."""
+    from kvbridge.transfer.identity import Identity  # ZMQ: not in the base install
+
+    path = os.path.join(tempfile.mkdtemp(prefix="kvbridge-identity-"), f"{name}.key")
+    Identity.generate().save(path)
+    return path
+
+
+def remove_identity_file(path: str) -> None:
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 def vllm_command(
@@ -203,11 +219,13 @@ def demo(cfg: VLLMDemoConfig) -> int:
     urls = []
     secret = {"KVBRIDGE_TRANSFER_TOKEN": secrets.token_hex(32)}
     server: ServerThread | None = None
+    keys: list[str] = []
     try:
         for name, core in (("prefill", 0), ("decode", 1)):
             tp, block = getattr(cfg, f"{name}_tp"), getattr(cfg, f"{name}_block_size")
             port = free_port()
-            kv = kv_transfer_config(extra=LOADED_HOST_SETTINGS)
+            keys.append(new_identity_file(name))
+            kv = kv_transfer_config(extra={**LOADED_HOST_SETTINGS, "identity_file": keys[-1]})
             cmd = vllm_command(model, port, tp, block, kv, *SMALL_HOST_ARGS)
             env = vllm_env(tp, core, cfg.prefill_tp + cfg.decode_tp) | secret
             procs.append(start(cmd, env, open(logs / f"{name}.log", "wb")))  # noqa: SIM115
@@ -259,3 +277,5 @@ def demo(cfg: VLLMDemoConfig) -> int:
             server.stop()
         for proc in reversed(procs):
             stop(proc)
+        for key in keys:
+            remove_identity_file(key)

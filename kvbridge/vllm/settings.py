@@ -14,6 +14,7 @@ from typing import Any
 
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.config import TransferConfig, load_token
+from kvbridge.transfer.identity import Identity
 
 #: kv_role -> (runs a producer, runs a consumer)
 ROLES = {
@@ -39,23 +40,29 @@ class ConnectorSettings:
         token_file: a file holding the shared token (else KVBRIDGE_TRANSFER_TOKEN or
             KVBRIDGE_TRANSFER_TOKEN_FILE); required unless the side channel is on loopback.
         claim_s: how long a pull capability stays valid after the prefill (seconds).
+        identity_file: a file (mode 600) holding this instance's own key
+            (`Identity.save`; `kvbridge.vllm.launch` makes one per instance): its
+            instance id becomes bound to it (``instance_id@fingerprint``), so no other
+            token holder can handshake or pull as this instance. Without it the id is
+            unbound: any token holder may claim it.
     """
 
     transfer: TransferConfig = field(default_factory=TransferConfig)
     instance_id: str | None = None
     token_file: str | None = None
     claim_s: float = 120.0
+    identity: Identity | None = None
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        own = ("instance_id", "token_file", "claim_s")
+        own = ("instance_id", "token_file", "claim_s", "identity_file")
         for key, value in extra.items():
             if key not in own and key not in TRANSFER_KEYS:
                 raise ConfigError(
                     f"kv_connector_extra_config.{key}={value!r} is not a KVBridgeConnector "
                     f"setting; use any of {', '.join(own + TRANSFER_KEYS)}"
                 )
-        for key in ("instance_id", "token_file"):
+        for key in ("instance_id", "token_file", "identity_file"):
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise ConfigError(
                     f"kv_connector_extra_config.{key}={extra[key]!r} must be a string"
@@ -74,7 +81,11 @@ class ConnectorSettings:
                 f"kv_connector_extra_config {kw} has a value of the wrong type ({exc}); "
                 "seconds and ports are numbers, hosts are strings"
             ) from None
-        return cls(transfer, extra.get("instance_id"), extra.get("token_file"), float(claim_s))
+        path = extra.get("identity_file")
+        identity = Identity.load(path, "kv_connector_extra_config.identity_file") if path else None
+        return cls(
+            transfer, extra.get("instance_id"), extra.get("token_file"), float(claim_s), identity
+        )
 
 
 def check_vllm(vllm_config: Any) -> None:

@@ -79,8 +79,12 @@ class WorkerSide:
             ):
                 if not wanted:
                     continue
+                identity = settings.identity
+                secret = (
+                    identity.secret.decode() if identity and role is ConnectorRole.CONSUMER else ""
+                )
                 wc = WorkerConnector(
-                    ConnectorSpec(role, instance_id, transfer),
+                    ConnectorSpec(role, instance_id, transfer, identity=secret),
                     model,
                     cache.layout,
                     rank,

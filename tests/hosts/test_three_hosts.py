@@ -9,6 +9,7 @@ import concurrent.futures
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -19,8 +20,9 @@ import pytest
 from kvbridge.harness.hosts import HostNetwork
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.wire import DecodeRequest
+from kvbridge.transfer.identity import bound_fingerprint
 from tests.hosts.helpers import LONG_PROMPT, MAX_QUEUED, VERIFY, ThreeHosts
-from tests.serve.helpers import complete
+from tests.serve.helpers import AUTH, TOKEN_FILE, complete
 
 pytestmark = pytest.mark.slow
 
@@ -93,6 +95,30 @@ def test_bad_callers_are_refused_while_good_ones_are_served(three_hosts: ThreeHo
                 r = httpx.post(url, content=huge, timeout=60, verify=VERIFY)
                 assert r.status_code == status, r.text
         assert good.result(timeout=300) == want
+
+
+def test_a_token_holder_cannot_claim_the_decode_instances_id(three_hosts: ThreeHosts) -> None:
+    """From the proxy host, a token holder sends the prefill instance's side channel a
+    Hello in the decode instance's name: refused, since that id names the decode's own
+    key (issue #21 item 3); the same Hello under another id gets as far as the model
+    check (the control: only the binding refused the first)."""
+    dep = three_hosts
+    with dep.proxy.inside():
+        ids = {}
+        for host in (dep.prefill, dep.decode):
+            r = httpx.get(f"{dep.url(host)}/internal/info", auth=AUTH, timeout=30, verify=VERIFY)
+            assert r.status_code == 200, r.text
+            ids[host.name] = r.json()
+        decode_id, endpoint = ids["decode"]["instance_id"], ids["prefill"]["endpoint"]
+        assert bound_fingerprint(decode_id) is not None, decode_id
+    # from a process of its own in the proxy host (ZMQ connects from its I/O thread's
+    # namespace, which is this process's first one)
+    argv = ["-m", "tests.hosts.claim_hello", endpoint, TOKEN_FILE, decode_id, "mallory"]
+    out = dep.proxy.run([sys.executable, *argv], timeout_s=120)
+    replies = [json.loads(line) for line in out.splitlines()]
+    assert replies[0]["kind"] == "auth" and decode_id in replies[0]["reason"], replies
+    assert replies[1]["kind"] == "incompatible", replies  # the control: only the binding
+    assert dep.complete("Still served:", 4)["choices"][0]["text"]
 
 
 def test_64_concurrent_streams_across_hosts_complete_and_leak_nothing(

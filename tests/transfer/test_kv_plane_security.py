@@ -13,10 +13,12 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
+from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import KVConsumer, TransferState
+from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.integrity import Integrity
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
 from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
@@ -56,7 +58,9 @@ def closes_consumers() -> Iterator[None]:
         _CONSUMERS.pop().close()
 
 
-def make_consumer(clock: Clock, instance_id: str = "D", rank: int = 0) -> KVConsumer:
+def make_consumer(
+    clock: Clock, instance_id: str = "D", rank: int = 0, identity: Identity | None = None
+) -> KVConsumer:
     consumer = KVConsumer(
         model=MODEL,
         layout=DECODE,
@@ -69,6 +73,7 @@ def make_consumer(clock: Clock, instance_id: str = "D", rank: int = 0) -> KVCons
         ),
         instance_id=instance_id,
         clock=clock,
+        identity=identity,
     )
     _CONSUMERS.append(consumer)
     return consumer
@@ -160,15 +165,47 @@ def test_forged_or_replayed_read_done_leaves_the_blocks_pinned_until_the_reader(
     p0.poll()
     assert released == [] and p0.num_replays == 1 and p0.num_pinned_blocks == 1
     # the real reader D (decode tp 2, rank 0 reads head 0 from prefill rank 0)
-    real.pull("victim", p0.endpoint, [3], [5], 4)
-    for _ in range(40):
-        p0.poll(5)
-        p1.poll(5)
-        real.poll()
-    notif = real.transport.reads[0][2]
+    notif = read_victim(p0, p1, real)
     deliver(p1, notif)  # replayed to the other prefill worker: not its session
     p1.poll()
     assert p1.num_replays == 1 and not [r for r in released if r.request_id == "victim"]
+    deliver(p0, notif)
+    p0.poll()
+    assert [(r.request_id, r.cause) for r in released] == [("victim", ReleaseCause.COMPLETED)]
+
+
+def read_victim(p0: KVProducer, p1: KVProducer, reader: KVConsumer) -> bytes:
+    """`reader` pulls "victim" (blocks [3], 4 tokens) from instance P: the notification
+    its READ carries (left undelivered)."""
+    reader.pull("victim", p0.endpoint, [3], [5], 4)
+    for _ in range(40):
+        p0.poll(5)
+        p1.poll(5)
+        reader.poll()
+    assert isinstance(reader.transport, FakeTransport)
+    return bytes(reader.transport.reads[0][2])
+
+
+def test_an_instance_id_bound_to_a_key_is_refused_to_every_other_key(pair) -> None:
+    """A decode instance's id names its key (issue #21 item 3): a token holder who
+    claims it with another key is refused at its Hello, so it has no session in which
+    to forge the reader's ReadDones or to replace its plan; the instance holding the
+    key handshakes, pulls and releases as before."""
+    p0, p1, released, clock = pair
+    key = Identity.generate()
+    reader = key.bind("decode")
+    for p in (p0, p1):
+        p.expose("victim", [3], 4, reader=reader)
+    refused = ask(p0, hello(reader, b"i" * 16))  # a token holder's own (ephemeral) key
+    assert isinstance(refused, Refused) and refused.kind == "auth", refused
+    assert reader in refused.reason and "another key" in refused.reason
+    assert isinstance(ask(p0, hello(reader + "0", b"j" * 16)), Welcome)  # unbound look-alike
+    with pytest.raises(ConfigError, match="bound to the key"):
+        make_consumer(clock, reader, identity=Identity.generate())
+    with pytest.raises(ConfigError, match="no identity"):
+        make_consumer(clock, reader)
+    real = make_consumer(clock, reader, identity=key)
+    notif = read_victim(p0, p1, real)
     deliver(p0, notif)
     p0.poll()
     assert [(r.request_id, r.cause) for r in released] == [("victim", ReleaseCause.COMPLETED)]

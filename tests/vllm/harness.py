@@ -26,6 +26,8 @@ from kvbridge.vllm.launch import (
     SMALL_HOST_ARGS,
     free_port,
     kv_transfer_config,
+    new_identity_file,
+    remove_identity_file,
     start,
     stop,
     vllm_command,
@@ -69,8 +71,11 @@ class VLLMServer:
         self.log_path = log_path
         self.tp_size = tp_size
         kv = None
+        self.identity_file: str | None = None
         if kv_role is not None:
-            settings = {**LOADED_HOST_SETTINGS, **(extra or {})}
+            self.identity_file = new_identity_file(model)
+            settings = {**LOADED_HOST_SETTINGS, "identity_file": self.identity_file}
+            settings |= extra or {}
             kv = kv_transfer_config(kv_role, settings, failure_policy)
         cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *SMALL_HOST_ARGS)
         env = vllm_env(tp_size, first_core, workers_on_host)
@@ -120,6 +125,8 @@ class VLLMServer:
     def stop(self) -> None:
         stop(self.proc)
         self._log.close()
+        if self.identity_file:
+            remove_identity_file(self.identity_file)
 
 
 class Proxy:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvbridge.errors import ConfigError
+from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.integrity import Integrity
 from kvbridge.vllm.settings import ConnectorSettings
 
@@ -23,7 +24,7 @@ def test_transfer_keys_reach_the_runtime_config() -> None:
     [
         (
             {"lease": 3},
-            r"kv_connector_extra_config.lease=3 is not a KVBridgeConnector setting; use any of instance_id, token_file, claim_s, host",
+            r"kv_connector_extra_config.lease=3 is not a KVBridgeConnector setting; use any of instance_id, token_file, claim_s, identity_file, host",
         ),
         ({"lease_s": 0}, r"lease_s=0 must be a positive number of seconds"),
         ({"claim_s": "x"}, r"claim_s='x' must be a positive number"),
@@ -36,3 +37,23 @@ def test_transfer_keys_reach_the_runtime_config() -> None:
 def test_bad_settings_are_refused_with_what_works(extra: dict, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         ConnectorSettings.from_extra_config(extra)
+
+
+def test_an_identity_file_binds_the_instance_id_to_its_key(tmp_path) -> None:
+    """`identity_file` (issue #21 item 3): every process of the instance reads the same
+    key, so they agree on the bound id; a file others may read, or not a key, is refused
+    at start-up naming the setting."""
+    key = Identity.generate()
+    path = tmp_path / "decode.key"
+    key.save(path)
+    s = ConnectorSettings.from_extra_config({"identity_file": str(path)})
+    assert s.identity == key and s.identity.bind("engine-1") == key.bind("engine-1")
+    assert key.bind("engine-1").startswith("engine-1@")
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match=r"identity_file=.* may be read by others.*chmod 600"):
+        ConnectorSettings.from_extra_config({"identity_file": str(path)})
+    bad = tmp_path / "bad.key"
+    bad.write_bytes(b"not a key")
+    bad.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"identity_file=.*not a CURVE secret key"):
+        ConnectorSettings.from_extra_config({"identity_file": str(bad)})
