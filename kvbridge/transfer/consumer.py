@@ -190,6 +190,8 @@ class KVConsumer:
         self._connecting: dict[str, ProducerInstance] = {}  # introductions in flight
         self._connect_deadline: dict[str, float] = {}
         self._settle_until: dict[str, float] = {}  # met; connections still being made
+        #: producers to meet afresh once no pull reads from them (`_forget_unreachable`)
+        self._remeet: dict[str, tuple[ProducerInstance, str]] = {}
         hello = Hello(
             instance_id=instance_id,
             rank=rank,
@@ -431,7 +433,11 @@ class KVConsumer:
             if not pull.xfers and self._confirmed(pull):
                 return
         if now >= pull.deadline:
-            self._finish(pull, TransferState.FAILED, self._timeout_reason(pull))
+            unconfirmed = pull.state is TransferState.READING and not pull.xfers
+            reason = self._timeout_reason(pull)
+            self._finish(pull, TransferState.FAILED, reason)
+            if unconfirmed:  # our session may be gone there (evicted): meet it afresh
+                self._remeet[inst.endpoint] = (inst, reason)
 
     def _confirmed(self, pull: _Pull) -> bool:
         """Take the ReadAcks of `pull` (every READ done): DONE once every producer
@@ -482,10 +488,19 @@ class KVConsumer:
         return True
 
     def _forget_unreachable(self) -> None:
-        """Forget idle producers whose side channel is down (`forget_unreachable`)."""
-        self.directory.forget_unreachable(
-            [p.instance for p in self._pulls.values()] + list(self._connecting.values())
-        )
+        """Forget idle producers whose side channel is down (`forget_unreachable`), and
+        those that left a pull's READs unconfirmed until its timeout: a producer that
+        evicted our session ignores our ReadDones (it cannot tell us: their signature
+        names a session it no longer has), so every later pull would time out the same
+        way; the next pull or introduction handshakes afresh instead."""
+        in_use = [p.instance for p in self._pulls.values()] + list(self._connecting.values())
+        self.directory.forget_unreachable(in_use)
+        for endpoint, (inst, reason) in list(self._remeet.items()):
+            if any(i is inst for i in in_use):
+                continue
+            del self._remeet[endpoint]
+            if self.directory.find(endpoint) is inst:
+                self.directory.forget(inst, f"{reason}; meeting it afresh")
 
     def _abandon_lost(self) -> None:
         """Fail the pulls reading from a producer worker whose side channel is down (its

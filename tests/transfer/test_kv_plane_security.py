@@ -251,6 +251,51 @@ def test_a_hello_flood_leaves_the_real_peer_working(pair) -> None:
     assert [(r.request_id, r.cause) for r in released] == [("warm", ReleaseCause.COMPLETED)]
 
 
+def test_a_decode_worker_whose_session_was_evicted_meets_the_producer_afresh(pair) -> None:
+    """A decode worker idle past the session windows has its session evicted by a flood
+    of Hellos; the producer then ignores its ReadDones (their signature names a session
+    it no longer has), so that pull fails at its timeout, waiting for the ReadAck. The
+    next pull handshakes afresh and completes (issue #21 item 3), instead of every
+    later pull timing out the same way."""
+    p0, p1, released, clock = pair
+    real = make_consumer(clock, "D")
+    for p in (p0, p1):
+        p.expose("r1", [1], 4)
+    real.pull("r1", p0.endpoint, [1], [2], 4)
+    drive(p0, [real], rounds=30)
+    p1.poll(5)
+    assert isinstance(real.transport, FakeTransport)
+    real.transport.read_state = XferState.DONE
+    deliver(p0, real.transport.reads[-1][2])
+    (first,) = drive(p0, [real], rounds=30)
+    assert first.state is TransferState.DONE
+    clock.now += 1000  # past every session window (grace, lease): D is idle
+    p0._sessions.max_sessions = len(p0._sessions) + 8
+    for i in range(40):  # a token holder's flood, fresh ids and nonces
+        ask(p0, hello(f"flood-{i}", i.to_bytes(16, "big")))
+    assert ("D", 0) not in p0._sessions.peers()  # evicted
+    for p in (p0, p1):
+        p.expose("r2", [3], 4, reader="D")
+    real.pull("r2", p0.endpoint, [3], [5], 4)
+    drive(p0, [real], rounds=30)
+    deliver(p0, real.transport.reads[-1][2])  # ignored: its session is gone
+    assert drive(p0, [real], rounds=30) == []
+    clock.now += 6  # past the transfer timeout (5 s), within the lease (10 s)
+    (stale,) = drive(p0, [real], rounds=5)
+    assert stale.state is TransferState.FAILED and "ReadAck" in stale.reason, stale.reason
+    assert p0.num_pinned_blocks == 1  # r2 stays pinned until its lease: never completed
+    clock.now += 10  # the flood's sessions are no longer young: room for a newcomer
+    for p in (p0, p1):
+        p.expose("r3", [4], 4, reader="D")
+    real.pull("r3", p0.endpoint, [4], [6], 4)  # meets P afresh: a new session
+    drive(p0, [real], rounds=30)
+    assert ("D", 0) in p0._sessions.peers()
+    deliver(p0, real.transport.reads[-1][2])
+    (third,) = drive(p0, [real], rounds=30)
+    assert third.state is TransferState.DONE, third.reason
+    assert ("r3", ReleaseCause.COMPLETED) in [(r.request_id, r.cause) for r in released]
+
+
 class Relay:
     """A TCP relay between a consumer and a producer's side channel that keeps a copy of
     every byte in both directions (what someone on the path sees)."""
