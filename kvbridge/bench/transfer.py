@@ -111,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="check each pull's digest (on), never (off) or one request in "
         f"{SAMPLE_EVERY} (sample; default %(default)s), to see what the check costs",
     )
+    parser.add_argument(
+        "--kv-export",
+        choices=["inline", "process", "both"],
+        default="inline",
+        help="where the decode workers read the prefill KV from: the prefill worker's own "
+        "agent (inline, default), an export process mapping only the KV (process, "
+        "kvbridge serve's default with a token), or both, measured in the same run",
+    )
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object")
     parser.add_argument(
         "--backend-param",
@@ -146,6 +154,8 @@ class Row:
     hosts: bool = False  # prefill and decode workers on two test hosts (TCP)
     #: --hosts: the same bytes as one single-descriptor WRITE per decode worker
     single_write_ms: float | None = None
+    #: where the prefill KV was read from: "inline" (the worker's agent) or "process"
+    kv_export: str = "inline"
 
 
 def run_transfer_bench(args: argparse.Namespace) -> int:
@@ -199,7 +209,21 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
     del src_buf, dst_buf
     t_mem = statistics.median(mem_s)
     sent = hosts[0].bytes_sent() if hosts else 0
-    rows = [_measure_pair(args, model, pair, repeat, params, t_mem, hosts) for pair in pairs]
+    modes = ["inline", "process"] if args.kv_export == "both" else [args.kv_export]
+    rows = [
+        _measure_pair(args, model, pair, repeat, params, t_mem, hosts, mode)
+        for pair in pairs
+        for mode in modes
+    ]
+    # what exporting the KV from a process of its own costs, pair by pair
+    export_cost = (
+        [
+            (f"{a.prefill_layout} -> {a.decode_layout}", b.plan_ms / a.plan_ms)
+            for a, b in zip(rows[::2], rows[1::2], strict=True)
+        ]
+        if len(modes) == 2
+        else []
+    )
     # each pair moves (repeat + 1) requests through the plan and repeat single READs
     link_bytes = hosts[0].bytes_sent() - sent if hosts else 0
 
@@ -224,13 +248,16 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
         out["tcp_streams"] = streams if hosts else None
         out["link_ratio"] = link_ratio
         out["link_bytes"] = link_bytes if hosts else None
+        out["export_cost"] = export_cost[0][1] if export_cost else None
         print(json.dumps(out))
         return 0
     print(f"{'':44} {'ms':>8} {'GB/s':>7} {'vs (a)':>7} {'vs (b)':>7} {'descriptors':>12}")
     for r in rows:
         t_raw, t_plan = r.single_read_ms, r.plan_ms
+        label = f"plan, {r.prefill_layout} -> {r.decode_layout}"
+        label += f" ({r.kv_export})" if len(modes) == 2 else ""
         print(
-            f"{'plan, ' + r.prefill_layout + ' -> ' + r.decode_layout:44} {t_plan:8.1f} "
+            f"{label:44} {t_plan:8.1f} "
             f"{_gbps(total, t_plan / 1e3):7.2f} {t_raw / t_plan:7.2f} {t_mem * 1e3 / t_plan:7.2f} "
             f"{r.descriptors:12d}"
         )
@@ -265,6 +292,9 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
             f"indices; NIXL joins consecutive ones), {r.run_bytes} B per descriptor; "
             f"plan / (a) = {r.ratio:.2f}"
         )
+    for pair_name, cost in export_cost:
+        print(f"{pair_name}: the KV read from an export process takes {cost:.2f}x the plan "
+              "from the prefill worker's own agent (kv_export process / inline)")  # fmt: skip
     r = rows[0]
     print(
         f"target plan / (a) >= 0.8 for {r.prefill_layout} -> {r.decode_layout}: "
@@ -289,9 +319,11 @@ def _measure_pair(
     params: dict[str, str],
     t_mem: float,
     hosts: tuple[TestHost, TestHost] | None,
+    kv_export: str = "inline",
 ) -> Row:
     """Start one prefill and one decode instance of worker processes in these layouts
-    and time the plan's transfer and (a), alternating, in the same processes."""
+    (the prefill KV read as `kv_export` says) and time the plan's transfer and (a),
+    alternating, in the same processes."""
     from kvbridge.harness.check import make_workload
     from kvbridge.harness.cluster import Cluster
 
@@ -324,6 +356,7 @@ def _measure_pair(
             lease_s=600,
             token=token,
             integrity=args.kv_integrity,
+            kv_export=kv_export,
             **on_prefill,
         )
         dec = c.start(
@@ -357,7 +390,7 @@ def _measure_pair(
                 continue  # warm-up: handshakes
             plan_s.append(seconds)
             raw_s.append(_raw(c, plan, pre.workers, dec.workers, per_decode, readers, False))
-            if hosts is not None:
+            if hosts is not None and kv_export == "inline":  # an export maps it read-only
                 write_s.append(_raw(c, plan, pre.workers, dec.workers, per_decode, readers, True))
     t_plan, t_raw = statistics.median(plan_s), statistics.median(raw_s)
     unmerged, merged, indices = descs
@@ -377,6 +410,7 @@ def _measure_pair(
         auth=args.auth,
         hosts=hosts is not None,
         single_write_ms=statistics.median(write_s) * 1e3 if write_s else None,
+        kv_export=kv_export,
     )
 
 

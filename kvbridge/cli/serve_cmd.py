@@ -24,6 +24,7 @@ from kvbridge.cli.plan_cmd import layout_arg
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP
 from kvbridge.serve.config import Engine, InstanceConfig, ProxyConfig
+from kvbridge.transfer.config import KVExport
 from kvbridge.transfer.integrity import SAMPLE_EVERY, Integrity
 
 #: The flags' defaults are InstanceConfig's (the one declaration of each setting);
@@ -83,6 +84,15 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         help="decode: check each pulled request's bytes against the prefill's digest of "
         "them (a mismatch is a failed pull): on, off, or sample (one request in "
         f"{SAMPLE_EVERY}; default %(default)s)",
+    )
+    p.add_argument(
+        "--kv-export",
+        choices=[m.value for m in KVExport],
+        default=_DEFAULTS["kv_export"].value,
+        help="prefill: where decode workers read the KV from: an export process per worker "
+        "that maps only the KV, read-only (process), the worker's own NIXL agent, which "
+        "on CMA and TCP lets a peer holding the secret address the whole worker (inline), "
+        "or process when a shared secret is set and inline otherwise (auto; default)",
     )
     p.add_argument(
         "--lease-s",
@@ -345,6 +355,7 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         insecure=args.insecure,
         kv_load_failure=KVLoadFailure(args.kv_load_failure),
         kv_integrity=Integrity(args.kv_integrity),
+        kv_export=KVExport(args.kv_export),
         lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s,
         liveness_timeout_s=args.liveness_timeout_s,

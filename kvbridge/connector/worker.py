@@ -34,6 +34,7 @@ from kvbridge.transfer.connector import (
 
 if TYPE_CHECKING:
     from kvbridge.transfer.agent import Transport
+    from kvbridge.transfer.export import SharedSegment
 
 
 class KVConnectorWorker:
@@ -62,10 +63,16 @@ class KVConnectorWorker:
 
     # -- start-up -------------------------------------------------------------------------
     def register_kv_caches(
-        self, kv_cache: Any, num_blocks: int, transport: Transport | None = None
+        self,
+        kv_cache: Any,
+        num_blocks: int,
+        transport: Transport | None = None,
+        segment: SharedSegment | None = None,
     ) -> None:
         """Register this worker's cache (one tensor in the layout's axis order, cut into
-        the planner's regions) with the transfer runtime; once, before any order."""
+        the planner's regions) with the transfer runtime; once, before any order. With
+        `segment` (the shared memory the tensor lies in), a producer may export it from a
+        process of its own (`TransferConfig.kv_export`)."""
         from kvbridge.transfer.regions import CacheRegions
 
         regions = num_regions(self.model, self.layout, self.layout.workers(self.model)[self.rank])
@@ -77,6 +84,7 @@ class KVConnectorWorker:
             CacheRegions.from_tensor(kv_cache, regions),
             num_blocks,
             transport=transport,
+            segment=segment,
         )
 
     def get_handshake_metadata(self) -> str:

@@ -54,6 +54,12 @@ class Executor(abc.ABC):
         """Stop the workers; idempotent."""
 
 
+def shares_kv(spec: ConnectorSpec | None) -> bool:
+    """Whether a worker of `spec` allocates its KV cache in shared memory: a producer
+    that exports it from a process of its own (`TransferConfig.kv_export`)."""
+    return spec is not None and spec.exports_kv
+
+
 def make_worker_connector(
     runner: ModelRunner, config: EngineConfig, rank: int, spec: ConnectorSpec | None
 ) -> KVConnectorWorker | None:
@@ -62,7 +68,9 @@ def make_worker_connector(
         return None
     model = runner.model_config.kv_spec(config.kv_dtype)
     worker = KVConnectorWorker(spec, model, config.layout(), rank)
-    worker.register_kv_caches(runner.kv_cache.tensor, runner.kv_cache.num_blocks)
+    worker.register_kv_caches(
+        runner.kv_cache.tensor, runner.kv_cache.num_blocks, segment=runner.kv_cache.segment
+    )
     return worker
 
 
@@ -80,7 +88,9 @@ class InProcessExecutor(Executor):
         connector: ConnectorSpec | None = None,
     ) -> None:
         torch.set_num_threads(config.num_threads or 2)
-        self.runner = ModelRunner(model_path, config, SingleProcessCommunicator(), progress)
+        self.runner = ModelRunner(
+            model_path, config, SingleProcessCommunicator(), progress, shares_kv(connector)
+        )
         self.info = self.runner.info()
         self.connector = make_worker_connector(self.runner, config, 0, connector)
 

@@ -20,15 +20,23 @@ The tensor is allocated and zero-filled (touched) up front: copying into never-t
 pages is several times slower (docs/benchmarks.md). Its memory comes from numpy, which
 asks the kernel for transparent huge pages on large arrays (torch's CPU allocator does
 not): NIXL reads a cache between processes page by page (UCX's CMA transport), and
-huge pages make those reads faster (docs/benchmarks.md).
+huge pages make those reads faster (docs/benchmarks.md). With `shared`, the memory is a
+shared-memory segment instead (`kvbridge.transfer.export.SharedSegment`), which a KV export
+process maps read-only so that peers never read this worker's own memory; it gets no huge
+pages where the host keeps them off shared memory (docs/benchmarks.md).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvbridge.plan.layout import InstanceLayout
+
+if TYPE_CHECKING:
+    from kvbridge.transfer.export import SharedSegment
 
 
 class KVCache:
@@ -42,6 +50,7 @@ class KVCache:
         num_local_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        shared: bool = False,
     ) -> None:
         self.layout = layout
         self.block_size = layout.block_size
@@ -57,11 +66,20 @@ class KVCache:
                 "C": head_dim,
             }
         )
-        # numpy's unsigned integers of the same width, viewed as `dtype`; fill_ writes
-        # every page (np.zeros may get lazily-mapped zero pages)
-        raw = np.empty(shape, dtype=f"u{dtype.itemsize}")
-        self.tensor = torch.from_numpy(raw).view(dtype)
-        self.tensor.fill_(0)
+        self.segment: SharedSegment | None = None
+        if shared:
+            from kvbridge.transfer.export import SharedSegment
+
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            self.segment = SharedSegment(nbytes)  # zero-filled, every page touched
+            raw = self.segment.array.view(f"u{dtype.itemsize}").reshape(shape)
+            self.tensor = torch.from_numpy(raw).view(dtype)
+        else:
+            # numpy's unsigned integers of the same width, viewed as `dtype`; fill_
+            # writes every page (np.zeros may get lazily-mapped zero pages)
+            raw = np.empty(shape, dtype=f"u{dtype.itemsize}")
+            self.tensor = torch.from_numpy(raw).view(dtype)
+            self.tensor.fill_(0)
         self.heads = self.tensor.permute(order.permutation("LKHBNC"))  # strided view
         self.num_local_heads = num_local_heads
         self.head_dim = head_dim

@@ -32,6 +32,7 @@ class ModelRunner:
         config: EngineConfig,
         comm: Communicator,
         progress: Progress | None = None,
+        shared_kv: bool = False,
     ) -> None:
         source = open_weights(model_path, progress if comm.rank == 0 else None)
         self.model_config = source.config
@@ -58,6 +59,7 @@ class ModelRunner:
             heads,
             mc.head_dim,
             dtype,
+            shared=shared_kv,
         )
 
     def info(self) -> RunnerInfo:

@@ -24,7 +24,7 @@ from kvbridge.connector import ConnectorMetadata, ConnectorSpec, KVWorkerOutput
 from kvbridge.connector.metadata import encode, metadata_decoder, output_decoder
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.errors import WorkerError
-from kvbridge.engine.executor import Executor, make_worker_connector
+from kvbridge.engine.executor import Executor, make_worker_connector, shares_kv
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.parallel import ParallelError, WorkerContext, WorkerGroup
 from kvbridge.engine.step import StepBatch, StepResult, info_decoder, result_decoder, step_decoder
@@ -56,7 +56,9 @@ def worker_entry(ctx: WorkerContext) -> None:
         if total and (done == total or done % max(1, total // 5) == 0):
             ctx.report_progress(f"{stage} {done}/{total}")
 
-    runner = ModelRunner(Path(init.model_path), config, ctx.comm, progress)
+    runner = ModelRunner(
+        Path(init.model_path), config, ctx.comm, progress, shares_kv(init.connector)
+    )
     connector = make_worker_connector(runner, config, ctx.rank, init.connector)
 
     def handle(method: str, payload: bytes) -> bytes:

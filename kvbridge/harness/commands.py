@@ -53,6 +53,9 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     max_units: int = 1 << 22  # TransferConfig.max_units (tests force the exact-list path)
     #: `Integrity` value: the harness checks every pull's digests unless told otherwise
     integrity: str = "on"
+    #: "process": a prefill worker's cache and scratch lie in shared memory, read by
+    #: peers from an export process (`kvbridge.transfer.export`); "inline": its own agent
+    kv_export: str = "inline"
     netns: str = ""  # run on this test host (harness.hosts): its network namespace
     hostname: str = ""  # ... under this hostname, in UTS and IPC namespaces of its own
 

@@ -46,6 +46,7 @@ from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.integrity import Integrity
 
 if TYPE_CHECKING:
+    from kvbridge.transfer.agent import Transport
     from kvbridge.transfer.consumer import KVConsumer
     from kvbridge.transfer.producer import KVProducer, Release
 
@@ -102,27 +103,47 @@ class _Worker:
         self.shard = self.layout.workers(model, spec.role)[spec.rank]
         self.kv_model = model.with_dtype(self.layout.kv_dtype(model))
         fills = [s.to_request() for s in spec.fill]
+        shape = cache_shape(self.kv_model, self.layout, self.shard, spec.num_blocks)
+        dtype = np.dtype(uint_dtype(self.kv_model.itemsize))
+        segment = None
+        if spec.role == "prefill" and spec.kv_export == "process":  # cache, scratch in it
+            from kvbridge.transfer.export import SharedSegment
+
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            segment = SharedSegment(nbytes + max(spec.scratch_bytes, 1))
+            self.cache = segment.array[:nbytes].view(dtype).reshape(shape)
+            self.scratch = segment.array[nbytes:]
+        else:
+            self.cache = np.empty(shape, dtype=dtype)
+            self.scratch = np.empty(max(spec.scratch_bytes, 1), dtype=np.uint8)
         if spec.pattern:
             # touched up front: registering and reading never-touched pages is slow
-            self.cache = fill_worker_cache(
+            self.cache[...] = fill_worker_cache(
                 self.kv_model, self.layout, self.shard, spec.num_blocks, fills, spec.salt
             )
         else:
-            shape = cache_shape(self.kv_model, self.layout, self.shard, spec.num_blocks)
-            self.cache = np.full(shape, spec.salt, dtype=uint_dtype(self.kv_model.itemsize))
+            self.cache.fill(spec.salt)
+        self.scratch.fill(1)  # touched
         self.initial = self.cache.copy() if spec.role == "decode" and spec.pattern else None
         regions = CacheRegions.from_array(
             self.cache, num_regions(self.kv_model, self.layout, self.shard)
         )
-        self.transport = NixlTransport(
-            f"{spec.instance_id}-{spec.role}-{spec.rank}-{os.getpid()}",
-            regions,
-            spec.backend_params,
-            net_device=device_of(spec.host),
-        )
-        self.scratch = np.ones(max(spec.scratch_bytes, 1), dtype=np.uint8)  # touched
-        if spec.scratch_bytes:
-            self.transport.register(CacheRegions.from_array(self.scratch[None, :]))
+        name = f"{spec.instance_id}-{spec.role}-{spec.rank}-{os.getpid()}"
+        scratch = CacheRegions.from_array(self.scratch[None, :])
+        self.transport: Transport
+        if segment is not None:
+            from kvbridge.transfer.export import ExportedTransport
+
+            self.transport = ExportedTransport(
+                name, regions, segment, spec.backend_params, device_of(spec.host)
+            )
+        else:
+            nixl = NixlTransport(name, regions, spec.backend_params, device_of(spec.host))
+            if spec.scratch_bytes:
+                nixl.register(scratch)
+            self.transport = nixl
+        #: where peers read the scratch buffer (the export process maps it elsewhere)
+        self.scratch_addr = self.transport.peer_regions(scratch).addresses[0]
         config = TransferConfig(
             host=spec.host,
             base_port=spec.base_port,
@@ -168,7 +189,7 @@ class _Worker:
                 endpoint,
                 os.getpid(),
                 self.transport.name,
-                self.scratch.ctypes.data if self.spec.scratch_bytes else 0,
+                self.scratch_addr if self.spec.scratch_bytes else 0,
             ),
         )
         # A producer polls its side channel with a 1 ms timeout (that is its sleep); a
@@ -209,10 +230,11 @@ class _Worker:
             self.transport.close()
 
     def _raw_read(self, cmd: RawRead) -> None:
-        from kvbridge.transfer.agent import XferState
+        from kvbridge.transfer.agent import NixlTransport, XferState
         from kvbridge.transfer.regions import MemType
 
         t = self.transport
+        assert isinstance(t, NixlTransport), "a raw READ is posted by a decode worker's agent"
         local = t.prep_local(np.array([[self.scratch.ctypes.data, cmd.nbytes, 0]], np.uint64))
         remote = t.prep_remote(
             cmd.agent_name, np.array([[cmd.remote_addr, cmd.nbytes, 0]], np.uint64), MemType.DRAM

@@ -45,6 +45,7 @@ class Transport(Protocol):
     name: str
 
     def metadata(self) -> bytes: ...
+    def peer_regions(self, regions: CacheRegions) -> CacheRegions: ...
     def add_peer(self, metadata: bytes) -> str: ...
     def remove_peer(self, peer: str) -> None: ...
     def prep_local(self, descs: np.ndarray) -> Any: ...
@@ -111,6 +112,10 @@ class NixlTransport:
 
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
+
+    def peer_regions(self, regions: CacheRegions) -> CacheRegions:
+        """Where peers address `regions` (registered here: the same addresses)."""
+        return regions
 
     def add_peer(self, metadata: bytes) -> str:
         try:

@@ -5,6 +5,7 @@ Times are seconds. Every wait the runtime does is bounded by one of them.
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import os
 from dataclasses import dataclass
@@ -20,6 +21,19 @@ TOKEN_FILE_ENV = "KVBRIDGE_TRANSFER_TOKEN_FILE"
 #: Default cap on one side-channel message; a handshake reply is a few KiB plus the
 #: NIXL agent metadata (which grows with registered regions), so 4 MiB is generous.
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+
+
+class KVExport(enum.Enum):
+    """Which process a prefill worker's peers read its KV from (`kvbridge.transfer.export`)."""
+
+    #: an export process of its own that maps only the KV (read-only) and runs the agent
+    PROCESS = "process"
+    #: the worker's own agent: a peer holding its metadata can address the whole worker
+    #: on software transports (CMA, TCP)
+    INLINE = "inline"
+    #: PROCESS when the deployment has a token and the cache is in shared memory (the
+    #: reference engine's), INLINE otherwise (no token: loopback peers, unauthenticated)
+    AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,7 @@ class TransferConfig:
         integrity: whether a consumer checks a digest of what it pulled against the
             producer's (`integrity.py`): every pull, none, or a sample (the default:
             the check costs more than a same-host pull; docs/benchmarks.md).
+        kv_export: which process peers read a prefill worker's KV from (`KVExport`).
     """
 
     host: str = "127.0.0.1"
@@ -66,6 +81,7 @@ class TransferConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_units: int = 1 << 22
     integrity: Integrity = Integrity.SAMPLE
+    kv_export: KVExport = KVExport.AUTO
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_port < 65536:
@@ -76,14 +92,17 @@ class TransferConfig:
             value = getattr(self, field)
             if not value > 0:
                 raise ConfigError(f"{field}={value!r} must be a positive number of seconds")
-        if not isinstance(self.integrity, Integrity):  # a name, from a JSON or vLLM config
-            try:
-                object.__setattr__(self, "integrity", Integrity(self.integrity))
-            except ValueError:
-                names = ", ".join(m.value for m in Integrity)
-                raise ConfigError(
-                    f"integrity={self.integrity!r} is not a KV integrity mode; use {names}"
-                ) from None
+        for field, kind, what in (
+            ("integrity", Integrity, "KV integrity mode"),
+            ("kv_export", KVExport, "KV export mode"),
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, kind):  # a name, from a JSON or vLLM config
+                try:
+                    object.__setattr__(self, field, kind(value))
+                except ValueError:
+                    names = ", ".join(m.value for m in kind)
+                    raise ConfigError(f"{field}={value!r} is not a {what}; use {names}") from None
         if self.max_message_bytes < 4096:
             raise ConfigError(
                 f"max_message_bytes={self.max_message_bytes} is too small for a handshake; "
@@ -110,6 +129,14 @@ class TransferConfig:
     def reachable_host(self) -> str:
         """The address peers use to reach this worker."""
         return self.advertise_host or self.host
+
+    @property
+    def wants_export_process(self) -> bool:
+        """Whether a producer whose cache is in shared memory exports it from a process
+        of its own (`KVExport`)."""
+        if self.kv_export is KVExport.AUTO:
+            return self.token is not None
+        return self.kv_export is KVExport.PROCESS
 
     def port_of(self, rank: int) -> int:
         """The side-channel port worker `rank` binds (0: any free port)."""

@@ -49,14 +49,16 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
-from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.config import KVExport, TransferConfig
 from kvbridge.transfer.errors import TransferError
 
 if TYPE_CHECKING:
     from kvbridge.transfer.agent import Transport
     from kvbridge.transfer.consumer import KVConsumer
+    from kvbridge.transfer.export import SharedSegment
     from kvbridge.transfer.producer import KVProducer
     from kvbridge.transfer.progress import ProgressThread
     from kvbridge.transfer.regions import CacheRegions
@@ -84,6 +86,12 @@ class ConnectorSpec(msgspec.Struct, frozen=True):
     #: workers: their side-channel connections present it, and `instance_id` names it
     #: (`Identity.bind`); "" for none (an ephemeral key per connection, an unbound id)
     identity: str = ""
+
+    @property
+    def exports_kv(self) -> bool:
+        """Whether a producer worker of this spec wants its KV exported from a process
+        of its own, its cache in shared memory (`TransferConfig.kv_export`)."""
+        return self.role is ConnectorRole.PRODUCER and self.transfer.wants_export_process
 
 
 class GetEndpoint(msgspec.Struct, frozen=True, tag="endpoint"):
@@ -214,13 +222,16 @@ class WorkerConnector:
         num_blocks: int,
         transport: Transport | None = None,
         progress_thread: bool = True,
+        segment: SharedSegment | None = None,
     ) -> None:
         from kvbridge.transfer.progress import threads_on_every_cpu
 
         # the agent's, the side channel's and the progress thread are made here: none
         # inherits a core the engine pinned its calling thread to
         with threads_on_every_cpu():
-            self._init(spec, model, layout, rank, regions, num_blocks, transport, progress_thread)
+            self._init(
+                spec, model, layout, rank, regions, num_blocks, transport, progress_thread, segment
+            )
 
     def _init(
         self,
@@ -232,6 +243,7 @@ class WorkerConnector:
         num_blocks: int,
         transport: Transport | None,
         progress_thread: bool,
+        segment: SharedSegment | None,
     ) -> None:
         from kvbridge.transfer.agent import NixlTransport
         from kvbridge.transfer.consumer import KVConsumer
@@ -240,11 +252,17 @@ class WorkerConnector:
         from kvbridge.transfer.producer import KVProducer
 
         self.role = spec.role
-        self.transport = transport or NixlTransport(
-            f"{spec.instance_id}-{spec.role.value}-{rank}",
-            regions,
-            net_device=device_of(spec.transfer.reachable_host),
-        )
+        name = f"{spec.instance_id}-{spec.role.value}-{rank}"
+        net_device = device_of(spec.transfer.reachable_host)
+        if transport is not None:
+            self.transport = transport
+        elif self.exports_kv(spec, segment):
+            from kvbridge.transfer.export import ExportedTransport
+
+            assert segment is not None
+            self.transport = ExportedTransport(name, regions, segment, net_device=net_device)
+        else:
+            self.transport = NixlTransport(name, regions, net_device=net_device)
         common: dict[str, Any] = dict(
             model=model,
             layout=layout,
@@ -285,6 +303,21 @@ class WorkerConnector:
             self.progress = ProgressThread(
                 self._progress_step, f"kv-progress-{spec.role.value}-{rank}"
             ).start()
+
+    @staticmethod
+    def exports_kv(spec: ConnectorSpec, segment: SharedSegment | None) -> bool:
+        """Whether a worker of `spec` with its cache in `segment` (None: its own memory)
+        gives peers an export process's agent (`TransferConfig.kv_export`); ConfigError
+        if `kv_export` asks for one the cache cannot have."""
+        if spec.role is not ConnectorRole.PRODUCER:
+            return False
+        if spec.transfer.kv_export is KVExport.PROCESS and segment is None:
+            raise ConfigError(
+                "kv_export='process' needs the KV cache in shared memory, and this engine "
+                "allocated its own (vLLM does); use kv_export='inline' (or 'auto', which "
+                "picks it for such a cache)"
+            )
+        return segment is not None and spec.exports_kv
 
     def handle(self, request: ConnectorRequest) -> ConnectorReply:
         """Serve one driver request; raises a KVBridgeError on a bad one, or if the

@@ -517,13 +517,14 @@ class KVProducer:
                 exc,
             )
             return Refused(kind=exc.kind, reason=str(exc))
+        exported = self.transport.peer_regions(self.regions)
         return Welcome(
             instance_id=self.instance_id,
             rank=self.rank,
             model=ModelWire.of(self.model),
             layout=LayoutWire.of(self.layout),
             num_blocks=self.num_blocks,
-            regions=list(zip(self.regions.addresses, self.regions.lengths, strict=True)),
+            regions=list(zip(exported.addresses, exported.lengths, strict=True)),
             mem_type=self.regions.mem_type.value,
             device_id=self.regions.device_id,
             agent_name=self.transport.name,

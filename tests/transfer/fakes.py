@@ -41,6 +41,9 @@ class FakeTransport:
     def metadata(self) -> bytes:
         return f"md:{self.name}".encode()
 
+    def peer_regions(self, regions: CacheRegions) -> CacheRegions:
+        return regions
+
     def add_peer(self, metadata: bytes) -> str:
         name = metadata.decode().removeprefix("md:")
         self.peers.append(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,10 +167,17 @@ def test_bench_transfer_json_has_the_pair_the_baselines_the_descriptors_and_the_
 
 
 def test_bench_transfer_prints_a_mixed_pair_and_refuses_a_bad_layout() -> None:
+    """(And the KV read from export processes beside the workers' own agents.)"""
     args = ["--tokens", "40", "--repeat", "1", "--no-compare", "--no-floor"]
-    out = bench_transfer(*args, "--prefill-layout", "LBHNC", "--decode-layout", "BHLNC")
+    pair = ["--prefill-layout", "LBHNC", "--decode-layout", "BHLNC"]
+    out = bench_transfer(*args, *pair, "--kv-export", "both")
     assert out.returncode == 0, out.stderr
-    assert "plan, LBHNC -> BHLNC" in out.stdout and "(b) in-process memcpy" in out.stdout
+    assert "plan, LBHNC -> BHLNC (inline)" in out.stdout and "(b) in-process memcpy" in out.stdout
+    assert "plan, LBHNC -> BHLNC (process)" in out.stdout
+    cost = re.search(
+        r"LBHNC -> BHLNC: the KV read from an export process takes ([\d.]+)x", out.stdout
+    )
+    assert cost is not None and float(cost.group(1)) > 0
     assert "target plan / (a) >= 0.8 for LBHNC -> BHLNC" in out.stdout
     out = bench_transfer(*args, "--layout", "BHL")
     assert out.returncode == 2 and "cache layout='BHL' is not a valid axis order" in out.stderr

@@ -5,12 +5,16 @@ so notifications are handed over as NIXL would deliver them."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 
 from kvbridge.errors import ConfigError
@@ -24,7 +28,18 @@ from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, We
 from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
 from kvbridge.transfer.side_channel import SideChannelClient
 
-from .fakes import DECODE, MODEL, NUM_BLOCKS, Clock, FakeTransport, deliver, drive, regions, signed
+from .fakes import (
+    DECODE,
+    MODEL,
+    NUM_BLOCKS,
+    PREFILL,
+    Clock,
+    FakeTransport,
+    deliver,
+    drive,
+    regions,
+    signed,
+)
 
 TOKEN = b"a-shared-secret-of-the-deployment"
 TP2 = InstanceLayout(tp_size=2)
@@ -420,3 +435,156 @@ def test_a_capability_binds_its_prompt_and_opens_one_pull() -> None:
     redeemed.redeem(msgspec.structs.replace(cap, request_id="r2"))  # another one is new
     redeemed.redeem(cap, now=cap.expires_at + 1)  # expired: forgotten (check refuses it)
     assert len(redeemed) == 1
+
+
+# -- what a token holder reaches with a prefill worker's NIXL metadata (real agents) -------
+def widened(welcome: Welcome) -> bytes:
+    """The Welcome's agent metadata with its region's bounds widened to the whole address
+    space (what an attacker edits in its own copy; software transports do not check)."""
+    (addr, length), md = welcome.regions[0], welcome.agent_metadata
+    at = md.find(addr.to_bytes(8, "little") + length.to_bytes(8, "little"))
+    assert at > 0, "the region's address and length are in the metadata"
+    return (
+        md[:at] + (0x1000).to_bytes(8, "little") + (1 << 47).to_bytes(8, "little") + md[at + 16 :]
+    )
+
+
+class Attacker:
+    """A token holder's own NIXL agent with a small buffer, reading and writing at will."""
+
+    def __init__(self, welcome: Welcome, pump: Callable[[], object]) -> None:
+        from kvbridge.transfer.agent import NixlTransport
+        from kvbridge.transfer.regions import CacheRegions
+
+        self.buf = np.zeros(64, dtype=np.uint8)
+        self.agent = NixlTransport("attacker", CacheRegions.from_array(self.buf[None, :]))
+        self.peer = self.agent.add_peer(widened(welcome))
+        self.pump = pump  # the prefill worker's polls (its agent's progress)
+
+    def op(self, write: bool, addr: int) -> str:
+        """READ 64 bytes at `addr` of the peer into `buf` (or WRITE `buf` there)."""
+        from kvbridge.transfer.errors import TransferError
+        from kvbridge.transfer.regions import MemType
+
+        local = self.agent.prep_local(np.array([[self.buf.ctypes.data, 64, 0]], dtype=np.uint64))
+        remote = self.agent.prep_remote(
+            self.peer, np.array([[addr, 64, 0]], dtype=np.uint64), MemType.DRAM
+        )
+        idx = np.zeros(1, dtype=np.int32)
+        try:
+            post = self.agent.write if write else self.agent.read
+            xfer, state = post(local, idx, remote, idx, b"")
+            deadline = time.monotonic() + 10
+            while state is XferState.PROC and time.monotonic() < deadline:
+                self.pump()
+                state = self.agent.state(xfer)
+            self.agent.release(xfer)
+            return state.value
+        except TransferError as exc:
+            return f"refused: {exc}"
+        finally:
+            self.agent.release_dlist(local)
+            self.agent.release_dlist(remote)
+
+    def close(self) -> None:
+        self.agent.remove_peer(self.peer)
+        self.agent.close()
+
+
+@pytest.fixture
+def exporting(request, monkeypatch) -> Iterator[tuple[Any, np.ndarray, str]]:
+    """A prefill worker's connector (instance "P", tp 1, a token) over a cache in shared
+    memory, with `kv_export` as parametrized; and that cache as bytes."""
+    from kvbridge.transfer.connector import ConnectorRole, ConnectorSpec, WorkerConnector
+    from kvbridge.transfer.export import SharedSegment
+    from kvbridge.transfer.regions import CacheRegions
+
+    monkeypatch.setenv("KVBRIDGE_TRANSFER_TOKEN", TOKEN.decode())  # never the export's
+    mode, _, over = request.param.partition(" over ")
+    if over:  # UCX's transport for the export's agent and the attacker's
+        monkeypatch.setenv("UCX_TLS", over)
+    size = regions(PREFILL, 0).lengths[0]
+    segment = SharedSegment(size)
+    config = TransferConfig(token=TOKEN, kv_export=mode, handshake_timeout_s=2)
+    wc = WorkerConnector(
+        ConnectorSpec(ConnectorRole.PRODUCER, "P", config),
+        MODEL,
+        PREFILL,
+        0,
+        CacheRegions.from_array(segment.array[None, :]),
+        NUM_BLOCKS,
+        progress_thread=False,
+        segment=segment,
+    )
+    segment.array[:] = np.arange(size, dtype=np.uint64).astype(np.uint8)  # the KV
+    yield wc, segment.array, mode
+    wc.close()
+
+
+@pytest.mark.parametrize("exporting", ["process", "inline"], indirect=True)
+def test_a_token_holder_reaches_only_the_exported_kv_and_cannot_write_it(exporting) -> None:
+    """Issue #21 item 4: with bounds widened in its copy of the metadata, a token holder
+    read the prefill worker's heap and wrote its cache (inline, the control). With the
+    KV exported from a process of its own (the default with a token) the worker's memory
+    is not in the address space it reads, and the export maps the KV read-only."""
+    wc, kv, mode = exporting
+    secret = np.frombuffer(os.urandom(64), dtype=np.uint8).copy()  # in the worker's heap
+    welcome = ask(wc.producer, hello("D", os.urandom(16)))
+    assert isinstance(welcome, Welcome)
+    attacker = Attacker(welcome, lambda: wc.producer.poll(1))
+    try:
+        assert attacker.op(False, welcome.regions[0][0] + 128) == "DONE"  # granted: the KV
+        assert bytes(attacker.buf) == bytes(kv[128:192])
+        heap = (attacker.op(False, secret.ctypes.data), bytes(attacker.buf))
+        attacker.buf[:] = 0xEE
+        wrote = attacker.op(True, welcome.regions[0][0])
+        if mode == "inline":  # the control: the attack works
+            assert heap == ("DONE", bytes(secret))
+            assert wrote == "DONE" and (kv[:64] == 0xEE).all()
+            return
+        assert heap[1] != bytes(secret), f"read the worker's heap ({heap[0]})"
+        assert wrote != "DONE" and (kv[:64] == np.arange(64)).all(), "wrote the KV"
+    finally:
+        attacker.close()
+    export = wc.transport
+    environ = Path(f"/proc/{export.pid}/environ").read_bytes()
+    assert TOKEN not in environ and b"KVBRIDGE_TRANSFER_TOKEN" not in environ
+    assert TOKEN not in Path(f"/proc/{export.pid}/cmdline").read_bytes()
+
+
+@pytest.mark.parametrize("exporting", ["process over tcp"], indirect=True)
+def test_a_write_that_crashes_the_export_leaves_the_worker_serving(exporting) -> None:
+    """Issue #21 item 4: one bad operation of a token holder killed the prefill instance.
+    Over TCP, UCX writes for the peer inside the target process: a WRITE into the
+    read-only KV crashes the export process, not the worker, whose next poll starts a
+    new one (a new agent); a decode worker meeting it afresh reads the KV again."""
+    wc, kv, _ = exporting
+    export = wc.transport
+    first_pid, first_name = export.pid, export.name
+    welcome = ask(wc.producer, hello("D", os.urandom(16)))
+    assert isinstance(welcome, Welcome)
+    attacker = Attacker(welcome, lambda: wc.producer.poll(1))
+    try:
+        assert attacker.op(False, welcome.regions[0][0]) == "DONE"
+        attacker.buf[:] = 0xEE
+        assert attacker.op(True, welcome.regions[0][0] + 64) != "DONE"
+        deadline = time.monotonic() + 10
+        while export.num_restarts == 0 and time.monotonic() < deadline:
+            wc.producer.poll(1)  # finds the export process gone, starts another
+        assert export.num_restarts == 1 and export.pid != first_pid
+        assert export.name == f"{first_name}.1"
+        assert (kv[64:128] == np.arange(64, 128)).all()  # the KV was not written
+        assert attacker.op(False, welcome.regions[0][0]) != "DONE"  # the old agent is gone
+    finally:
+        attacker.close()
+    again = ask(wc.producer, hello("D", os.urandom(16)))
+    assert isinstance(again, Welcome) and again.agent_name == export.name
+    reader = Attacker(again, lambda: wc.producer.poll(1))
+    try:
+        assert reader.op(False, again.regions[0][0] + 256) == "DONE"
+        assert bytes(reader.buf) == bytes(kv[256:320])
+    finally:
+        reader.close()
+    pid = export.pid
+    wc.close()
+    assert not Path(f"/proc/{pid}").exists()  # ended with its worker's connector

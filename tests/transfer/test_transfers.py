@@ -105,3 +105,15 @@ def test_a_partial_pull_moves_only_the_missing_tokens(start: int) -> None:
     from kvbridge.plan.planner import make_plan
 
     assert report.bytes == 2 * (50 - start) * make_plan(model, prefill, decode).bytes_per_token
+
+
+def test_kv_exported_from_a_process_of_its_own_arrives_byte_exact() -> None:
+    """Prefill workers whose cache lies in shared memory, read by the decode workers from
+    an export process each (`kv_export="process"`, kvbridge serve's default with a
+    token): the same bytes as from the workers' own agents."""
+    model, prefill, decode = CASES["3->9, BHLNC->LBNHC"]
+    report = run_check(
+        model, prefill, decode, num_requests=3, num_tokens=37, timeout_s=60, kv_export="process"
+    )
+    assert report.failures == []
+    assert report.verified

@@ -1,0 +1,423 @@
+"""KV export: peers read a prefill worker's KV from a process that holds nothing else.
+
+On the software transports used on CPU (same host: CMA; across hosts: UCX over TCP)
+UCX does not enforce registration bounds: a peer holding an agent's metadata can read
+(and write) any address of the agent's process, and a READ of an unmapped address over
+TCP crashes it. So a prefill worker does not give peers its own agent. Its cache lives in
+a shared-memory segment (`SharedSegment`, a memfd), and a small *export process* per
+worker maps that segment read-only and runs the NIXL agent peers read from
+(`ExportedTransport`). What a peer can address there is the exported KV, the export
+process's own Python and NIXL state, and nothing of the worker: no secret (its
+environment is scrubbed and it is never given the token), no prompt, no weights, no other
+request's state than KV. The mapping is read-only, so a WRITE into it fails (CMA) or
+crashes the export process (TCP); a crash fails only the pulls reading from it at that
+moment, and the worker starts a new export process at its next poll (new agent name and
+metadata: a decode worker whose READ fails meets the producer afresh).
+
+The export process is passive: the worker asks it to poll its agent at the worker's own
+cadence (`notifs`, as it polled its own agent before), and it answers with the
+notifications that arrived (decode workers' ReadDones). Between polls it blocks on its
+control pipe: no spin, no CPU when idle. Wire: the start-up settings as typed JSON on
+its command line (no secret in them), frames of typed msgpack on a pipe of its own
+(never pickle); it ends when its control pipe closes (the worker closed it or died).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvbridge.transfer.agent import XferState
+from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.regions import CacheRegions, MemType
+
+log = logging.getLogger("kvbridge.transfer.export")
+
+#: How long a worker waits for a new export process to report its agent.
+START_TIMEOUT_S = 60.0
+#: Most bytes one frame from the export process may hold (its agent metadata is ~1 KiB).
+MAX_FRAME_BYTES = 16 << 20
+#: Most notifications one frame carries (the rest follow in the next).
+MAX_NOTIFS_PER_FRAME = 4096
+#: Environment variables an export process inherits (UCX's and NIXL's settings, what
+#: finds Python and its libraries); nothing else, so no secret passed by environment.
+_ENV_PREFIXES = ("UCX_", "NIXL_")
+_ENV_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "HOME", "TMPDIR", "LANG")
+_HEADER = struct.Struct("<I")
+
+
+class SharedSegment:
+    """`size` bytes of shared memory (a memfd), mapped read-write in this process as
+    `array` (uint8); an export process maps the same pages read-only. The pages are
+    zero-filled and touched here (copies into never-touched pages are slow)."""
+
+    def __init__(self, size: int, name: str = "kvbridge-kv") -> None:
+        if size <= 0:
+            raise TransferError(f"a shared KV segment needs a positive size; got {size}")
+        self.size = size
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
+        except OSError as exc:
+            os.close(self.fd)
+            raise TransferError(f"cannot map {size} bytes of shared memory: {exc}") from exc
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # huge pages where the host allows them for
+            self._map.madvise(mmap.MADV_HUGEPAGE)  # shared memory (docs/benchmarks.md)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self.array.fill(0)
+
+    @property
+    def base(self) -> int:
+        return int(self.array.ctypes.data)
+
+    def offsets(self, regions: CacheRegions) -> list[tuple[int, int]]:
+        """(offset, length) of each of `regions` in this segment; TransferError if one
+        lies outside it."""
+        out = []
+        for addr, length in zip(regions.addresses, regions.lengths, strict=True):
+            off = addr - self.base
+            if off < 0 or off + length > self.size:
+                raise TransferError(
+                    f"cache region at {addr:#x} ({length} bytes) is not in the shared KV "
+                    f"segment [{self.base:#x}, +{self.size}); allocate the cache from it"
+                )
+            out.append((off, length))
+        return out
+
+
+class ExportInit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The export process's settings (its command line: no secret in them)."""
+
+    agent_name: str
+    size: int  # the segment's, registered whole (the cache regions lie in it)
+    fd: int  # the segment's memfd, inherited
+    events_fd: int  # the pipe it writes frames to, inherited
+    net_device: str | None = None
+    backend_params: dict[str, str] = {}
+
+
+class ExportReady(msgspec.Struct, frozen=True, tag="ready"):
+    agent_name: str
+    metadata: bytes
+    base: int  # where the segment is mapped in the export process
+
+
+class ExportFailed(msgspec.Struct, frozen=True, tag="failed"):
+    reason: str
+
+
+class ExportNotifs(msgspec.Struct, frozen=True, tag="notifs"):
+    items: list[tuple[str, bytes]]  # (sender agent, notification), in arrival order
+
+
+ExportEvent = ExportReady | ExportFailed | ExportNotifs
+_decoder = msgspec.msgpack.Decoder(ExportEvent)
+_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass
+class _Child:
+    proc: subprocess.Popen[bytes]
+    events: int  # read end of its events pipe (non-blocking)
+    buf: bytearray = field(default_factory=bytearray)
+    ready: ExportReady | None = None
+    failed: str = ""
+    eof: bool = False
+
+
+class ExportedTransport:
+    """The producer-side `Transport` of a worker whose cache is in `segment`: peers read
+    from an export process's agent, which registers the whole segment (see the module
+    docstring); `peer_regions` says where a region of it lies there. Only what a producer
+    uses is served (`metadata`, `notifs`, `peer_regions`, `close`); a producer never
+    reads, so the reading methods raise.
+
+    Args:
+        name: agent name; the n-th restart's agent is named ``{name}.{n}``.
+        regions: the worker's cache regions, all inside `segment`.
+        segment: the shared memory holding them.
+        backend_params, net_device: as for `NixlTransport`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        regions: CacheRegions,
+        segment: SharedSegment,
+        backend_params: dict[str, str] | None = None,
+        net_device: str | None = None,
+    ) -> None:
+        if regions.mem_type is not MemType.DRAM:
+            raise TransferError("kv_export=process exports host memory (DRAM) only")
+        self.regions = regions
+        self._segment = segment
+        segment.offsets(regions)  # all inside it
+        self._base_name = name
+        self._backend_params = dict(backend_params or {})
+        self._net_device = net_device
+        self.num_restarts = 0
+        self._child = self._start(name)
+        self.name = name
+
+    # -- Transport ------------------------------------------------------------------------
+    def metadata(self) -> bytes:
+        self._check()
+        assert self._child.ready is not None
+        return self._child.ready.metadata
+
+    def peer_regions(self, regions: CacheRegions) -> CacheRegions:
+        """Where peers read `regions`: the same offsets of the export process's mapping."""
+        self._check()
+        assert self._child.ready is not None
+        base = self._child.ready.base
+        offs = self._segment.offsets(regions)
+        return CacheRegions(tuple(base + o for o, _ in offs), regions.lengths, regions.mem_type, 0)
+
+    def notifs(self) -> dict[str, list[bytes]]:
+        """Ask the export process to poll its agent; take the notifications it sent so
+        far. A dead export process is replaced first (logged with its exit status)."""
+        self._check()
+        try:
+            os.write(self._child.proc.stdin.fileno(), b"p")  # type: ignore[union-attr]
+        except BlockingIOError:
+            pass  # it has polls queued already
+        except OSError:
+            self._child.eof = True
+        out: dict[str, list[bytes]] = {}
+        for ev in self._read(self._child):
+            if isinstance(ev, ExportNotifs):
+                for sender, msg in ev.items:
+                    out.setdefault(sender, []).append(msg)
+        return out
+
+    def close(self) -> None:
+        _stop(self._child)
+
+    def add_peer(self, metadata: bytes) -> str:
+        raise self._producer_only("add_peer")
+
+    def remove_peer(self, peer: str) -> None:
+        raise self._producer_only("remove_peer")
+
+    def prep_local(self, descs: np.ndarray) -> Any:
+        raise self._producer_only("prep_local")
+
+    def prep_remote(self, peer: str, descs: np.ndarray, mem_type: MemType) -> Any:
+        raise self._producer_only("prep_remote")
+
+    def release_dlist(self, handle: Any) -> None:
+        raise self._producer_only("release_dlist")
+
+    def read(
+        self, local: Any, local_idx: np.ndarray, remote: Any, remote_idx: np.ndarray, notif: bytes
+    ) -> tuple[Any, XferState]:
+        raise self._producer_only("read")
+
+    def state(self, xfer: Any) -> XferState:
+        raise self._producer_only("state")
+
+    def release(self, xfer: Any) -> bool:
+        raise self._producer_only("release")
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        raise self._producer_only("send_notif")
+
+    @property
+    def pid(self) -> int:
+        """The export process's pid (for tests and logs)."""
+        return int(self._child.proc.pid)
+
+    # -- internals -------------------------------------------------------------------------
+    def _producer_only(self, what: str) -> TransferError:
+        return TransferError(f"{what}: an exported KV transport serves peers' READs only")
+
+    def _check(self) -> None:
+        """Replace the export process if it ended."""
+        child = self._child
+        if child.proc.poll() is None and not child.eof:
+            return
+        status = _exit_status(child)
+        self.num_restarts += 1
+        name = f"{self._base_name}.{self.num_restarts}"
+        log.warning(
+            "the KV export process of %s ended (%s); pulls reading from it fail and are "
+            "recomputed; starting a new one as %s",
+            self._base_name,
+            status,
+            name,
+        )
+        _stop(child)
+        self._child = self._start(name)
+        self.name = name
+
+    def _start(self, name: str) -> _Child:
+        rfd, wfd = os.pipe()
+        init = ExportInit(
+            agent_name=name,
+            size=self._segment.size,
+            fd=self._segment.fd,
+            events_fd=wfd,
+            net_device=self._net_device,
+            backend_params=self._backend_params,
+        )
+        env = {
+            k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES
+        }
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvbridge.transfer.export", msgspec.json.encode(init)],
+                stdin=subprocess.PIPE,
+                stdout=2,  # UCX may log to stdout: onto our stderr, off any pipe of ours
+                pass_fds=(self._segment.fd, wfd),
+                env=env,
+            )
+        except OSError as exc:
+            os.close(rfd)
+            raise TransferError(f"cannot start the KV export process: {exc}") from exc
+        finally:
+            os.close(wfd)
+        assert proc.stdin is not None
+        os.set_blocking(proc.stdin.fileno(), False)
+        os.set_blocking(rfd, False)
+        child = _Child(proc, rfd)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while child.ready is None:
+            for ev in self._read(child, wait_s=0.05):
+                if isinstance(ev, ExportFailed):
+                    child.failed = ev.reason
+            if child.failed or child.eof or proc.poll() is not None:
+                reason = child.failed or _exit_status(child)
+                _stop(child)
+                raise TransferError(f"the KV export process {name!r} failed to start: {reason}")
+            if time.monotonic() > deadline:
+                _stop(child)
+                raise TransferError(
+                    f"the KV export process {name!r} did not report its agent within "
+                    f"{START_TIMEOUT_S:g} s"
+                )
+        return child
+
+    def _read(self, child: _Child, wait_s: float = 0.0) -> list[ExportEvent]:
+        """Frames `child` wrote so far (waiting up to `wait_s` for the first bytes)."""
+        if wait_s and not child.buf:
+            import select
+
+            select.select([child.events], [], [], wait_s)
+        while True:
+            try:
+                data = os.read(child.events, 1 << 16)
+            except BlockingIOError:
+                break
+            if not data:
+                child.eof = True
+                break
+            child.buf += data
+        out: list[ExportEvent] = []
+        while len(child.buf) >= _HEADER.size:
+            (n,) = _HEADER.unpack_from(child.buf)
+            if n > MAX_FRAME_BYTES:
+                child.failed = f"sent a frame of {n} bytes (at most {MAX_FRAME_BYTES})"
+                child.eof = True
+                break
+            if len(child.buf) < _HEADER.size + n:
+                break
+            frame = bytes(child.buf[_HEADER.size : _HEADER.size + n])
+            del child.buf[: _HEADER.size + n]
+            ev = _decoder.decode(frame)
+            if isinstance(ev, ExportReady):
+                child.ready = ev
+            out.append(ev)
+        return out
+
+
+def _exit_status(child: _Child) -> str:
+    code = child.proc.poll()
+    if code is None:
+        return child.failed or "its event pipe closed"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit status {code}" + (f": {child.failed}" if child.failed else "")
+
+
+def _stop(child: _Child) -> None:
+    """End `child` (closing its control pipe ends it; killed if it does not) and close
+    our end of its pipes."""
+    if child.proc.stdin is not None and not child.proc.stdin.closed:
+        with contextlib.suppress(OSError):
+            child.proc.stdin.close()
+    try:
+        child.proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        child.proc.kill()
+        child.proc.wait(timeout=5)
+    if child.events >= 0:
+        os.close(child.events)
+        child.events = -1
+
+
+# -- the export process ---------------------------------------------------------------------
+def _send(fd: int, ev: ExportEvent) -> None:
+    data = _encoder.encode(ev)
+    data = _HEADER.pack(len(data)) + data
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def main(argv: list[str]) -> int:
+    """The export process: map the segment read-only, register it, report the agent,
+    then poll the agent whenever asked until the control pipe (stdin) closes."""
+    import resource
+
+    init = msgspec.json.decode(argv[1].encode(), type=ExportInit)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash leaves no core of the KV
+    try:
+        from kvbridge.transfer.agent import NixlTransport
+
+        seg = mmap.mmap(init.fd, init.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        os.close(init.fd)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # map the worker's huge pages as such
+            seg.madvise(mmap.MADV_HUGEPAGE)
+        view = np.frombuffer(seg, dtype=np.uint8)
+        int(view[:: mmap.PAGESIZE].sum())  # map every page now, not at peers' first READs
+        base = int(view.ctypes.data)
+        agent = NixlTransport(
+            init.agent_name,
+            CacheRegions((base,), (init.size,)),
+            init.backend_params,
+            init.net_device,
+        )
+        _send(init.events_fd, ExportReady(init.agent_name, agent.metadata(), base))
+    except Exception as exc:
+        _send(init.events_fd, ExportFailed(f"{type(exc).__name__}: {exc}"))
+        return 1
+    while True:
+        try:
+            asked = os.read(0, 4096)
+        except InterruptedError:
+            continue
+        if not asked:  # the worker closed the pipe or died
+            agent.close()
+            return 0
+        items = [(s, m) for s, msgs in agent.notifs().items() for m in msgs]
+        for i in range(0, len(items), MAX_NOTIFS_PER_FRAME):
+            try:
+                _send(init.events_fd, ExportNotifs(items[i : i + MAX_NOTIFS_PER_FRAME]))
+            except BrokenPipeError:
+                return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
