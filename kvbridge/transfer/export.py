@@ -9,10 +9,14 @@ worker maps that segment read-only and runs the NIXL agent peers read from
 (`ExportedTransport`). What a peer can address there is the exported KV, the export
 process's own Python and NIXL state, and nothing of the worker: no secret (its
 environment is scrubbed and it is never given the token), no prompt, no weights, no other
-request's state than KV. The mapping is read-only, so a WRITE into it fails (CMA) or
-crashes the export process (TCP); a crash fails only the pulls reading from it at that
-moment, and the worker starts a new export process at its next poll (new agent name and
-metadata: a decode worker whose READ fails meets the producer afresh).
+request's state than KV. The mapping is read-only (from a read-only descriptor: it cannot
+be made writable), so a WRITE into it fails (CMA) or crashes the export process (TCP);
+a crash fails only the pulls reading from it at that moment, and the worker starts a new
+export process at its next poll (new agent name and metadata: a decode worker whose READ
+fails meets the producer afresh). A peer may still write into the export process's own
+memory on these transports; once its agent is up the export process runs under a seccomp
+filter (`sandbox.py`) that refuses opening files, running programs and reaching other
+processes, so taking it over leads nowhere else.
 
 The export process is passive: the worker asks it to poll its agent at the worker's own
 cadence (`notifs`, as it polled its own agent before), and it answers with the
@@ -113,6 +117,7 @@ class ExportReady(msgspec.Struct, frozen=True, tag="ready"):
     agent_name: str
     metadata: bytes
     base: int  # where the segment is mapped in the export process
+    sandboxed: bool  # its seccomp filter is installed (`sandbox.py`)
 
 
 class ExportFailed(msgspec.Struct, frozen=True, tag="failed"):
@@ -165,11 +170,18 @@ class ExportedTransport:
         self.regions = regions
         self._segment = segment
         segment.offsets(regions)  # all inside it
+        # what the export process gets: the segment opened read-only, so no mapping of
+        # it there can ever be made writable (mprotect checks the file's mode)
+        self._ro_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDONLY | os.O_CLOEXEC)
         self._base_name = name
         self._backend_params = dict(backend_params or {})
         self._net_device = net_device
         self.num_restarts = 0
-        self._child = self._start(name)
+        try:
+            self._child = self._start(name)
+        except BaseException:
+            os.close(self._ro_fd)
+            raise
         self.name = name
 
     # -- Transport ------------------------------------------------------------------------
@@ -205,6 +217,9 @@ class ExportedTransport:
 
     def close(self) -> None:
         _stop(self._child)
+        if self._ro_fd >= 0:
+            os.close(self._ro_fd)
+            self._ro_fd = -1
 
     def add_peer(self, metadata: bytes) -> str:
         raise self._producer_only("add_peer")
@@ -268,7 +283,7 @@ class ExportedTransport:
         init = ExportInit(
             agent_name=name,
             size=self._segment.size,
-            fd=self._segment.fd,
+            fd=self._ro_fd,
             events_fd=wfd,
             net_device=self._net_device,
             backend_params=self._backend_params,
@@ -281,7 +296,7 @@ class ExportedTransport:
                 [sys.executable, "-m", "kvbridge.transfer.export", msgspec.json.encode(init)],
                 stdin=subprocess.PIPE,
                 stdout=2,  # UCX may log to stdout: onto our stderr, off any pipe of ours
-                pass_fds=(self._segment.fd, wfd),
+                pass_fds=(self._ro_fd, wfd),
                 env=env,
             )
         except OSError as exc:
@@ -298,6 +313,14 @@ class ExportedTransport:
             for ev in self._read(child, wait_s=0.05):
                 if isinstance(ev, ExportFailed):
                     child.failed = ev.reason
+                elif isinstance(ev, ExportReady) and not ev.sandboxed:
+                    log.warning(
+                        "the KV export process %s runs without its seccomp filter (no filter "
+                        "for this machine, %s): a peer that takes it over may open files "
+                        "and reach other processes of this user",
+                        name,
+                        os.uname().machine,
+                    )
             if child.failed or child.eof or proc.poll() is not None:
                 reason = child.failed or _exit_status(child)
                 _stop(child)
@@ -399,7 +422,11 @@ def main(argv: list[str]) -> int:
             init.backend_params,
             init.net_device,
         )
-        _send(init.events_fd, ExportReady(init.agent_name, agent.metadata(), base))
+        metadata = agent.metadata()
+        from kvbridge.transfer.sandbox import deny_escape
+
+        sandboxed = deny_escape()  # from here on: no file opened, no other process reached
+        _send(init.events_fd, ExportReady(init.agent_name, metadata, base, sandboxed))
     except Exception as exc:
         _send(init.events_fd, ExportFailed(f"{type(exc).__name__}: {exc}"))
         return 1

@@ -546,10 +546,13 @@ def test_a_token_holder_reaches_only_the_exported_kv_and_cannot_write_it(exporti
         assert wrote != "DONE" and (kv[:64] == np.arange(64)).all(), "wrote the KV"
     finally:
         attacker.close()
-    export = wc.transport
-    environ = Path(f"/proc/{export.pid}/environ").read_bytes()
+    proc = Path(f"/proc/{wc.transport.pid}")
+    environ = (proc / "environ").read_bytes()
     assert TOKEN not in environ and b"KVBRIDGE_TRANSFER_TOKEN" not in environ
-    assert TOKEN not in Path(f"/proc/{export.pid}/cmdline").read_bytes()
+    assert TOKEN not in (proc / "cmdline").read_bytes()
+    kv_maps = [ln for ln in (proc / "maps").read_text().splitlines() if "kvbridge-kv" in ln]
+    assert kv_maps and all(ln.split()[1] == "r--s" for ln in kv_maps)  # read-only, shared
+    assert "Seccomp:\t2" in (proc / "status").read_text()  # its filter (test_sandbox.py)
 
 
 @pytest.mark.parametrize("exporting", ["process over tcp"], indirect=True)

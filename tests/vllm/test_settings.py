@@ -32,6 +32,8 @@ def test_transfer_keys_reach_the_runtime_config() -> None:
         ({"host": "10.0.0.1", "advertise_host": "10.0.0.1"}, r"needs a shared secret"),
         ({"instance_id": 3}, r"instance_id=3 must be a string"),
         ({"integrity": "maybe"}, r"integrity='maybe' is not a KV integrity mode; use on, off"),
+        ({"kv_export": "elsewhere"}, r"kv_export='elsewhere' is not a KV export mode; use"),
+        ({"kv_export": "process"}, r"kv_export='process' needs the KV cache in shared memory"),
     ],
 )
 def test_bad_settings_are_refused_with_what_works(extra: dict, words: str) -> None:
