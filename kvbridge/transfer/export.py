@@ -291,6 +291,10 @@ class ExportedTransport:
         env = {
             k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES
         }
+        # Over TCP, UCX reads /sys/class/net and /proc/net/route at each new connection to
+        # estimate the link's speed; the sandbox refuses the opens and UCX warns each
+        # time (and uses its defaults). Its errors still show; a user's level wins.
+        env.setdefault("UCX_LOG_LEVEL", "error")
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kvbridge.transfer.export", msgspec.json.encode(init)],

@@ -9,7 +9,10 @@ refuses with EPERM every system call that opens a file (so also /proc/PID/mem), 
 program, reads or writes another process's memory (ptrace, process_vm_readv/writev,
 pidfd_getfd) or signals a process (kill). Its KV mapping is read-only from a read-only
 file descriptor (`export.py`), so it cannot be made writable either. What stays allowed
-is what serving READs needs: its pipes, sockets, memory, threads.
+is what serving READs needs: its pipes, sockets, memory, threads. (UCX over TCP opens
+/sys/class/net/IF and /proc/net/route at each new connection to estimate the link's speed;
+refused, it falls back to its defaults, and the export process keeps UCX's warnings
+about it quiet.)
 
 Linux on x86-64 and AArch64; elsewhere `deny_escape` returns False and the export
 process runs without the filter (the caller logs it).

@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
@@ -21,6 +22,7 @@ from kvbridge.harness.hosts import HostNetwork
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.wire import DecodeRequest
 from kvbridge.transfer.identity import bound_fingerprint
+from tests.conftest import smollm2_gguf
 from tests.hosts.helpers import LONG_PROMPT, MAX_QUEUED, VERIFY, ThreeHosts
 from tests.serve.helpers import AUTH, TOKEN_FILE, complete
 
@@ -119,6 +121,56 @@ def test_a_token_holder_cannot_claim_the_decode_instances_id(three_hosts: ThreeH
     assert replies[0]["kind"] == "auth" and decode_id in replies[0]["reason"], replies
     assert replies[1]["kind"] == "incompatible", replies  # the control: only the binding
     assert dep.complete("Still served:", 4)["choices"][0]["text"]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def _instance_process(host) -> int:
+    """The pid (as the test sees it) of the instance process on `host`."""
+    for pid in host.pids():
+        argv = _cmdline(pid).split(b"\0")
+        if b"python" in argv[0] and b"kvbridge.serve.instance_main" in argv:
+            return pid
+    raise AssertionError(f"no instance process on host {host.name}")
+
+
+def test_a_token_holder_reads_nothing_of_the_prefill_process_and_cannot_stop_it(
+    three_hosts: ThreeHosts,
+) -> None:
+    """Issue #21 item 4 over the test hosts' network (UCX over TCP): from the proxy host,
+    a token holder widens the region bounds in its copy of the prefill worker's NIXL
+    metadata and READs the prefill process's libc code at its address there. Before the
+    KV export it got those bytes (and a READ of an unmapped address killed the instance);
+    now its peer is the export process, which has no such mapping at that address: it
+    gets other bytes or none (the export process crashes on it and is replaced), and the
+    instance serves on, token-exact."""
+    dep = three_hosts
+    prompt = "Name a river in Europe."
+    want_text = dep.colocated(prompt, 4)
+    with dep.proxy.inside():
+        r = httpx.get(f"{dep.url(dep.prefill)}/internal/info", auth=AUTH, timeout=30, verify=VERIFY)
+        assert r.status_code == 200, r.text
+        endpoint = r.json()["endpoint"]
+    worker = _instance_process(dep.prefill)
+    maps = Path(f"/proc/{worker}/maps").read_text().splitlines()
+    libc = next(ln for ln in maps if "libc.so" in ln and ln.split()[1] == "r-xp")
+    address = int(libc.split("-")[0], 16)
+    with open(f"/proc/{worker}/mem", "rb") as mem:  # what the attacker is after
+        mem.seek(address)
+        secret = mem.read(64)
+    argv = ["-m", "tests.hosts.read_peer", endpoint, TOKEN_FILE, str(smollm2_gguf())]
+    out = json.loads(dep.proxy.run([sys.executable, *argv, hex(address), "64"], timeout_s=120))
+    assert bytes.fromhex(out["data"]) != secret, f"read the prefill process ({out['state']})"
+    assert _instance_process(dep.prefill) == worker  # the instance lives on
+    assert dep.complete(prompt, 4)["choices"][0]["text"] == want_text
+    if out["state"] != "DONE":  # the export process died of it: another one serves
+        replaced = f'"agent_name":"{out["agent"]}.1"'.encode()
+        assert any(replaced in _cmdline(pid) for pid in dep.prefill.pids()), out
 
 
 def test_64_concurrent_streams_across_hosts_complete_and_leak_nothing(
