@@ -11,8 +11,8 @@ pidfd_getfd) or signals a process (kill). Its KV mapping is read-only from a rea
 file descriptor (`export.py`), so it cannot be made writable either. What stays allowed
 is what serving READs needs: its pipes, sockets, memory, threads. (UCX over TCP opens
 /sys/class/net/IF and /proc/net/route at each new connection to estimate the link's speed;
-refused, it falls back to its defaults, and the export process keeps UCX's warnings
-about it quiet.)
+refused, it logs a warning and an error and falls back to its defaults; the export
+process runs UCX with only fatal errors logged unless UCX_LOG_LEVEL is set.)
 
 Linux on x86-64 and AArch64; elsewhere `deny_escape` returns False and the export
 process runs without the filter (the caller logs it).
