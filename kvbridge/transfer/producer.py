@@ -504,7 +504,13 @@ class KVProducer:
             return Refused(kind="incompatible", reason=spec_error(exc))
         try:
             _, nonce = self._sessions.open(
-                msg.instance_id, msg.rank, msg.nonce, plan, self._is_reading, peer
+                msg.instance_id,
+                msg.rank,
+                msg.nonce,
+                plan,
+                self._is_reading,
+                peer,
+                self._server.peer_address or "",
             )
         except SessionRefused as exc:
             if exc.kind == "replay":

@@ -9,7 +9,9 @@ a peer in use):
 
   * each Hello nonce is answered once (a replayed Hello is refused), within a bounded
     memory of recent nonces;
-  * at most `MAX_PER_PEER` sessions per decode worker, `max_sessions` in all;
+  * at most `MAX_PER_PEER` sessions per decode worker, a quarter of `max_sessions` per
+    network address they come from (so a flood from one host, even of fresh keys and
+    bound ids, leaves room for the others), `max_sessions` in all;
   * room is made by evicting the least recently used *inactive* session; a session is
     active while it is young (`grace_s`: its first pull may still be in flight), while
     it notified within `active_s`, or while its instance reads a pinned request. When
@@ -44,6 +46,8 @@ class Session:
     last_notified: float | None = None
     #: the ZMQ routing id of the decode worker's side channel (`ReadAck`s go there)
     peer: bytes = b""
+    #: the network address the Hello came from ("" if unknown)
+    source: str = ""
 
 
 class SessionRefused(Exception):
@@ -93,10 +97,11 @@ class SessionTable:
         plan: TransferPlan,
         reading: Callable[[str], bool],
         peer: bytes = b"",
+        source: str = "",
     ) -> tuple[bytes, bytes]:
-        """A new session for a Hello that came from side-channel client `peer`; returns
-        (session id, our nonce). `reading(iid)` tells whether instance `iid` reads a
-        pinned request. Raises SessionRefused."""
+        """A new session for a Hello that came from side-channel client `peer` at
+        network address `source`; returns (session id, our nonce). `reading(iid)` tells
+        whether instance `iid` reads a pinned request. Raises SessionRefused."""
         if hello_nonce in self._nonces:
             raise SessionRefused(
                 "replay", "this Hello's nonce was answered before: a replayed handshake"
@@ -116,6 +121,14 @@ class SessionTable:
                 f"decode worker {instance_id!r} rank {rank} already has "
                 f"{len(own)} sessions in use here",
             )
+        per_source = max(1, self.max_sessions // 4)
+        same = [sid for sid, s in self._sessions.items() if source and s.source == source]
+        if len(same) >= per_source and not self._evict(same, now, reading):
+            raise SessionRefused(
+                "busy",
+                f"{len(same)} handshake sessions of this prefill worker come from {source} "
+                f"already, all in use (at most {per_source} per address); try again later",
+            )
         if len(self._sessions) >= self.max_sessions and not self._evict(
             list(self._sessions), now, reading
         ):
@@ -127,7 +140,7 @@ class SessionTable:
         nonce = os.urandom(16)
         key = session_key(self._token, hello_nonce, nonce, (instance_id, rank), self._me)
         sid = session_id(key)
-        self._sessions[sid] = Session(instance_id, rank, plan, key, now, peer=peer)
+        self._sessions[sid] = Session(instance_id, rank, plan, key, now, peer=peer, source=source)
         return sid, nonce
 
     def touch(self, sid: bytes) -> None:

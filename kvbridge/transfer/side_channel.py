@@ -96,6 +96,14 @@ def _close_client_sockets(sock: zmq.Socket[bytes], monitor: zmq.Socket[bytes] | 
     sock.close(linger=0)
 
 
+def _peer_address(frame: zmq.Frame) -> str | None:
+    """The network address a received frame came from (ZMQ's "Peer-Address")."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:  # a transport without one
+        return None
+
+
 def curve_server_keys(token: bytes) -> tuple[bytes, bytes]:
     """(public, secret) CURVE keys of every producer side channel, Z85-encoded."""
     secret = z85.encode(curve_server_secret(token))
@@ -124,6 +132,8 @@ class SideChannelServer:
         #: the CURVE public key (Z85) of the client whose message the handler is given
         #: now (None without a token: no key is authenticated)
         self.peer_key: bytes | None = None
+        #: the network address of the current request's sender (its handler's to read)
+        self.peer_address: str | None = None
         if token is not None:
             _start_authenticator()
             public, secret = curve_server_keys(token)
@@ -156,10 +166,12 @@ class SideChannelServer:
             except zmq.Again:
                 break
             handled += 1
-            if self._token is not None and len(frames) > 1:
-                self.peer_key = str(frames[1].get("User-Id")).encode()
+            if len(frames) > 1:
+                self.peer_address = _peer_address(frames[1])
+                if self._token is not None:
+                    self.peer_key = str(frames[1].get("User-Id")).encode()
             self._serve([f.bytes for f in frames])
-            self.peer_key = None
+            self.peer_key = self.peer_address = None
         return handled
 
     def _serve(self, frames: list[bytes]) -> None:

@@ -117,9 +117,11 @@ def hello(instance_id: str, nonce: bytes, layout: InstanceLayout = DECODE) -> He
     )
 
 
-def ask(p: KVProducer, msg: Hello, token: bytes | None = TOKEN) -> object:
-    """Send `msg` to `p`'s side channel, serving it meanwhile; the reply or None."""
-    client = SideChannelClient(p.endpoint, token, 1 << 22)
+def ask(p: KVProducer, msg: Hello, token: bytes | None = TOKEN, source: str = "") -> object:
+    """Send `msg` to `p`'s side channel (from loopback address `source`, if given),
+    serving it meanwhile; the reply or None."""
+    endpoint = p.endpoint.replace("tcp://", f"tcp://{source}:0;") if source else p.endpoint
+    client = SideChannelClient(endpoint, token, 1 << 22)
     try:
         client.send(msg)
         deadline = time.monotonic() + 3
@@ -258,12 +260,30 @@ def test_a_hello_flood_leaves_the_real_peer_working(pair) -> None:
         refused += isinstance(reply, Refused) and reply.kind == "busy"
     assert refused > 0 and len(p0._sessions) <= 32
     assert ("D", 0) in p0._sessions.peers()  # never evicted while in use
+
     real.transport.read_state = XferState.DONE
     assert drive(p0, [real], rounds=30) == []  # not used before P0 confirms it held it
     deliver(p0, real.transport.reads[0][2])
     (res,) = drive(p0, [real], rounds=30)
     assert res.state is TransferState.DONE
     assert [(r.request_id, r.cause) for r in released] == [("warm", ReleaseCause.COMPLETED)]
+
+
+def test_a_hello_flood_from_one_host_leaves_room_for_the_others(pair) -> None:
+    """Issue #21 item 3: a token holder can make keys, so a flood of fresh (bound) ids
+    filled a prefill worker's session table with young sessions, and a decode instance
+    meeting it then was refused "busy" for `grace_s`. One network address now holds at
+    most a quarter of the table."""
+    p0, _, _, _ = pair
+    p0._sessions.max_sessions = 32
+    refused = []
+    for i in range(40):
+        reply = ask(p0, hello(f"flood-{i}", i.to_bytes(16, "big")), source="127.0.0.2")
+        if isinstance(reply, Refused):
+            refused.append(reply.reason)
+    assert len(refused) == 40 - 8 and "come from 127.0.0.2 already" in refused[0], refused[:1]
+    newcomer = ask(p0, hello("E", os.urandom(16)), source="127.0.0.3")
+    assert isinstance(newcomer, Welcome), newcomer
 
 
 def test_a_decode_worker_whose_session_was_evicted_meets_the_producer_afresh(pair) -> None:
