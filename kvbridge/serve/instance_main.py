@@ -107,6 +107,13 @@ def run_instance(cfg: InstanceConfig) -> int:
         else f"NO shared token: {who} may call the internal API, anyone on this host may "
         "handshake with the KV side channel"
     )
+    if role is Role.PREFILL:
+        security += (
+            "; peers read the KV from an export process per worker (only the KV, "
+            "read-only, sandboxed)"
+            if spec.exports_kv
+            else "; peers read the KV from each worker's own NIXL agent (--kv-export inline)"
+        )
     if cfg.serves_tls:
         security += (
             "; internal API over TLS ("

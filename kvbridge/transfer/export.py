@@ -329,7 +329,11 @@ class ExportedTransport:
             if child.failed or child.eof or proc.poll() is not None:
                 reason = child.failed or _exit_status(child)
                 _stop(child)
-                raise TransferError(f"the KV export process {name!r} failed to start: {reason}")
+                raise TransferError(
+                    f"the KV export process {name!r} failed to start: {reason}; "
+                    "kv_export='inline' (--kv-export inline) lets peers read from the "
+                    "worker's own agent instead"
+                )
             if time.monotonic() > deadline:
                 _stop(child)
                 raise TransferError(
