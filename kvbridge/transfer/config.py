@@ -31,8 +31,8 @@ class KVExport(enum.Enum):
     #: the worker's own agent: a peer holding its metadata can address the whole worker
     #: on software transports (CMA, TCP)
     INLINE = "inline"
-    #: PROCESS when the deployment has a token and the cache is in shared memory (the
-    #: reference engine's), INLINE otherwise (no token: loopback peers, unauthenticated)
+    #: PROCESS when the deployment has a token and the cache is (or can be moved) in
+    #: shared memory, INLINE otherwise (no token: loopback peers, unauthenticated)
     AUTO = "auto"
 
 

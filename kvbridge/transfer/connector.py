@@ -313,8 +313,9 @@ class WorkerConnector:
             return False
         if spec.transfer.kv_export is KVExport.PROCESS and segment is None:
             raise ConfigError(
-                "kv_export='process' needs the KV cache in shared memory, and this engine "
-                "allocated its own (vLLM does); use kv_export='inline' (or 'auto', which "
+                "kv_export='process' needs the KV cache in shared memory, and this worker "
+                "registered its own (give a SharedSegment, e.g. SharedSegment.adopt); use "
+                "kv_export='inline' (or 'auto', which "
                 "picks it for such a cache)"
             )
         return segment is not None and spec.exports_kv

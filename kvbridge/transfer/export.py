@@ -60,6 +60,11 @@ MAX_NOTIFS_PER_FRAME = 4096
 _ENV_PREFIXES = ("UCX_", "NIXL_")
 _ENV_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "HOME", "TMPDIR", "LANG")
 _HEADER = struct.Struct("<I")
+#: `SharedSegment.adopt` moves only buffers at least this large (an allocator gives them
+#: pages of their own: glibc maps anything above its largest mmap threshold, 32 MiB,
+#: apart), or whose both ends are page-aligned
+ADOPT_MIN_BYTES = 32 << 20
+_MAP_FIXED = 0x10
 
 
 class SharedSegment:
@@ -72,6 +77,7 @@ class SharedSegment:
             raise TransferError(f"a shared KV segment needs a positive size; got {size}")
         self.size = size
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        self._map: mmap.mmap | None
         try:
             os.ftruncate(self.fd, size)
             self._map = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED)
@@ -82,6 +88,54 @@ class SharedSegment:
             self._map.madvise(mmap.MADV_HUGEPAGE)  # shared memory (docs/benchmarks.md)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self.array.fill(0)
+
+    @classmethod
+    def adopt(cls, address: int, nbytes: int, name: str = "kvbridge-kv") -> SharedSegment:
+        """Move `nbytes` of this process's memory at `address` (an engine's KV cache that
+        it allocated itself and keeps, e.g. vLLM's) into shared memory in place: the same
+        addresses and bytes, now backed by a memfd an export process can map. Whole pages
+        move, so up to a page of neighbouring bytes on each side goes with it (for a
+        buffer the allocator gave pages of its own, as glibc does for large ones, only
+        its header). Call before anything else uses the memory (a write by another
+        thread between the copy and the remap would be lost)."""
+        import ctypes
+
+        page = mmap.PAGESIZE
+        start, end = address // page * page, -(-(address + nbytes) // page) * page
+        if nbytes < ADOPT_MIN_BYTES and (start != address or end != address + nbytes):
+            raise TransferError(
+                f"a buffer of {nbytes} bytes at {address:#x} may share pages with other "
+                f"memory (it is smaller than {ADOPT_MIN_BYTES} bytes and not page-aligned), "
+                "so it is not moved into shared memory"
+            )
+        seg = cls.__new__(cls)
+        seg.size = end - start
+        seg.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(seg.fd, seg.size)
+            view = memoryview((ctypes.c_char * seg.size).from_address(start)).cast("B")
+            done = 0
+            while done < seg.size:  # the current bytes, then the pages replaced by them
+                done += os.pwrite(seg.fd, view[done : done + (1 << 30)], done)
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                  ctypes.c_int, ctypes.c_int, ctypes.c_long]  # fmt: skip
+            got = libc.mmap(start, seg.size, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_SHARED | _MAP_FIXED, seg.fd, 0)  # fmt: skip
+            if got != start:
+                err = ctypes.get_errno()
+                raise OSError(err, f"mmap(MAP_FIXED) at {start:#x}: {os.strerror(err)}")
+        except OSError as exc:
+            os.close(seg.fd)
+            raise TransferError(
+                f"cannot move {nbytes} bytes at {address:#x} into shared memory: {exc}"
+            ) from exc
+        seg._map = None
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(seg.size), mmap.MADV_HUGEPAGE)
+        seg.array = np.ctypeslib.as_array((ctypes.c_uint8 * seg.size).from_address(start))
+        return seg
 
     @property
     def base(self) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.config import KVExport, TransferConfig, load_token
+from kvbridge.transfer.config import TransferConfig, load_token
 from kvbridge.transfer.identity import Identity
 
 #: kv_role -> (runs a producer, runs a consumer)
@@ -81,12 +81,6 @@ class ConnectorSettings:
                 f"kv_connector_extra_config {kw} has a value of the wrong type ({exc}); "
                 "seconds and ports are numbers, hosts are strings"
             ) from None
-        if transfer.kv_export is KVExport.PROCESS:
-            raise ConfigError(
-                "kv_connector_extra_config.kv_export='process' needs the KV cache in shared "
-                "memory, and vLLM allocates its own: use 'inline' or 'auto' (the default), "
-                "with which a vLLM prefill worker's peers read from its own agent"
-            )
         path = extra.get("identity_file")
         identity = Identity.load(path, "kv_connector_extra_config.identity_file") if path else None
         return cls(

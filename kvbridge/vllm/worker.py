@@ -12,11 +12,15 @@ and its notifications do not wait for the next step.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import ModelKVSpec
+from kvbridge.transfer.config import KVExport, TransferConfig
 from kvbridge.transfer.connector import (
     ConnectorRole,
     ConnectorSpec,
@@ -29,11 +33,48 @@ from kvbridge.vllm.cache import RegisteredCache
 from kvbridge.vllm.scheduler import StepOrders
 from kvbridge.vllm.settings import ROLES, ConnectorSettings
 
+if TYPE_CHECKING:
+    from kvbridge.transfer.export import SharedSegment
+
 #: under vLLM's "vllm" logger, so vLLM's handlers print it
 log = logging.getLogger("vllm.kvbridge")
 #: what a decode worker records per pull for vLLM's metrics (`stats.py`): seconds and
 #: bytes of each pull that completed, a 1 per pull that failed
 OBSERVATION_KEYS = ("pull_seconds", "pull_bytes", "failed_pulls")
+
+
+def export_segment(cache: RegisteredCache, transfer: TransferConfig) -> SharedSegment | None:
+    """vLLM's KV buffer moved into shared memory in place, for a prefill worker whose
+    peers read from an export process (`TransferConfig.kv_export`); None where they read
+    from its own agent: inline, auto without a token, or a cache this cannot move (auto:
+    logged; process: ConfigError naming why)."""
+    from kvbridge.transfer.errors import TransferError
+    from kvbridge.transfer.export import SharedSegment
+
+    if not transfer.wants_export_process:
+        return None
+    spans = sorted(zip(cache.regions.addresses, cache.regions.lengths, strict=True))
+    gaps = [a for (a, n), (b, _) in itertools.pairwise(spans) if a + n != b]
+    try:
+        if gaps:
+            raise TransferError(
+                f"its {len(spans)} layer regions are not one contiguous buffer (a gap after "
+                f"{gaps[0]:#x})"
+            )
+        lo, (last, n) = spans[0][0], spans[-1]
+        return SharedSegment.adopt(lo, last + n - lo)
+    except TransferError as exc:
+        if transfer.kv_export is KVExport.PROCESS:
+            raise ConfigError(
+                f"kv_connector_extra_config.kv_export='process' cannot export vLLM's KV "
+                f"cache: {exc}; use 'inline' or 'auto'"
+            ) from None
+        log.warning(
+            "kvbridge: peers read this prefill worker's KV from its own NIXL agent "
+            "(kv_export auto could not move vLLM's KV cache into shared memory: %s)",
+            exc,
+        )
+        return None
 
 
 @dataclass
@@ -72,6 +113,7 @@ class WorkerSide:
         transfer = settings.transfer
         self.producer: WorkerConnector | None = None
         self.consumer: WorkerConnector | None = None
+        self.segment = export_segment(cache, transfer) if is_producer else None
         try:
             for role, wanted in (
                 (ConnectorRole.PRODUCER, is_producer),
@@ -90,6 +132,7 @@ class WorkerSide:
                     rank,
                     cache.regions,
                     cache.num_blocks,
+                    segment=self.segment if role is ConnectorRole.PRODUCER else None,
                 )
                 if role is ConnectorRole.PRODUCER:
                     self.producer = wc

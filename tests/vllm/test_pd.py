@@ -48,17 +48,21 @@ class Case:
     decode_tp: int
     prefill_block: int = 32
     decode_block: int = 32
+    #: the connector's kv_export setting ("": its default, auto, inline without a token)
+    kv_export: str = ""
 
     @property
     def id(self) -> str:
         return (
             f"{self.model}-tp{self.prefill_tp}-tp{self.decode_tp}"
             f"-b{self.prefill_block}-b{self.decode_block}"
+            + (f"-{self.kv_export}" if self.kv_export else "")
         )
 
 
 CASES = [
-    Case("smollm2-135m", 1, 3),
+    # the prefill's KV read from an export process (vLLM's buffer moved into shared memory)
+    Case("smollm2-135m", 1, 3, kv_export="process"),
     Case("smollm2-135m", 3, 1),
     Case("tiny-kv1", 1, 2),
     Case("tiny-kv1", 2, 1),
@@ -67,6 +71,19 @@ CASES = [
     # blocks 64 -> 32: vLLM's CPU page keeps K channel-major, cut by channel rows
     Case("smollm2-135m", 1, 1, prefill_block=64, decode_block=32),
 ]
+
+
+def export_processes() -> list[int]:
+    """Pids of the KV export processes running now (`kvbridge.transfer.export`)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"kvbridge.transfer.export" in argv:
+            found.append(int(entry.name))
+    return found
 
 
 def bytes_per_token(model: str, tp_size: int) -> int:
@@ -82,13 +99,14 @@ def bytes_per_token(model: str, tp_size: int) -> int:
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
     workers = case.prefill_tp + case.decode_tp  # pinned one per core only if they fit
+    extra = {"kv_export": case.kv_export} if case.kv_export else {}
     prefill = VLLMServer(
         case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log",
-        first_core=0, workers_on_host=workers,
+        first_core=0, workers_on_host=workers, extra=extra,
     )  # fmt: skip
     decode = VLLMServer(
         case.model, case.decode_tp, case.decode_block, tmp_path / "decode.log",
-        first_core=1, workers_on_host=workers,
+        first_core=1, workers_on_host=workers, extra=extra,
     )  # fmt: skip
     try:
         prefill.wait_ready()
@@ -105,6 +123,8 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         assert token_ids(first) == token_ids(out)[:1]
         if case.model == "smollm2-135m":
             assert text(out).startswith(" Paris.")
+        if case.kv_export == "process":  # every producer worker (kv_both: both) exports
+            assert len(export_processes()) == case.prefill_tp + case.decode_tp
         n = out["usage"]["prompt_tokens"]
         pulls = decode.pulled(since)
         assert sorted(p.rank for p in pulls) == list(range(case.decode_tp)), decode.log_tail()

@@ -33,7 +33,6 @@ def test_transfer_keys_reach_the_runtime_config() -> None:
         ({"instance_id": 3}, r"instance_id=3 must be a string"),
         ({"integrity": "maybe"}, r"integrity='maybe' is not a KV integrity mode; use on, off"),
         ({"kv_export": "elsewhere"}, r"kv_export='elsewhere' is not a KV export mode; use"),
-        ({"kv_export": "process"}, r"kv_export='process' needs the KV cache in shared memory"),
     ],
 )
 def test_bad_settings_are_refused_with_what_works(extra: dict, words: str) -> None:
