@@ -119,10 +119,10 @@ class SharedSegment:
                 done += os.pwrite(seg.fd, view[done : done + (1 << 30)], done)
             libc = ctypes.CDLL(None, use_errno=True)
             libc.mmap.restype = ctypes.c_void_p
-            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                  ctypes.c_int, ctypes.c_int, ctypes.c_long]  # fmt: skip
-            got = libc.mmap(start, seg.size, mmap.PROT_READ | mmap.PROT_WRITE,
-                            mmap.MAP_SHARED | _MAP_FIXED, seg.fd, 0)  # fmt: skip
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            libc.mmap.argtypes += [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+            rw, shared = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED
+            got = libc.mmap(start, seg.size, rw, shared, seg.fd, 0)
             if got != start:
                 err = ctypes.get_errno()
                 raise OSError(err, f"mmap(MAP_FIXED) at {start:#x}: {os.strerror(err)}")
@@ -396,7 +396,8 @@ class ExportedTransport:
                 )
         return child
 
-    def _read(self, child: _Child, wait_s: float = 0.0) -> list[ExportEvent]:
+    @staticmethod
+    def _read(child: _Child, wait_s: float = 0.0) -> list[ExportEvent]:
         """Frames `child` wrote so far (waiting up to `wait_s` for the first bytes)."""
         if wait_s and not child.buf:
             import select
@@ -417,12 +418,24 @@ class ExportedTransport:
             if n > MAX_FRAME_BYTES:
                 child.failed = f"sent a frame of {n} bytes (at most {MAX_FRAME_BYTES})"
                 child.eof = True
+                child.proc.kill()
                 break
             if len(child.buf) < _HEADER.size + n:
                 break
             frame = bytes(child.buf[_HEADER.size : _HEADER.size + n])
             del child.buf[: _HEADER.size + n]
-            ev = _decoder.decode(frame)
+            try:
+                ev = _decoder.decode(frame)
+            except msgspec.DecodeError as exc:
+                ev = None
+                child.failed = f"sent a malformed frame ({exc})"
+            if isinstance(ev, ExportReady) and child.ready is not None:
+                child.failed = "reported its agent twice"  # never another agent's metadata
+                ev = None
+            if ev is None:  # a process that breaks the protocol is replaced, not believed
+                child.eof = True
+                child.proc.kill()
+                break
             if isinstance(ev, ExportReady):
                 child.ready = ev
             out.append(ev)

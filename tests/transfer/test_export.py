@@ -4,12 +4,23 @@ shared memory in place, so an export process can map it (issue #21 item 4 for vL
 from __future__ import annotations
 
 import mmap
+import os
+import subprocess
 
 import numpy as np
 import pytest
 
 from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.export import ADOPT_MIN_BYTES, SharedSegment
+from kvbridge.transfer.export import (
+    _HEADER,
+    ADOPT_MIN_BYTES,
+    ExportedTransport,
+    ExportNotifs,
+    ExportReady,
+    SharedSegment,
+    _Child,
+    _encoder,
+)
 
 
 def test_memory_an_engine_allocated_moves_into_shared_memory_in_place() -> None:
@@ -33,3 +44,29 @@ def test_a_small_buffer_that_may_share_pages_is_not_moved() -> None:
     small = np.zeros(1000, dtype=np.uint8)  # likely in the heap, beside other objects
     with pytest.raises(TransferError, match="may share pages"):
         SharedSegment.adopt(small.ctypes.data + 1, 999)
+
+
+@pytest.mark.parametrize("bad", [b"\x93not a frame", "ready again"])
+def test_an_export_process_that_breaks_the_protocol_is_replaced_not_believed(bad) -> None:
+    """A taken-over export process could send garbage (which must not stop the worker's
+    progress thread) or a second agent report (whose metadata would send decode workers
+    elsewhere): either ends it, and the worker's next poll starts another."""
+    rfd, wfd = os.pipe()
+    os.set_blocking(rfd, False)
+    proc = subprocess.Popen(["sleep", "60"])
+    child = _Child(proc, rfd)
+    try:
+        ready = ExportReady("P-prefill-0", b"metadata", 0x1000, True)
+        frames = [ready, ExportNotifs([("D-0", b"done")])]
+        data = b"".join(_HEADER.pack(len(f)) + f for f in map(_encoder.encode, frames))
+        if bad == "ready again":
+            bad = _encoder.encode(ExportReady("P-prefill-0", b"elsewhere", 0x2000, True))
+        os.write(wfd, data + _HEADER.pack(len(bad)) + bad + data)
+        got = ExportedTransport._read(child)
+        assert got == frames and child.ready == ready  # what came before, then nothing
+        assert child.eof and child.failed and proc.wait(10) < 0  # killed
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(rfd)
+        os.close(wfd)
