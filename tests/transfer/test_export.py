@@ -1,5 +1,6 @@
-"""`SharedSegment.adopt`: memory an engine allocated itself (vLLM's KV cache) moves into
-shared memory in place, so an export process can map it (issue #21 item 4 for vLLM)."""
+"""The KV export's plumbing (issue #21 item 4): `SharedSegment.adopt` moves memory an
+engine allocated itself (vLLM's KV cache) into shared memory in place, so an export
+process can map it; an export process that breaks its pipe's protocol is replaced."""
 
 from __future__ import annotations
 
