@@ -373,3 +373,26 @@ def test_decode_workers_paused_past_the_lease_use_no_stale_byte(three_hosts: Thr
     assert dep.metric(dep.proxy, "kv_stale_pulls_total") == stale_before + stale
     dep.wait_released(dep.decode, 60)
     dep.wait_released(dep.prefill, 60)
+
+
+def test_a_hello_flood_from_one_host_leaves_other_hosts_welcome(three_hosts: ThreeHosts) -> None:
+    """Issue #21 item 3 over the test hosts' network: a token holder on the proxy host
+    sends the prefill worker 1,100 valid Hellos, each in a fresh instance's name (young
+    sessions, none of which may be evicted for `grace_s`). They filled its table of 1,024
+    and a decode instance meeting it from another host was refused "busy"; now the
+    proxy host's address gets a quarter of the table, a newcomer from the decode host is
+    welcome, and the deployment serves on. (Last in the module: the flood's sessions
+    stay young for the rest of its grace.)"""
+    dep = three_hosts
+    with dep.proxy.inside():
+        r = httpx.get(f"{dep.url(dep.prefill)}/internal/info", auth=AUTH, timeout=30, verify=VERIFY)
+        assert r.status_code == 200, r.text
+        endpoint = r.json()["endpoint"]
+    tool = [sys.executable, "-m", "tests.hosts.flood_hello", endpoint, TOKEN_FILE]
+    tool.append(str(smollm2_gguf()))
+    flood = json.loads(dep.proxy.run([*tool, "flood", "1100"], timeout_s=300))
+    newcomer = json.loads(dep.decode.run([*tool, "newcomer", "1"], timeout_s=120))
+    assert newcomer.get("welcome") == 1, (newcomer, flood)
+    assert flood.get("welcome", 0) <= 256 and flood.get("busy", 0) >= 1100 - 256, flood
+    assert f"come from {dep.proxy.address} already" in flood["reason"], flood
+    assert dep.complete("Still served:", 4)["choices"][0]["text"]
