@@ -161,7 +161,7 @@ class ExportInit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     agent_name: str
     size: int  # the segment's, registered whole (the cache regions lie in it)
-    fd: int  # the segment's memfd, inherited
+    fd: int  # the segment's memfd, opened read-only, inherited
     events_fd: int  # the pipe it writes frames to, inherited
     net_device: str | None = None
     backend_params: dict[str, str] = {}
@@ -239,14 +239,15 @@ class ExportedTransport:
         self.name = name
 
     # -- Transport ------------------------------------------------------------------------
+    # `name`, `metadata` and `peer_regions` describe the same export process until the
+    # next `notifs` (the only call that replaces a dead one), so a Welcome built from
+    # them never mixes two processes' agent and addresses.
     def metadata(self) -> bytes:
-        self._check()
         assert self._child.ready is not None
         return self._child.ready.metadata
 
     def peer_regions(self, regions: CacheRegions) -> CacheRegions:
         """Where peers read `regions`: the same offsets of the export process's mapping."""
-        self._check()
         assert self._child.ready is not None
         base = self._child.ready.base
         offs = self._segment.offsets(regions)
