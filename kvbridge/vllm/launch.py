@@ -46,6 +46,13 @@ SMALL_HOST_ARGS = (
     "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
     "--seed", "0", "--enforce-eager", "--num-gpu-blocks-override", "128",
 )  # fmt: skip
+#: What vLLM's processes leave in /dev/shm when they are ended: shm_broadcast's
+#: SharedMemory segments, multiprocessing's named semaphores and the CPU backend's
+#: tensor-parallel buffers (`stop` removes them).
+VLLM_SHM_PREFIXES = ("psm_", "sem.mp-", "vllm_dist_")
+SHM_DIR = Path("/dev/shm")
+#: per started process (pid): vLLM's files in SHM_DIR before it started
+_SHM_BEFORE: dict[int, set[str]] = {}
 #: A decode worker's log line for a finished pull (worker.py): its rank and bytes.
 PULLED = re.compile(r"kvbridge decode worker (\d+) pulled \S+: tokens \[\d+, \d+\), (\d+) bytes")
 
@@ -124,10 +131,14 @@ def vllm_env(
 
 
 def start(cmd: list[str], env: dict[str, str], log: Any) -> subprocess.Popen[bytes]:
-    """A process in a session of its own (`stop` ends its whole group)."""
-    return subprocess.Popen(
+    """A process in a session of its own (`stop` ends its whole group and removes the
+    shared memory it left)."""
+    before = vllm_shm_files()
+    proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
+    _SHM_BEFORE[proc.pid] = before
+    return proc
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
@@ -140,6 +151,43 @@ def stop(proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout_s)
+    before = _SHM_BEFORE.pop(proc.pid, None)
+    if before is not None:
+        remove_orphaned_shm(before)
+
+
+def vllm_shm_files(shm_dir: Path = SHM_DIR) -> set[str]:
+    """The names of vLLM's kinds of files in `shm_dir` now."""
+    try:
+        return {n for n in os.listdir(shm_dir) if n.startswith(VLLM_SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+def remove_orphaned_shm(before: set[str], shm_dir: Path = SHM_DIR) -> list[str]:
+    """Remove vLLM's files in `shm_dir` that were not there `before` and that no live
+    process maps or holds open (another instance's stay); the names removed."""
+    new = vllm_shm_files(shm_dir) - before
+    paths = {str(shm_dir / n): n for n in new}
+    for pid in os.listdir("/proc") if new else ():
+        if not pid.isdigit():
+            continue
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours to read
+            continue
+        held = set()
+        for fd in fds:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        for path, name in paths.items():
+            if path in maps or path in held:
+                new.discard(name)
+    for name in new:
+        with contextlib.suppress(FileNotFoundError):
+            (shm_dir / name).unlink()
+    return sorted(new)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
