@@ -315,8 +315,7 @@ class WorkerConnector:
             raise ConfigError(
                 "kv_export='process' needs the KV cache in shared memory, and this worker "
                 "registered its own (give a SharedSegment, e.g. SharedSegment.adopt); use "
-                "kv_export='inline' (or 'auto', which "
-                "picks it for such a cache)"
+                "kv_export='inline' (or 'auto', which picks it for such a cache)"
             )
         return segment is not None and spec.exports_kv
 

@@ -144,6 +144,11 @@ class _Pull:
     outcome: tuple[TransferState, str, PullFailure | None] | None = None
     retry_at: float = 0.0  # when to try releasing its uncancelled READs again
 
+    @property
+    def awaiting_acks(self) -> bool:
+        """Every READ done; waiting for the producers' ReadAcks."""
+        return self.state is TransferState.READING and not self.xfers
+
 
 class KVConsumer:
     """One decode worker's side of the transfer runtime; borrows `transport`, which
@@ -433,7 +438,7 @@ class KVConsumer:
             if not pull.xfers and self._confirmed(pull):
                 return
         if now >= pull.deadline:
-            unconfirmed = pull.state is TransferState.READING and not pull.xfers
+            unconfirmed = pull.awaiting_acks
             reason = self._timeout_reason(pull)
             self._finish(pull, TransferState.FAILED, reason)
             if unconfirmed:  # our session may be gone there (evicted): meet it afresh
@@ -535,13 +540,13 @@ class KVConsumer:
 
     def _timeout_reason(self, pull: _Pull) -> str:
         t = f"timed out after {self.config.transfer_timeout_s:g} s"
-        if pull.state is TransferState.READING and pull.xfers:
-            return f"{t} reading from prefill workers {sorted({p for p, _ in pull.xfers.values()})}"
-        if pull.state is TransferState.READING:
+        if pull.awaiting_acks:
             return (
                 f"{t} waiting for prefill workers {sorted(pull.awaiting)} to confirm they held "
                 f"{pull.request_id!r} for the whole read (ReadAck)"
             )
+        if pull.state is TransferState.READING:
+            return f"{t} reading from prefill workers {sorted({p for p, _ in pull.xfers.values()})}"
         waiting = [w.endpoint for w in pull.instance.workers() if w.state is not PeerState.READY]
         return f"{t} waiting for handshakes with {sorted(set(waiting))}"
 

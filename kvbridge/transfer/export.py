@@ -32,6 +32,7 @@ import contextlib
 import logging
 import mmap
 import os
+import select
 import signal
 import struct
 import subprocess
@@ -401,8 +402,6 @@ class ExportedTransport:
     def _read(child: _Child, wait_s: float = 0.0) -> list[ExportEvent]:
         """Frames `child` wrote so far (waiting up to `wait_s` for the first bytes)."""
         if wait_s and not child.buf:
-            import select
-
             select.select([child.events], [], [], wait_s)
         while True:
             try:
@@ -417,9 +416,7 @@ class ExportedTransport:
         while len(child.buf) >= _HEADER.size:
             (n,) = _HEADER.unpack_from(child.buf)
             if n > MAX_FRAME_BYTES:
-                child.failed = f"sent a frame of {n} bytes (at most {MAX_FRAME_BYTES})"
-                child.eof = True
-                child.proc.kill()
+                _broke_protocol(child, f"sent a frame of {n} bytes (at most {MAX_FRAME_BYTES})")
                 break
             if len(child.buf) < _HEADER.size + n:
                 break
@@ -428,19 +425,22 @@ class ExportedTransport:
             try:
                 ev = _decoder.decode(frame)
             except msgspec.DecodeError as exc:
-                ev = None
-                child.failed = f"sent a malformed frame ({exc})"
+                _broke_protocol(child, f"sent a malformed frame ({exc})")
+                break
             if isinstance(ev, ExportReady) and child.ready is not None:
-                child.failed = "reported its agent twice"  # never another agent's metadata
-                ev = None
-            if ev is None:  # a process that breaks the protocol is replaced, not believed
-                child.eof = True
-                child.proc.kill()
+                _broke_protocol(child, "reported its agent twice")  # never believed
                 break
             if isinstance(ev, ExportReady):
                 child.ready = ev
             out.append(ev)
         return out
+
+
+def _broke_protocol(child: _Child, reason: str) -> None:
+    """`child` broke the pipe's protocol: it is killed and replaced, never believed."""
+    child.failed = reason
+    child.eof = True
+    child.proc.kill()
 
 
 def _exit_status(child: _Child) -> str:

@@ -116,10 +116,10 @@ class Identity:
     def check_id(self, instance_id: str) -> None:
         """Refuse an instance id bound to another key (a misconfiguration: every peer
         would refuse this instance's handshakes)."""
-        bound = bound_fingerprint(instance_id)
-        if bound is not None and bound != fingerprint(self.public):
+        if binding_refusal(instance_id, self.public) is not None:
             raise ConfigError(
-                f"instance_id={instance_id!r} is bound to the key with fingerprint {bound}, "
+                f"instance_id={instance_id!r} is bound to the key with fingerprint "
+                f"{bound_fingerprint(instance_id)}, "
                 f"not to this identity's ({fingerprint(self.public)}); use "
                 f"{self.bind(instance_id.rsplit('@', 1)[0])!r} or that key"
             )
