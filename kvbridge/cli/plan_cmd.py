@@ -198,7 +198,7 @@ def fan_out_json(fan: TransferPlan, verified: bool | None) -> dict[str, Any]:
     """The fan-out plan's part of the `--json` contract."""
     assert fan.decode_hosts is not None
     return {
-        "executed_by_runtime": False,
+        "executed_by_runtime": True,
         "decode_hosts": list(fan.decode_hosts),
         "reads": [_read_json(r) for r in fan.reads],
         "local_copies": [
@@ -224,10 +224,13 @@ def plan_to_json(
     fan: TransferPlan | None = None,
     fan_verified: bool | None = None,
 ) -> dict[str, Any]:
-    """The `--json` contract (field names are stable; more may be added). `reads`,
-    `link_bytes_per_token` and `local_bytes_per_token` are what the runtime does (prefill
-    and decode on different hosts: every read crosses the link); `fan_out` is the plan
-    with each byte over the link once per decode host, not executed by the runtime yet."""
+    """The `--json` contract (field names are stable; more may be added). `reads` and
+    `expected_notifications` are the plan without a fan-out (every decode worker reads
+    its own bytes: prefill and decode on one host, or `--kv-fan-out off`);
+    `link_bytes_per_token` and `local_bytes_per_token` are what crosses the link and
+    what is copied on the decode hosts with prefill and decode on different hosts, as
+    the runtime does by default (`fan_out`: each byte over the link once per decode
+    host; `link_bytes_per_token_without_fan_out` without it)."""
     m = plan.model
     return {
         "supported": True,
@@ -249,8 +252,9 @@ def plan_to_json(
         "expected_notifications": list(plan.expected_notifications),
         "verified": verified,
         "distinct_bytes_per_token": m.bytes_per_token,
-        "link_bytes_per_token": plan.link_bytes_per_token,
-        "local_bytes_per_token": plan.local_bytes_per_token,
+        "link_bytes_per_token": (fan or plan).link_bytes_per_token,
+        "local_bytes_per_token": (fan or plan).local_bytes_per_token,
+        "link_bytes_per_token_without_fan_out": plan.link_bytes_per_token,
         "fan_out": None if fan is None else fan_out_json(fan, fan_verified),
     }
 
@@ -285,6 +289,7 @@ def _error_json(error: str, args: argparse.Namespace, model: ModelKVSpec | None)
         "distinct_bytes_per_token": None,
         "link_bytes_per_token": None,
         "local_bytes_per_token": None,
+        "link_bytes_per_token_without_fan_out": None,
         "fan_out": None,
     }
 

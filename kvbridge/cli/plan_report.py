@@ -114,17 +114,17 @@ def print_fan_out(
     console: Console | None = None,
 ) -> None:
     """The bytes over the link and on the decode hosts per token and per request of
-    `num_tokens`, for prefill and decode on different hosts: what the runtime does (every
-    decode worker reads its bytes) and the fan-out plan (each byte over the link once per
-    decode host, then copied on the host), which the runtime does not execute yet."""
+    `num_tokens`, for prefill and decode on different hosts: with the fan-out the runtime
+    does there by default (each byte over the link once per decode host, then copied on
+    the host) and without it (`--kv-fan-out off`: every decode worker reads its bytes)."""
     console = console or Console(highlight=False, width=max(Console().width, 110))
     distinct = plan.model.bytes_per_token
     assert fan.decode_hosts is not None
     num_hosts = len(set(fan.decode_hosts))
     if fan.local_copies:
         copies = Table(
-            title=f"Fan-out plan on {num_hosts} decode host(s) (planned; the runtime "
-            "reads every replica over the link today)"
+            title=f"Fan-out on {num_hosts} decode host(s) (kvbridge serve's default with "
+            "the prefill on another host)"
         )
         for col in ("decode rank", "host", "heads", "layers", "copies from decode rank"):
             copies.add_column(col, justify="right")
@@ -138,8 +138,8 @@ def print_fan_out(
             )
         console.print(copies)
     rows = (
-        ("runtime (today)", plan.link_bytes_per_token, plan.local_bytes_per_token),
-        ("fan-out plan", fan.link_bytes_per_token, fan.local_bytes_per_token),
+        ("fan-out (default)", fan.link_bytes_per_token, fan.local_bytes_per_token),
+        ("--kv-fan-out off", plan.link_bytes_per_token, plan.local_bytes_per_token),
     )
     table = Table(
         title=f"Bytes with prefill and decode on different hosts (distinct KV "
@@ -159,7 +159,7 @@ def print_fan_out(
     console.print(table)
     if report is not None:
         console.print(
-            f"[bold green]fan-out plan verified byte-exact[/]: {report.num_tokens}-token "
+            f"[bold green]fan-out verified byte-exact[/]: {report.num_tokens}-token "
             f"request; {format_bytes(report.link_bytes)} read over the link, "
             f"{format_bytes(report.local_bytes)} copied on the decode hosts"
         )

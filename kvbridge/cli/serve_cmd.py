@@ -24,7 +24,7 @@ from kvbridge.cli.plan_cmd import layout_arg
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP
 from kvbridge.serve.config import Engine, InstanceConfig, ProxyConfig
-from kvbridge.transfer.config import KVExport
+from kvbridge.transfer.config import FanOut, KVExport
 from kvbridge.transfer.integrity import SAMPLE_EVERY, Integrity
 
 #: The flags' defaults are InstanceConfig's (the one declaration of each setting);
@@ -93,6 +93,15 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         "that maps only the KV, read-only (process), the worker's own NIXL agent, which "
         "on CMA and TCP lets a peer holding the secret address the whole worker (inline), "
         "or process when a shared secret is set and inline otherwise (auto; default)",
+    )
+    p.add_argument(
+        "--kv-fan-out",
+        choices=[m.value for m in FanOut],
+        default=_DEFAULTS["kv_fan_out"].value,
+        help="decode: workers that need the same prefill bytes (decode tp above the KV "
+        "heads, MLA) read them once per host, one worker over the link and the others "
+        "copying from it on the host: from a prefill on another host (auto; default), "
+        "always (on), or each worker reads its own (off)",
     )
     p.add_argument(
         "--lease-s",
@@ -356,6 +365,7 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         kv_load_failure=KVLoadFailure(args.kv_load_failure),
         kv_integrity=Integrity(args.kv_integrity),
         kv_export=KVExport(args.kv_export),
+        kv_fan_out=FanOut(args.kv_fan_out),
         lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s,
         liveness_timeout_s=args.liveness_timeout_s,

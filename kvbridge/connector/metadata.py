@@ -53,6 +53,8 @@ class ConnectorMetadata(msgspec.Struct, frozen=True):
     peers_to_connect: list[Connect] = msgspec.field(default_factory=list)
     #: producer workers: every worker's side channel of this instance, in rank order
     worker_endpoints: list[str] | None = None
+    #: consumer workers: every worker's `sibling` (base64) of this instance, rank order
+    siblings: list[str] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -63,6 +65,7 @@ class ConnectorMetadata(msgspec.Struct, frozen=True):
             or self.reqs_to_decline
             or self.peers_to_connect
             or self.worker_endpoints is not None
+            or self.siblings is not None
         )
 
 

@@ -110,6 +110,7 @@ class KVRequest:
     remaining: int = 0  # workers yet to report the transfer
     failures: list[str] = field(default_factory=list)
     nbytes: int = 0
+    local_nbytes: int = 0  # decode: copied between its workers on the host (a fan-out)
     started: float = 0.0
     transfer_ms: float | None = None
     #: the slowest worker's own time from Expose/Pull to done (no wait for the host's step)
@@ -187,11 +188,14 @@ class KVConnectorScheduler:
         return any(r.remaining for r in self.requests.values())
 
     def set_worker_endpoints(self, endpoints: list[str]) -> None:
-        """Producer start-up: every worker's side channel (rank order), from
-        `KVConnectorWorker.get_handshake_metadata`."""
+        """Start-up: every worker's `KVConnectorWorker.get_handshake_metadata` (rank
+        order), handed to all workers with the next orders: a producer's side channels,
+        a consumer's siblings (the fan-out)."""
         if self.role is ConnectorRole.PRODUCER:
             self.endpoint = endpoints[0]
             self._meta.worker_endpoints = list(endpoints)
+        else:
+            self._meta.siblings = list(endpoints)
 
     # -- arrival ------------------------------------------------------------------------
     def add_request(
@@ -402,6 +406,7 @@ class KVConnectorScheduler:
     def _fold(self, rec: KVRequest, ev: ConnectorEvent) -> bool:
         rec.remaining -= 1
         rec.nbytes += ev.nbytes
+        rec.local_nbytes += ev.local_nbytes
         rec.worker_ms = max(rec.worker_ms, ev.elapsed_ms)
         rec.release_causes.append(ev.cause or ("completed" if ev.ok else "aborted"))
         if not ev.ok:
@@ -468,8 +473,15 @@ class _MetaBuilder:
     decline: list[Decline] = field(default_factory=list)
     connect: list[Connect] = field(default_factory=list)
     worker_endpoints: list[str] | None = None
+    siblings: list[str] | None = None
 
     def build(self) -> ConnectorMetadata:
         return ConnectorMetadata(
-            self.recv, self.send, self.cancel, self.decline, self.connect, self.worker_endpoints
+            self.recv,
+            self.send,
+            self.cancel,
+            self.decline,
+            self.connect,
+            self.worker_endpoints,
+            self.siblings,
         )

@@ -15,6 +15,7 @@ only while its agent is polled), also while the worker computes a step.
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.metadata import ConnectorMetadata, KVWorkerOutput
@@ -29,6 +30,7 @@ from kvbridge.transfer.connector import (
     GetEndpoint,
     Poll,
     SetEndpoints,
+    SetSiblings,
     WorkerConnector,
 )
 
@@ -88,8 +90,13 @@ class KVConnectorWorker:
         )
 
     def get_handshake_metadata(self) -> str:
-        """This worker's side-channel endpoint ("" on a consumer), for the scheduler side."""
-        return self._handle(GetEndpoint()).endpoint
+        """What the scheduler side hands the instance's workers at start-up
+        (`KVConnectorScheduler.set_worker_endpoints`): a producer's side-channel
+        endpoint; a consumer's `sibling` (base64), for the fan-out."""
+        reply = self._handle(GetEndpoint())
+        if self.role is ConnectorRole.PRODUCER:
+            return reply.endpoint
+        return base64.b64encode(reply.sibling).decode()
 
     # -- per step ---------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
@@ -101,6 +108,8 @@ class KVConnectorWorker:
     def start_load_kv(self) -> None:
         """Start the bound pulls; meet introduced producers; decline what will not be read."""
         meta = self._bound()
+        if meta.siblings is not None:
+            self._try(SetSiblings([base64.b64decode(b) for b in meta.siblings]))
         for connect in meta.peers_to_connect:
             try:
                 if self._handle(connect).connected:

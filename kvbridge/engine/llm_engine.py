@@ -107,6 +107,7 @@ class Completion:
     #: a prefill exposed for its reader: what the decode instance is given (RemotePrefill)
     kv_transfer_params: KVTransferParams | None = None
     kv_nbytes: int = 0  # KV bytes pulled for it (decode)
+    kv_local_nbytes: int = 0  # ... and copied between decode workers on the host (fan-out)
     kv_transfer_ms: float | None = None  # how long its pull took (decode)
     kv_ready_ms: float | None = None  # the slowest decode worker's own time for it
     kv_load_error: str | None = None  # why its pull failed, if it did (decode)
@@ -367,6 +368,7 @@ class LLMEngine:
         if seq is None or seq.is_finished:
             return None
         seq.kv_nbytes, seq.kv_transfer_ms = rec.nbytes, rec.transfer_ms
+        seq.kv_local_nbytes = rec.local_nbytes
         seq.kv_ready_ms = rec.worker_ms
         first = rec.first_token_id
         assert first is not None
@@ -537,6 +539,7 @@ class LLMEngine:
             seq.num_cached_tokens,
             seq.kv_transfer_params,
             seq.kv_nbytes,
+            seq.kv_local_nbytes,
             seq.kv_transfer_ms,
             seq.kv_ready_ms,
             seq.kv_load_error,

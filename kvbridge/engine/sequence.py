@@ -55,6 +55,7 @@ class Sequence:
     kv_params: KVTransferParams | None = None
     kv_transfer_params: KVTransferParams | None = None
     kv_nbytes: int = 0  # KV bytes pulled for it
+    kv_local_nbytes: int = 0  # ... and copied between decode workers on the host (fan-out)
     kv_transfer_ms: float | None = None  # how long its pull took
     kv_ready_ms: float | None = None  # the slowest worker's own time for the pull
     kv_load_error: str | None = None  # why its pull failed, when it did

@@ -47,6 +47,7 @@ class CheckReport:
     descriptors: int
     descriptors_unmerged: int
     indices: int = 0  # prepared-list entries posted (== descriptors on the exact-list path)
+    local_bytes: int = 0  # copied between decode workers of one host (a fan-out's 2nd hop)
     failures: list[str] = field(default_factory=list)
     prefill: str = ""
     decode: str = ""
@@ -154,6 +155,7 @@ def run_check(
         descriptors=sum(f.num_descriptors for f in done),
         descriptors_unmerged=sum(f.num_unmerged for f in done),
         indices=sum(f.num_indices for f in done),
+        local_bytes=sum(f.local_nbytes for f in done),
         failures=failures,
         prefill=prefill.describe(),
         decode=decode.describe(),

@@ -28,6 +28,7 @@ from kvbridge.harness.commands import (
     Failed,
     Ready,
     SetEndpoints,
+    SetSiblings,
     Span,
     Stop,
     WorkerSpec,
@@ -51,6 +52,7 @@ class WorkerHandle:
     pid: int = 0
     agent_name: str = ""
     scratch_addr: int = 0
+    sibling: bytes = b""
     alive: bool = True
 
     def send(self, cmd: Command) -> None:
@@ -136,11 +138,13 @@ class Cluster:
         for h in handles:
             ev = self.expect(h, Ready, self.ready_timeout_s)
             h.endpoint, h.pid, h.agent_name = ev.endpoint, ev.pid, ev.agent_name
-            h.scratch_addr = ev.scratch_addr
+            h.scratch_addr, h.sibling = ev.scratch_addr, ev.sibling
         inst = Instance(instance_id, role, handles)
-        if role == "prefill":
-            for h in handles:
+        for h in handles:
+            if role == "prefill":
                 h.send(SetEndpoints([x.endpoint for x in handles]))
+            else:
+                h.send(SetSiblings([x.sibling for x in handles]))
         return inst
 
     def pump(self, timeout_s: float) -> int:

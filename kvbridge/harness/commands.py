@@ -56,6 +56,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     #: "process": a prefill worker's cache and scratch lie in shared memory, read by
     #: peers from an export process (`kvbridge.transfer.export`); "inline": its own agent
     kv_export: str = "inline"
+    #: `FanOut` value: the harness's decode workers fan out only when told (one host)
+    fan_out: str = "off"
     netns: str = ""  # run on this test host (harness.hosts): its network namespace
     hostname: str = ""  # ... under this hostname, in UTS and IPC namespaces of its own
 
@@ -63,6 +65,12 @@ class WorkerSpec(msgspec.Struct, frozen=True):
 # -- parent -> worker ----------------------------------------------------------------
 class SetEndpoints(msgspec.Struct, tag=True):
     endpoints: list[str]
+
+
+class SetSiblings(msgspec.Struct, tag=True):
+    """Decode workers: every worker's `Ready.sibling` of their instance, rank order."""
+
+    siblings: list[bytes]
 
 
 class Expose(msgspec.Struct, tag=True):
@@ -107,7 +115,7 @@ class RawRead(msgspec.Struct, tag=True):
     write: bool = False
 
 
-Command = SetEndpoints | Expose | Pull | Verify | Status | Stop | RawRead
+Command = SetEndpoints | SetSiblings | Expose | Pull | Verify | Status | Stop | RawRead
 
 
 # -- worker -> parent ----------------------------------------------------------------
@@ -117,6 +125,7 @@ class Ready(msgspec.Struct, tag=True):
     pid: int
     agent_name: str
     scratch_addr: int
+    sibling: bytes = b""  # decode: what its instance's other workers need (`KVConsumer.sibling`)
 
 
 class Released(msgspec.Struct, tag=True):
@@ -138,6 +147,7 @@ class Finished(msgspec.Struct, tag=True):
     num_unmerged: int
     num_indices: int
     failure: str = ""  # `PullFailure` value of a failed pull that has one
+    local_nbytes: int = 0  # copied from a sibling's cache (a fan-out)
 
 
 class Verified(msgspec.Struct, tag=True):

@@ -31,6 +31,7 @@ from kvbridge.harness.commands import (
     Ready,
     Released,
     SetEndpoints,
+    SetSiblings,
     Status,
     StatusReply,
     Stop,
@@ -42,7 +43,7 @@ from kvbridge.harness.commands import (
 )
 from kvbridge.plan.layout import cache_shape, num_regions
 from kvbridge.plan.verifier import expected_decode_cache, fill_worker_cache, uint_dtype
-from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.config import FanOut, TransferConfig
 from kvbridge.transfer.integrity import Integrity
 
 if TYPE_CHECKING:
@@ -154,6 +155,7 @@ class _Worker:
             liveness_timeout_s=spec.liveness_timeout_s,
             max_units=spec.max_units,
             integrity=Integrity(spec.integrity),
+            fan_out=FanOut(spec.fan_out),
         )
         self.producer: KVProducer | None = None
         self.consumer: KVConsumer | None = None
@@ -190,6 +192,7 @@ class _Worker:
                 os.getpid(),
                 self.transport.name,
                 self.scratch_addr if self.spec.scratch_bytes else 0,
+                self.consumer.sibling() if self.consumer is not None else b"",
             ),
         )
         # A producer polls its side channel with a 1 ms timeout (that is its sleep); a
@@ -219,6 +222,7 @@ class _Worker:
                                 r.num_unmerged,
                                 r.num_indices,
                                 r.failure.value if r.failure is not None else "",
+                                r.local_nbytes,
                             ),
                         )
         finally:
@@ -257,6 +261,8 @@ class _Worker:
         try:
             if isinstance(cmd, SetEndpoints) and producer is not None:
                 producer.set_worker_endpoints(cmd.endpoints)
+            elif isinstance(cmd, SetSiblings) and consumer is not None:
+                consumer.set_siblings(cmd.siblings)
             elif isinstance(cmd, Expose) and producer is not None:
                 producer.expose(**msgspec.structs.asdict(cmd))  # its fields are the call's
             elif isinstance(cmd, Pull) and consumer is not None:

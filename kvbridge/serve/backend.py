@@ -40,6 +40,9 @@ class RequestStages(msgspec.Struct, omit_defaults=True):
     #: the slowest decode worker's own time from Pull to done (no wait for a step in flight)
     kv_ready_ms: float | None = None
     kv_bytes: int | None = None  # KV bytes pulled (0: the decode instance held it all)
+    #: KV bytes its decode workers copied from each other on their host (a fan-out:
+    #: read over the link once, `kv_bytes`, then copied to the workers that share them)
+    kv_local_bytes: int | None = None
     decode_ms: float | None = None  # this instance's part after the KV load
     cached_tokens: int | None = None  # the decode (or colocated) engine's prefix-cache hit
     kv_load_failed: bool | None = None  # the pull failed (`kv_load_error` says why)

@@ -21,7 +21,13 @@ from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.serve.isolation import PrefixCacheIsolation
-from kvbridge.transfer.config import KVExport, TransferConfig, is_loopback, load_token
+from kvbridge.transfer.config import (
+    FanOut,
+    KVExport,
+    TransferConfig,
+    is_loopback,
+    load_token,
+)
 from kvbridge.transfer.integrity import Integrity
 
 
@@ -104,6 +110,8 @@ class InstanceConfig:
     kv_integrity: Integrity = TransferConfig.integrity
     #: prefill: which process peers read the KV from (TransferConfig declares it)
     kv_export: KVExport = TransferConfig.kv_export
+    #: decode: read bytes its workers share once per host (TransferConfig declares it)
+    kv_fan_out: FanOut = TransferConfig.fan_out
     max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
     kv_advertise_host: str | None = None  # the address peers reach the KV side channel at
     insecure: bool = False  # allow a non-loopback HTTP host without a shared token
@@ -187,6 +195,7 @@ class InstanceConfig:
             handshake_timeout_s=self.handshake_timeout_s,
             integrity=self.kv_integrity,
             kv_export=self.kv_export,
+            fan_out=self.kv_fan_out,
         )
 
     def to_json(self) -> bytes:

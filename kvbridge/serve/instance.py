@@ -187,6 +187,7 @@ class Instance:
             m.load_failures.inc()
         if comp.kv_transfer_ms is not None:
             m.kv_bytes.inc(comp.kv_nbytes)
+            m.kv_local_bytes.inc(comp.kv_local_nbytes)
             if comp.kv_load_error is None:
                 spec = self.loop.engine.model_config.kv_spec(self.loop.engine.config.kv_dtype)
                 m.kv_bytes_saved.inc(comp.num_cached_tokens * spec.bytes_per_token)

@@ -9,7 +9,8 @@ Names and labels (dashboards depend on them):
 
     proxy     kvbridge_requests_total{endpoint,status}  kvbridge_requests_running
               kvbridge_ttft_ms  kvbridge_tpot_ms  kvbridge_kv_transfer_ms  (histograms, ms)
-              kvbridge_kv_bytes_total  kvbridge_failures_total{reason}
+              kvbridge_kv_bytes_total  kvbridge_kv_local_bytes_total
+              kvbridge_failures_total{reason}
               kvbridge_kv_load_failures_total  kvbridge_instance_up{url}
               kvbridge_requests_rejected_total{reason}  (refused for lack of room: 503)
     instance  kvbridge_blocks_in_use{instance,role}  kvbridge_blocks_total{instance,role}
@@ -19,6 +20,7 @@ Names and labels (dashboards depend on them):
               kvbridge_kv_stale_pulls_total{instance,role}  (decode: read but not held)
               kvbridge_kv_integrity_failures_total{instance,role}  (decode: digest mismatch)
               kvbridge_kv_instance_bytes_total{instance,role}
+              kvbridge_kv_instance_local_bytes_total{instance,role}  (decode: fan-out copies)
               kvbridge_prefix_cache_queries_total{instance,role}
               kvbridge_prefix_cache_hits_total{instance,role}
               kvbridge_prefix_cache_hit_tokens_total{instance,role}
@@ -82,6 +84,12 @@ class ProxyMetrics:
         self.kv_bytes = Counter(
             "kvbridge_kv_bytes_total", "KV-cache bytes moved from prefill to decode.", registry=r
         )
+        self.kv_local_bytes = Counter(
+            "kvbridge_kv_local_bytes_total",
+            "KV-cache bytes decode workers copied from each other on their host (a fan-out: "
+            "read from the prefill once per host).",
+            registry=r,
+        )
         self.kv_transfer_ms = Histogram(
             "kvbridge_kv_transfer_ms",
             "KV transfer time per request, milliseconds.",
@@ -143,6 +151,12 @@ class InstanceMetrics:
         ).labels(**labels)
         self.kv_bytes = Counter(
             "kvbridge_kv_instance_bytes_total", "KV bytes pulled here.", names, registry=r
+        ).labels(**labels)
+        self.kv_local_bytes = Counter(
+            "kvbridge_kv_instance_local_bytes_total",
+            "KV bytes this instance's workers copied from each other (a fan-out).",
+            names,
+            registry=r,
         ).labels(**labels)
         self.prefix_queries = Counter(
             "kvbridge_prefix_cache_queries",

@@ -418,6 +418,8 @@ class _Tracker:
                 self.m.tpot_ms.observe(tpot)
         if "kv_bytes" in self.stages:
             self.m.kv_bytes.inc(self.stages["kv_bytes"])
+        if "kv_local_bytes" in self.stages:
+            self.m.kv_local_bytes.inc(self.stages["kv_local_bytes"])
         if "transfer_ms" in self.stages:
             self.m.kv_transfer_ms.observe(self.stages["transfer_ms"])
         if self.stages.get("kv_load_failed"):

@@ -89,6 +89,7 @@ class Stream:
             transfer_ms=transfer_ms,
             kv_ready_ms=comp.kv_ready_ms if transfer_ms is not None else None,
             kv_bytes=comp.kv_nbytes if transfer_ms is not None else None,
+            kv_local_bytes=comp.kv_local_nbytes or None,
             decode_ms=elapsed_ms - (transfer_ms or 0.0),  # after the KV load
             cached_tokens=comp.num_cached_tokens,
             kv_load_failed=True if comp.kv_load_error is not None else None,

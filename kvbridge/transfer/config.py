@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,19 @@ class KVExport(enum.Enum):
     #: PROCESS when the deployment has a token and the cache is (or can be moved) in
     #: shared memory, INLINE otherwise (no token: loopback peers, unauthenticated)
     AUTO = "auto"
+
+
+class FanOut(enum.Enum):
+    """Whether a decode instance's workers on one host that need the same prefill bytes
+    (GQA heads replicated when decode tp > num_kv_heads, MLA's latent) read them from
+    the prefill instance once, one worker reading and the others copying from it on
+    the host (`planner.make_plan(decode_hosts=)`), or each over the link."""
+
+    #: fan out from a prefill instance on another host (its endpoint is not an address
+    #: of this host); on one host a copy costs what a read does, so each reads its own
+    AUTO = "auto"
+    ON = "on"  # fan out from every prefill instance, on this host too
+    OFF = "off"  # every decode worker reads its own bytes
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,8 @@ class TransferConfig:
             producer's (`integrity.py`): every pull, none, or a sample (the default:
             the check costs more than a same-host pull; docs/benchmarks.md).
         kv_export: which process peers read a prefill worker's KV from (`KVExport`).
+        fan_out: whether a decode instance's workers read bytes they share once per
+            host (`FanOut`).
     """
 
     host: str = "127.0.0.1"
@@ -82,6 +98,7 @@ class TransferConfig:
     max_units: int = 1 << 22
     integrity: Integrity = Integrity.SAMPLE
     kv_export: KVExport = KVExport.AUTO
+    fan_out: FanOut = FanOut.AUTO
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_port < 65536:
@@ -95,6 +112,7 @@ class TransferConfig:
         for field, kind, what in (
             ("integrity", Integrity, "KV integrity mode"),
             ("kv_export", KVExport, "KV export mode"),
+            ("fan_out", FanOut, "KV fan-out mode"),
         ):
             value = getattr(self, field)
             if not isinstance(value, kind):  # a name, from a JSON or vLLM config
@@ -138,6 +156,13 @@ class TransferConfig:
             return self.token is not None
         return self.kv_export is KVExport.PROCESS
 
+    def fans_out_from(self, endpoint: str) -> bool:
+        """Whether a decode worker fans out the reads of the producer at `endpoint`
+        (`FanOut`)."""
+        if self.fan_out is FanOut.AUTO:
+            return not is_local_endpoint(endpoint)
+        return self.fan_out is FanOut.ON
+
     def port_of(self, rank: int) -> int:
         """The side-channel port worker `rank` binds (0: any free port)."""
         return self.base_port + rank if self.base_port else 0
@@ -151,6 +176,27 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether the side channel at `endpoint` (``tcp://HOST:PORT``) is on this host: a
+    loopback address, or one of this host's (network namespace's) own addresses, which
+    a socket can bind. A name that does not resolve counts as another host's."""
+    host = endpoint.partition("://")[2].rpartition(":")[0].strip("[]")
+    if is_loopback(host):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr[0], 0))
+            except OSError:
+                continue
+            return True
+    return False
 
 
 def load_token(value: str | None = None, path: str | Path | None = None) -> bytes | None:

@@ -6,8 +6,12 @@ transport (one NIXL agent, the cache's regions registered once) and a `KVProduce
 talks to all of its workers with typed requests and gets one typed reply per worker:
 
     GetEndpoint               -> reply.endpoint: this worker's side channel (producers)
+                                 reply.sibling: what its instance's other workers need
+                                 to copy from it (consumers: `KVConsumer.sibling`)
     SetEndpoints(endpoints)   every producer worker learns all its instance's endpoints
                               (gather GetEndpoint from every worker first, rank order)
+    SetSiblings(siblings)     every consumer worker meets its instance's other workers
+                              (their GetEndpoint `sibling`s, rank order): the fan-out
     Expose(request, blocks)   producer workers pin a prefilled request's blocks
     Pull(request, ...)        consumer workers start reading it into local blocks
     Cancel(request)           producer workers release a request nobody took
@@ -104,6 +108,13 @@ class SetEndpoints(msgspec.Struct, frozen=True, tag="set_endpoints"):
     endpoints: list[str]
 
 
+class SetSiblings(msgspec.Struct, frozen=True, tag="set_siblings"):
+    """Tell each consumer worker every worker's `ConnectorReply.sibling` of its instance,
+    in rank order (`KVConsumer.set_siblings`)."""
+
+    siblings: list[bytes]
+
+
 class Expose(msgspec.Struct, frozen=True, tag="expose"):
     """Producer workers: pin `block_ids` holding `num_tokens` tokens of `request_id`;
     with `reader`, only that decode instance's notifications release them. `lease_s`
@@ -162,7 +173,9 @@ class Poll(msgspec.Struct, frozen=True, tag="poll"):
     """Progress transfers now and report the requests finished since the last Poll."""
 
 
-ConnectorRequest = GetEndpoint | SetEndpoints | Expose | Pull | Connect | Cancel | Decline | Poll
+ConnectorRequest = (
+    GetEndpoint | SetEndpoints | SetSiblings | Expose | Pull | Connect | Cancel | Decline | Poll
+)
 
 
 class ConnectorEvent(msgspec.Struct, frozen=True):
@@ -180,6 +193,9 @@ class ConnectorEvent(msgspec.Struct, frozen=True):
     #: lease_expired, closed); consumer: why a pull failed where a counter tells it apart
     #: (`PullFailure` value: stale, integrity), else ""; "" for a refused order
     cause: str = ""
+    #: consumer: bytes copied from another decode worker's cache on this host (the
+    #: second hop of a fan-out), besides the `nbytes` read from the producer
+    local_nbytes: int = 0
 
 
 class ConnectorReply(msgspec.Struct, frozen=True):
@@ -190,6 +206,7 @@ class ConnectorReply(msgspec.Struct, frozen=True):
     pinned_blocks: int = 0  # producer: blocks pinned; consumer: blocks being pulled into
     replays_refused: int = 0  # producer: forged, replayed or misdirected messages so far
     connected: bool = False  # Connect: this consumer worker has met that producer instance
+    sibling: bytes = b""  # GetEndpoint on a consumer: `KVConsumer.sibling`
 
 
 request_decoder = msgspec.msgpack.Decoder(ConnectorRequest)
@@ -355,9 +372,14 @@ class WorkerConnector:
 
     def _handle(self, request: ConnectorRequest) -> ConnectorReply:
         if isinstance(request, GetEndpoint):
-            return ConnectorReply(endpoint=self.producer.endpoint if self.producer else "")
+            if self.producer is not None:
+                return ConnectorReply(endpoint=self.producer.endpoint)
+            assert self.consumer is not None
+            return ConnectorReply(sibling=self.consumer.sibling())
         if isinstance(request, SetEndpoints):
             self._need(self.producer, request).set_worker_endpoints(request.endpoints)
+        elif isinstance(request, SetSiblings):
+            self._need(self.consumer, request).set_siblings(request.siblings)
         elif isinstance(request, Expose):
             self._need(self.producer, request).expose(
                 request.request_id,
@@ -443,7 +465,9 @@ class WorkerConnector:
                 elapsed = self._elapsed_ms(res.request_id)
                 cause = res.failure.value if res.failure is not None else ""
                 self._events.append(
-                    ConnectorEvent(res.request_id, ok, res.reason, res.nbytes, elapsed, cause)
+                    ConnectorEvent(
+                        res.request_id, ok, res.reason, res.nbytes, elapsed, cause, res.local_nbytes
+                    )
                 )
                 self._has_events.set()
         return self.poll_interval()

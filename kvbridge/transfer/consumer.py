@@ -33,15 +33,32 @@ pull is DONE only once every producer worker it read bytes from answered its Rea
 with `ReadAck(held=True)` for the pull's generation (the capability's); `held=False`
 fails it at once as stale (`PullFailure.STALE`, its reason naming the exposure), and an
 answer that never comes fails it at the liveness or transfer bound like a READ.
+Fan-out on the decode host: decode workers of one instance that hold the same cells (GQA
+heads replicated when decode tp > num_kv_heads; MLA's latent) need the same prefill
+bytes. Once the engine told every worker its siblings (`sibling` -> `set_siblings`: each
+one's host, NIXL agent and cache regions), a pull from a producer the config fans out
+from (`TransferConfig.fan_out`) is planned with the workers' hosts: on each host the
+lowest rank holding a set of cells reads it over the link, and once its pull is DONE
+(confirmed by the producers) it tells each worker that copies from it (`LocalReady`, a
+NIXL notification signed with the instance's sibling key), which then READs those
+blocks from its cache on the host (CMA). A reader whose pull failed tells them so; a
+copier waits at most the pull's `transfer_timeout_s`. The producer plans the same
+(`Hello.decode_hosts`) and waits only for the readers' ReadDones.
+
 Not thread-safe: `pull`, `poll`, `close` from one thread at a time
 (a `WorkerConnector` holds its lock around each).
 """
 
 from __future__ import annotations
 
+import collections
 import enum
+import functools
+import hashlib
+import hmac
 import logging
 import math
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -51,7 +68,7 @@ from typing import Any
 import numpy as np
 
 from kvbridge.errors import ConfigError, KVBridgeError
-from kvbridge.plan.copylist import CopyList, copy_lists
+from kvbridge.plan.copylist import CopyList, copy_lists, local_copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.agent import Transport, XferState
@@ -63,19 +80,25 @@ from kvbridge.transfer.descriptors import (
     unit_indices,
     unit_size,
 )
-from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.errors import ProtocolError, TransferError
 from kvbridge.transfer.identity import Identity, bound_fingerprint
 from kvbridge.transfer.integrity import Integrity, digest, is_checked, region_views
 from kvbridge.transfer.messages import (
     Hello,
     LayoutWire,
+    LocalReady,
     ModelWire,
     ReadDone,
+    Sibling,
+    decode,
+    decode_sibling,
+    encode,
+    encode_sibling,
     spec_error,
 )
 from kvbridge.transfer.owed import OwedNotices
 from kvbridge.transfer.peers import PeerState, ProducerDirectory, ProducerInstance, ProducerWorker
-from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
+from kvbridge.transfer.regions import CacheRegions, MemType, worker_shard_checked
 
 log = logging.getLogger("kvbridge.transfer.consumer")
 
@@ -84,6 +107,10 @@ log = logging.getLogger("kvbridge.transfer.consumer")
 CONNECT_SETTLE_S = 0.3
 #: How often an ended pull retries releasing a READ NIXL could not cancel (seconds).
 RELEASE_RETRY_S = 1.0
+#: `_Pull.xfers` key of a READ from a sibling's cache (the second hop of a fan-out)
+LOCAL = -1
+#: LocalReady notices kept for pulls not started yet here (the oldest go first).
+MAX_EARLY_READY = 4096
 
 
 class PullFailure(enum.Enum):
@@ -113,6 +140,7 @@ class TransferResult:
     num_unmerged: int = 0  # before merging
     num_indices: int = 0  # prepared-list entries posted (NIXL merges consecutive ones)
     failure: PullFailure | None = None  # FAILED: the cause a counter tells apart
+    local_nbytes: int = 0  # copied from a sibling's cache on this host (a fan-out)
 
 
 @dataclass
@@ -143,11 +171,47 @@ class _Pull:
     # write into its blocks (NIXL could not cancel one: retried every RELEASE_RETRY_S)
     outcome: tuple[TransferState, str, PullFailure | None] | None = None
     retry_at: float = 0.0  # when to try releasing its uncancelled READs again
+    #: fan-out: the decode rank whose cache this pull copies from once it has the bytes
+    source: int | None = None
+    local_posted: bool = False  # its READs from the source's cache are posted
+    local_nbytes: int = 0
 
     @property
     def awaiting_acks(self) -> bool:
         """Every READ done; waiting for the producers' ReadAcks."""
-        return self.state is TransferState.READING and not self.xfers
+        return self.state is TransferState.READING and not self.xfers and bool(self.awaiting)
+
+    @property
+    def awaiting_source(self) -> bool:
+        """A fan-out's copy waiting for its source to have the bytes (`LocalReady`)."""
+        return (
+            self.state is TransferState.READING
+            and self.source is not None
+            and not self.local_posted
+            and not self.awaiting
+        )
+
+
+@dataclass
+class _Sibling:
+    """Another decode worker of this instance, as this one knows it."""
+
+    rank: int
+    host: str
+    agent: str
+    regions: CacheRegions
+    dlists: dict[int, Any] = field(default_factory=dict)  # unit size -> prepared list
+    unit: int | None = None  # whole-block unit of a copy from it (None: exact lists)
+
+
+def sibling_key(identity: Identity | None, token: bytes | None) -> bytes | None:
+    """The key signing `LocalReady` notices between one decode instance's workers: from
+    the instance's secret key (only its workers hold it), else from the shared token;
+    None without either (nothing is authenticated then)."""
+    secret = identity.secret if identity is not None else token
+    if secret is None:
+        return None
+    return hmac.new(secret, b"kvbridge fan-out siblings", hashlib.sha256).digest()
 
 
 class KVConsumer:
@@ -197,6 +261,15 @@ class KVConsumer:
         self._settle_until: dict[str, float] = {}  # met; connections still being made
         #: producers to meet afresh once no pull reads from them (`_forget_unreachable`)
         self._remeet: dict[str, tuple[ProducerInstance, str]] = {}
+        self.host = socket.gethostname()
+        self._siblings: dict[int, _Sibling] = {}  # fan-out: this instance's other workers
+        self._hosts: tuple[str, ...] | None = None  # every worker's host, once told
+        self._sibling_ranks: dict[str, int] = {}  # agent name -> rank
+        self._sibling_key = sibling_key(identity, config.token)
+        #: (request id, generation) -> a source's notice, until the pull it names takes it
+        self._ready: collections.OrderedDict[tuple[str, int], LocalReady] = (
+            collections.OrderedDict()
+        )
         hello = Hello(
             instance_id=instance_id,
             rank=rank,
@@ -213,6 +286,7 @@ class KVConsumer:
             hello=hello,
             clock=clock,
             identity=identity,
+            decode_hosts=self._fan_out_hosts,
         )
         # failure notices producers cut off could not be told, paid after the heal
         self.owed = OwedNotices(ttl_s=config.lease_s, clock=clock)
@@ -286,6 +360,81 @@ class KVConsumer:
             self._clock() + self.config.handshake_timeout_s + 1,
             decline=reason[:1000],
         )
+
+    def sibling(self) -> bytes:
+        """What the other workers of this instance need to copy from this one (a
+        `Sibling`, encoded): hand every worker's to each one's `set_siblings`."""
+        exported = self.transport.peer_regions(self.regions)
+        return encode_sibling(
+            Sibling(
+                rank=self.rank,
+                host=self.host,
+                agent_name=self.transport.name,
+                agent_metadata=self.transport.metadata(),
+                regions=list(zip(exported.addresses, exported.lengths, strict=True)),
+                mem_type=self.regions.mem_type.value,
+                device_id=self.regions.device_id,
+            )
+        )
+
+    def set_siblings(self, siblings: Sequence[bytes]) -> None:
+        """Meet the other workers of this instance (every worker's `sibling()`, rank
+        order), so pulls from a producer this worker fans out from
+        (`TransferConfig.fan_out`) read each byte once per host. Before this call (or
+        at world size 1) every pull reads its own bytes. Once only: a second call with
+        the same workers does nothing; TransferError on a list that does not describe
+        this instance (count, ranks, this worker's own entry)."""
+        infos = [decode_sibling(b) for b in siblings]
+        world = self.layout.world_size
+        if len(infos) != world or [i.rank for i in infos] != list(range(world)):
+            raise TransferError(
+                f"siblings: {len(infos)} entries with ranks {[i.rank for i in infos][:16]}; "
+                f"this decode instance has {world} workers, ranks 0..{world - 1} in order"
+            )
+        if infos[self.rank].agent_name != self.transport.name:
+            raise TransferError(
+                f"siblings: entry {self.rank} names agent {infos[self.rank].agent_name!r}, "
+                f"not this worker's {self.transport.name!r}"
+            )
+        if self._hosts is not None:
+            if all(
+                i.rank == self.rank or self._siblings[i.rank].agent == i.agent_name for i in infos
+            ):
+                return
+            raise TransferError("siblings were set already, to other workers")
+        for info in infos:
+            if info.rank == self.rank:
+                continue
+            agent = self.transport.add_peer(info.agent_metadata)
+            if agent != info.agent_name:
+                self.transport.remove_peer(agent)
+                raise TransferError(
+                    f"sibling {info.rank}: its metadata names agent {agent!r}, its entry "
+                    f"{info.agent_name!r}"
+                )
+            regions = CacheRegions(
+                tuple(a for a, _ in info.regions),
+                tuple(n for _, n in info.regions),
+                MemType(info.mem_type),
+                info.device_id,
+            )
+            if regions.lengths != self.regions.lengths:
+                self.transport.remove_peer(agent)
+                raise TransferError(
+                    f"sibling {info.rank}: its {len(regions.lengths)} cache regions differ "
+                    f"from this worker's {len(self.regions.lengths)} (every worker of an "
+                    "instance has the same cache)"
+                )
+            self._siblings[info.rank] = _Sibling(info.rank, info.host, agent, regions)
+            self._sibling_ranks[agent] = info.rank
+        self._hosts = tuple(i.host for i in infos)
+
+    def _fan_out_hosts(self, endpoint: str) -> tuple[str, ...] | None:
+        """Every decode worker's host if pulls from the producer at `endpoint` fan out
+        (`TransferConfig.fan_out`, siblings met), else None."""
+        if self._hosts is None or not self.config.fans_out_from(endpoint):
+            return None
+        return self._hosts
 
     def connect(self, endpoint: str, instance_id: str = "") -> bool:
         """Meet the producer instance at `endpoint` ahead of its first request: handshake
@@ -363,10 +512,7 @@ class KVConsumer:
             self._advance_pull(pull, now)
         # Without NIXL's progress thread, our standalone notifications (to replicas
         # nobody reads, failure notices) leave only while our agent is progressed.
-        for sender, msgs in self.transport.notifs().items():
-            log.debug(
-                "decode worker %d ignored %d notifications from %s", self.rank, len(msgs), sender
-            )
+        self._take_notices(self.transport.notifs())
         out, self._results = self._results, []
         return out
 
@@ -380,6 +526,11 @@ class KVConsumer:
         for pull in list(self._pulls.values()):
             self._finish(pull, TransferState.FAILED, "consumer closed", final=True)
         self.directory.close()
+        for sib in self._siblings.values():
+            for handle in sib.dlists.values():
+                self.transport.release_dlist(handle)
+            self.transport.remove_peer(sib.agent)
+        self._siblings.clear()
         for handle in (*self._local_dlists.values(), *self._orphan_dlists):
             self.transport.release_dlist(handle)
         self._local_dlists.clear()
@@ -412,6 +563,19 @@ class KVConsumer:
         if pull.state is TransferState.READING:
             for i, (p, xfer) in list(pull.xfers.items()):
                 st = self.transport.state(xfer)
+                if p == LOCAL:
+                    if st is XferState.DONE:
+                        self.transport.release(xfer)
+                        del pull.xfers[i]
+                    elif st is XferState.ERR:
+                        self._finish(
+                            pull,
+                            TransferState.FAILED,
+                            f"NIXL READ from decode worker {pull.source}'s cache on this host "
+                            "ended in ERR state; that worker may have died",
+                        )
+                        return
+                    continue
                 if st is XferState.DONE:  # NIXL delivered the READ's notification, if any
                     log.debug(
                         "decode worker %d: a READ of %r from prefill worker %d done",
@@ -489,8 +653,132 @@ class KVConsumer:
             pull.awaiting.discard(p)
         if pull.awaiting:
             return False
+        if pull.source is not None and not pull.local_posted:
+            return self._copy_from_source(pull)
         self._finish(pull, TransferState.DONE, "")
         return True
+
+    def _copy_from_source(self, pull: _Pull) -> bool:
+        """A fan-out's second hop: once `pull`'s source has the bytes (its `LocalReady`),
+        READ them from its cache on this host; FAILED if its pull failed. Whether the
+        pull ended."""
+        assert pull.source is not None and pull.instance.plan is not None
+        notice = self._ready.pop((pull.request_id, pull.generation), None)
+        if notice is None:
+            return False
+        if not notice.ok:
+            self._finish(
+                pull,
+                TransferState.FAILED,
+                f"decode worker {pull.source}, which reads these bytes over the link for "
+                f"this worker, failed its pull: {notice.reason}",
+            )
+            return True
+        sib = self._siblings[pull.source]
+        lists = local_copy_lists(
+            pull.instance.plan,
+            self.rank,
+            pull.local_block_ids,
+            pull.num_tokens,
+            pull.start_token,
+        )
+        pull.local_posted = True
+        for cl in lists:
+            for local, local_idx, remote, remote_idx in self._reads(
+                pull,
+                cl,
+                sib.agent,
+                sib.regions,
+                sib.unit,
+                functools.partial(self._sibling_dlist, sib),
+            ):
+                try:
+                    xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, b"")
+                except TransferError as exc:
+                    self._finish(
+                        pull,
+                        TransferState.FAILED,
+                        f"READ from decode worker {sib.rank}'s cache on this host failed: {exc}",
+                    )
+                    return True
+                pull.xfers[max(pull.xfers, default=-1) + 1] = (LOCAL, xfer)
+            pull.local_nbytes += cl.nbytes
+        log.debug(
+            "decode worker %d: %r copies %d bytes from decode worker %d",
+            self.rank,
+            pull.request_id,
+            pull.local_nbytes,
+            sib.rank,
+        )
+        if pull.xfers:
+            return False
+        self._finish(pull, TransferState.DONE, "")
+        return True
+
+    def _sibling_dlist(self, sib: _Sibling, g: int) -> Any:
+        """`sib`'s regions cut into g-byte units, prepared once per (sibling, g)."""
+        if g not in sib.dlists:
+            sib.dlists[g] = self.transport.prep_remote(
+                sib.agent, unit_descs(sib.regions, g), sib.regions.mem_type
+            )
+        return sib.dlists[g]
+
+    def _take_notices(self, notifs: dict[str, list[bytes]]) -> None:
+        """Keep the `LocalReady` notices of this instance's workers for the pulls they
+        name; anything else is logged and dropped."""
+        for sender, msgs in notifs.items():
+            rank = self._sibling_ranks.get(sender)
+            for raw in msgs:
+                why = "" if rank is not None else "not from a worker of this instance"
+                msg = None
+                if not why:
+                    try:
+                        msg = decode(raw, self._sibling_key, 64 << 10)
+                    except ProtocolError as exc:
+                        why = str(exc)
+                if msg is not None and not (isinstance(msg, LocalReady) and msg.rank == rank):
+                    why = f"a {type(msg).__name__} naming rank {getattr(msg, 'rank', '?')}"
+                if why or not isinstance(msg, LocalReady):
+                    log.warning(
+                        "decode worker %d ignored a notification from %s: %s",
+                        self.rank,
+                        sender,
+                        why,
+                    )
+                    continue
+                self._ready[(msg.request_id, msg.generation)] = msg
+                while len(self._ready) > MAX_EARLY_READY:
+                    self._ready.popitem(last=False)
+
+    def _tell_copiers(self, pull: _Pull, state: TransferState, reason: str) -> None:
+        """Tell the workers that copy `pull`'s bytes from this one (a fan-out's source)
+        that they are here (DONE) or will not come (FAILED)."""
+        plan = pull.instance.plan
+        if plan is None or pull.decline is not None:
+            return
+        msg = LocalReady(
+            request_id=pull.request_id,
+            generation=pull.generation,
+            rank=self.rank,
+            ok=state is TransferState.DONE,
+            reason=reason[:4000],
+        )
+        for c in plan.local_copies:
+            if c.source_rank != self.rank:
+                continue
+            try:
+                self.transport.send_notif(
+                    self._siblings[c.decode_rank].agent, encode(msg, self._sibling_key)
+                )
+            except TransferError as exc:
+                log.warning(
+                    "decode worker %d: telling decode worker %d that %r is %s failed: %s",
+                    self.rank,
+                    c.decode_rank,
+                    pull.request_id,
+                    state.value,
+                    exc,
+                )
 
     def _forget_unreachable(self) -> None:
         """Forget idle producers whose side channel is down (`forget_unreachable`), and
@@ -518,7 +806,7 @@ class KVConsumer:
         for pull in list(self._pulls.values()):
             if pull.outcome is not None:
                 continue  # ended already; its READs are being released
-            reading = {p for p, _ in pull.xfers.values()} | pull.awaiting
+            reading = {p for p, _ in pull.xfers.values() if p != LOCAL} | pull.awaiting
             gone = [
                 (p, pull.instance.readers[p])
                 for p in sorted(reading)
@@ -545,6 +833,13 @@ class KVConsumer:
                 f"{t} waiting for prefill workers {sorted(pull.awaiting)} to confirm they held "
                 f"{pull.request_id!r} for the whole read (ReadAck)"
             )
+        if pull.awaiting_source:
+            return (
+                f"{t} waiting for decode worker {pull.source}, which reads these bytes over "
+                "the link for this worker, to have them (LocalReady)"
+            )
+        if pull.local_posted:
+            return f"{t} copying from decode worker {pull.source}'s cache on this host"
         if pull.state is TransferState.READING:
             return f"{t} reading from prefill workers {sorted({p for p, _ in pull.xfers.values()})}"
         waiting = [w.endpoint for w in pull.instance.workers() if w.state is not PeerState.READY]
@@ -574,6 +869,13 @@ class KVConsumer:
                 self._local_dlist(g)
                 self.directory.remote_dlist(peer, g)
                 inst.block_units[cl.read.prefill_rank] = g
+        for lc in local_copy_lists(inst.plan, self.rank, d_ids, tokens):
+            sib = self._siblings[lc.read.source_rank]
+            g = unit_size(lc, sib.regions.lengths, self.regions.lengths)
+            if sib.unit is None and num_units(self.regions, g) <= self.config.max_units:
+                self._local_dlist(g)
+                self._sibling_dlist(sib, g)
+                sib.unit = g
 
     def _post(self, pull: _Pull) -> None:
         inst = pull.instance
@@ -607,7 +909,16 @@ class KVConsumer:
                 self.transport.send_notif(peer.agent, self._done(pull, peer))
                 pull.notified.add(p)
                 continue
-            posts += [(p, peer, r) for r in self._reads(pull, cl, peer, inst.block_units.get(p))]
+            assert peer.regions is not None
+            reads = self._reads(
+                pull,
+                cl,
+                peer.agent,
+                peer.regions,
+                inst.block_units.get(p),
+                functools.partial(self.directory.remote_dlist, peer),
+            )
+            posts += [(p, peer, r) for r in reads]
             nbytes += cl.nbytes
             ndesc += cl.num_descriptors
             nunmerged += cl.num_unmerged
@@ -632,6 +943,9 @@ class KVConsumer:
         for p, peer in inst.unread.items():
             self._notify(pull, p, peer, self._done(pull, peer))
         pull.stats = (nbytes, ndesc, nunmerged, nidx)
+        copies = inst.plan.local_copies_for(self.rank)
+        if copies:  # a fan-out's copy: from the source's cache once it has the bytes
+            pull.source = copies[0].source_rank
         log.debug(
             "decode worker %d: %r posted %d READs of %d bytes from prefill workers %s",
             self.rank,
@@ -642,28 +956,32 @@ class KVConsumer:
         )
 
     def _reads(
-        self, pull: _Pull, cl: CopyList, peer: ProducerWorker, unit: int | None
+        self,
+        pull: _Pull,
+        cl: CopyList,
+        agent: str,
+        regions: CacheRegions,
+        unit: int | None,
+        remote_dlist: Callable[[int], Any],
     ) -> list[tuple[Any, np.ndarray, Any, np.ndarray]]:
-        """(local list, local indices, remote list, remote indices) of each READ for `cl`:
-        copies that are whole `unit`s index the prepared lists; the rest (a partial last
-        block) get this request's own descriptors, prepared now and released with it."""
-        assert peer.regions is not None
+        """(local list, local indices, remote list, remote indices) of each READ for `cl`
+        from `agent`'s `regions`: copies that are whole `unit`s index the prepared lists
+        (`remote_dlist(unit)`); the rest (a partial last block) get this request's own
+        descriptors, prepared now and released with it."""
         out = []
         whole = np.zeros(len(cl.lengths), dtype=bool)
         if unit is not None:
             whole = (cl.lengths % unit == 0) & (cl.src_offsets % unit == 0)
             whole &= cl.dst_offsets % unit == 0
             if whole.any():
-                remote_idx, local_idx = unit_indices(
-                    cl.select(whole), unit, peer.regions, self.regions
-                )
-                local, remote = self._local_dlist(unit), self.directory.remote_dlist(peer, unit)
+                remote_idx, local_idx = unit_indices(cl.select(whole), unit, regions, self.regions)
+                local, remote = self._local_dlist(unit), remote_dlist(unit)
                 out.append((local, local_idx, remote, remote_idx))
         if not whole.all():
-            rdescs, ldescs = exact_descs(cl.select(~whole), peer.regions, self.regions)
+            rdescs, ldescs = exact_descs(cl.select(~whole), regions, self.regions)
             local = self.transport.prep_local(ldescs)
             pull.temp_dlists.append(local)  # released with the request, even if the next fails
-            remote = self.transport.prep_remote(peer.agent, rdescs, peer.regions.mem_type)
+            remote = self.transport.prep_remote(agent, rdescs, regions.mem_type)
             pull.temp_dlists.append(remote)
             idx = np.arange(len(ldescs), dtype=np.int32)
             out.append((local, idx, remote, idx))
@@ -775,6 +1093,9 @@ class KVConsumer:
         (`final`, at close: reported anyway, the cache goes with the agent)."""
         first = pull.outcome is None
         state, reason, failure = pull.outcome = pull.outcome or (state, reason, failure)
+        if first:
+            self._tell_copiers(pull, state, reason)
+            self._ready.pop((pull.request_id, pull.generation), None)
         pull.xfers = {i: px for i, px in pull.xfers.items() if not self.transport.release(px[1])}
         if pull.xfers and not final:
             pull.retry_at = self._clock() + RELEASE_RETRY_S
@@ -824,5 +1145,6 @@ class KVConsumer:
                 nunmerged,
                 nidx,
                 failure,
+                pull.local_nbytes,
             )
         )

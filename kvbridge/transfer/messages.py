@@ -29,8 +29,9 @@ from kvbridge.transfer.errors import AuthError, ProtocolError
 #: Bumped on any change in what a message means: 3 names a cache's channel-major
 #: halves (`LBHKNC:K=CN`), which a version-2 peer described as token-major; 4 fences
 #: pulls (`ReadDone.generation`, `ReadAck`): a version-3 reader would use bytes no
-#: producer confirmed.
-PROTOCOL_VERSION = 4
+#: producer confirmed; 5 plans a fan-out on the decode host (`Hello.decode_hosts`): a
+#: version-4 producer would wait for ReadDones of workers that copy on their host.
+PROTOCOL_VERSION = 5
 
 #: Bounds on untrusted fields (a worker holds at most this many cache regions, ...).
 MAX_REGIONS = 4096
@@ -119,6 +120,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello", forbid_unknown_fields=True
     model: ModelWire
     layout: LayoutWire
     nonce: Nonce
+    #: the host of each decode worker (rank order) when the decode instance fans out
+    #: (`planner.make_plan(decode_hosts=)`): only one worker per host reads each byte
+    #: from us, the others copy it there; None: every decode worker reads its own
+    decode_hosts: Annotated[list[Name], msgspec.Meta(max_length=MAX_WORKERS)] | None = None
 
 
 class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=True):
@@ -203,7 +208,36 @@ class ReadAck(msgspec.Struct, frozen=True, tag="read_ack", forbid_unknown_fields
     digest: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
-Message = Hello | Welcome | Refused | Ping | Pong | ReadDone | ReadAck
+class LocalReady(msgspec.Struct, frozen=True, tag="local_ready", forbid_unknown_fields=True):
+    """Decode worker -> a decode worker of its own instance on its host (NIXL
+    notification, signed with the instance's sibling key): the bytes of `request_id`
+    (`generation`) that `rank` reads over the link for both of them are in its cache
+    and confirmed (`ok`), so the receiver may copy them from there (the second hop of a
+    fan-out); or its pull failed (`ok` False, `reason`) and nothing will come."""
+
+    request_id: Name
+    generation: U64
+    rank: Count
+    ok: bool
+    reason: Reason = ""
+
+
+Message = Hello | Welcome | Refused | Ping | Pong | ReadDone | ReadAck | LocalReady
+
+
+class Sibling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a decode worker tells the other workers of its instance (through its
+    engine, at start-up: `KVConsumer.sibling`) so they can copy the bytes it reads for
+    them (a fan-out) and it can tell them when: its host, its NIXL agent and its cache's
+    regions (as peers read them)."""
+
+    rank: Count
+    host: Name
+    agent_name: Name
+    agent_metadata: Annotated[bytes, msgspec.Meta(max_length=16 << 20)]
+    regions: Annotated[list[tuple[U64, U64]], msgspec.Meta(max_length=MAX_REGIONS)]
+    mem_type: Name
+    device_id: Count
 
 
 class Envelope(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -271,6 +305,25 @@ def _decode(
         return _body_decoder.decode(env.body), env.key_id
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed message: {exc}") from None
+
+
+_sibling_decoder = msgspec.msgpack.Decoder(Sibling)
+#: A `Sibling` is a few KiB plus its NIXL agent metadata.
+MAX_SIBLING_BYTES = 17 << 20
+
+
+def encode_sibling(info: Sibling) -> bytes:
+    return _encoder.encode(info)
+
+
+def decode_sibling(data: bytes) -> Sibling:
+    """Parse a `Sibling`; ProtocolError on any defect."""
+    if len(data) > MAX_SIBLING_BYTES:
+        raise ProtocolError(f"sibling entry of {len(data)} bytes exceeds {MAX_SIBLING_BYTES}")
+    try:
+        return _sibling_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed sibling entry: {exc}") from None
 
 
 def spec_error(exc: Exception) -> str:

@@ -92,6 +92,8 @@ class ProducerInstance:
     readers: dict[int, ProducerWorker] = field(default_factory=dict)  # prefill rank we read
     unread: dict[int, ProducerWorker] = field(default_factory=dict)  # rank 0: nobody reads
     reason: str = ""  # set once failed
+    #: every decode worker's host when pulls from it fan out (`Hello.decode_hosts`)
+    decode_hosts: tuple[str, ...] | None = None
     prepared: bool = False  # descriptor lists of a whole-block request prepared
     block_units: dict[int, int] = field(default_factory=dict)  # prefill rank -> their unit
 
@@ -117,8 +119,11 @@ class ProducerDirectory:
         hello: Hello,
         clock: Callable[[], float],
         identity: Identity | None = None,
+        decode_hosts: Callable[[str], tuple[str, ...] | None] = lambda endpoint: None,
     ) -> None:
         self.model, self.layout, self.rank = model, layout, rank
+        #: whether (with which hosts) pulls from the producer at an endpoint fan out
+        self._decode_hosts = decode_hosts
         self.transport, self.config, self._hello, self._clock = transport, config, hello, clock
         self.identity = identity  # the key pair every side-channel connection presents
         self._workers: dict[str, ProducerWorker] = {}
@@ -128,7 +133,8 @@ class ProducerDirectory:
         """The (cached) producer instance whose worker 0 serves `endpoint`."""
         inst = self._instances.get(endpoint)
         if inst is None:
-            inst = ProducerInstance(endpoint, self._worker(endpoint))
+            hosts = self._decode_hosts(endpoint)
+            inst = ProducerInstance(endpoint, self._worker(endpoint, hosts), decode_hosts=hosts)
             self._instances[endpoint] = inst
         return inst
 
@@ -200,7 +206,7 @@ class ProducerDirectory:
             self.drop(w, "consumer closed", quiet=True)
 
     # -- internals ---------------------------------------------------------------------
-    def _worker(self, endpoint: str) -> ProducerWorker:
+    def _worker(self, endpoint: str, decode_hosts: tuple[str, ...] | None) -> ProducerWorker:
         w = self._workers.get(endpoint)
         if w is None:
             client = SideChannelClient(
@@ -212,7 +218,10 @@ class ProducerDirectory:
             )
             w = ProducerWorker(endpoint, client, self._clock() + self.config.handshake_timeout_s)
             w.hello_nonce = os.urandom(16)
-            client.send(msgspec.structs.replace(self._hello, nonce=w.hello_nonce))
+            hosts = list(decode_hosts) if decode_hosts is not None else None
+            client.send(
+                msgspec.structs.replace(self._hello, nonce=w.hello_nonce, decode_hosts=hosts)
+            )
             self._workers[endpoint] = w
             log.debug("decode worker %d: Hello sent to %s", self.rank, endpoint)
         return w
@@ -334,7 +343,11 @@ class ProducerDirectory:
         assert w0 is not None
         try:
             inst.plan = make_plan(
-                w0.model.to_spec(), w0.layout.to_layout(), self.layout, self.model
+                w0.model.to_spec(),
+                w0.layout.to_layout(),
+                self.layout,
+                self.model,
+                decode_hosts=inst.decode_hosts,
             )
         except KVBridgeError as exc:
             inst.reason = spec_error(exc)
@@ -342,7 +355,9 @@ class ProducerDirectory:
             return
 
         def worker(p: int) -> ProducerWorker:
-            return inst.worker0 if p == w0.rank else self._worker(w0.worker_endpoints[p])
+            if p == w0.rank:
+                return inst.worker0
+            return self._worker(w0.worker_endpoints[p], inst.decode_hosts)
 
         try:
             for read in inst.plan.reads_for(self.rank):

@@ -486,7 +486,9 @@ class KVProducer:
         try:
             decode_model = msg.model.to_spec()
             decode_layout = msg.layout.to_layout()
-            plan = make_plan(self.model, self.layout, decode_layout, decode_model)
+            plan = make_plan(
+                self.model, self.layout, decode_layout, decode_model, decode_hosts=msg.decode_hosts
+            )
             if msg.rank >= decode_layout.world_size:
                 raise TransferError(
                     f"decode rank={msg.rank} is outside its world of "

@@ -326,9 +326,10 @@ def test_svg_map_errors_exit_2(tmp_path):
     "config, decode_tp, before", [("smollm2-135m", 9, 3.0), ("deepseek-v2-lite", 8, 8.0)]
 )
 def test_json_shows_link_and_local_bytes_with_and_without_the_fan_out(config, decode_tp, before):
-    """Prefill and decode on different hosts: today every decode worker reads its bytes
-    over the link (3x the distinct KV for SmolLM2 tp 3 -> 9, 8x for MLA at decode tp 8);
-    the fan-out plan reads each byte once per decode host and copies the rest there."""
+    """Prefill and decode on different hosts: every decode worker reading its bytes
+    would move 3x the distinct KV over the link for SmolLM2 tp 3 -> 9, 8x for MLA at
+    decode tp 8; the fan-out the runtime does reads each byte once per decode host and
+    copies the rest there."""
     out = kvbridge(
         "plan",
         "--config",
@@ -343,9 +344,11 @@ def test_json_shows_link_and_local_bytes_with_and_without_the_fan_out(config, de
     assert out.returncode == 0, out.stderr
     obj = json.loads(out.stdout)
     distinct = obj["distinct_bytes_per_token"]
-    assert obj["link_bytes_per_token"] == before * distinct and obj["local_bytes_per_token"] == 0
+    assert obj["link_bytes_per_token_without_fan_out"] == before * distinct
+    assert obj["link_bytes_per_token"] == distinct
+    assert obj["local_bytes_per_token"] == (before - 1) * distinct
     fan = obj["fan_out"]
-    assert fan["executed_by_runtime"] is False and fan["verified"] is True
+    assert fan["executed_by_runtime"] is True and fan["verified"] is True
     assert fan["link_bytes_per_token"] == distinct
     assert fan["local_bytes_per_token"] == (before - 1) * distinct
     assert len(fan["local_copies"]) == decode_tp - decode_tp / before

@@ -375,6 +375,34 @@ def test_decode_workers_paused_past_the_lease_use_no_stale_byte(three_hosts: Thr
     dep.wait_released(dep.prefill, 60)
 
 
+def test_a_decode_instance_at_tp_9_takes_each_kv_byte_over_the_link_once(
+    three_hosts: ThreeHosts,
+) -> None:
+    """Issue #22 item 2 through `kvbridge serve` across hosts: the decode instance
+    starts again at tp 9, holding each of SmolLM2's 3 KV heads on three workers. With the
+    prefill on another host it fans out (`--kv-fan-out auto`): one of a head's holders
+    reads it from the prefill host, the other two copy it from that worker's cache on
+    the decode host. The prefill host's cable carries the distinct KV once (three times
+    before), the answer equals colocated generation, and the proxy counts both hops."""
+    dep = three_hosts
+    dep.decode.kill()
+    dep.start_instance(dep.decode, "decode", 9)
+    dep.wait_introduced(900)
+    prompt = "Fanned out. " + LONG_PROMPT
+    local_before = dep.metric(dep.proxy, "kv_local_bytes_total")
+    sent = dep.prefill.bytes_sent()
+    got = dep.complete(prompt, 4)
+    crossed = dep.prefill.bytes_sent() - sent
+    assert got["choices"][0]["text"] == dep.colocated(prompt, 4)
+    stages = got["kvbridge_stages"]
+    # tokens x layers x K,V x head_dim x fp32 x 3 KV heads
+    distinct = got["usage"]["prompt_tokens"] * 30 * 2 * 64 * 4 * 3
+    assert "kvbridge_kv_load_error" not in got
+    assert stages["kv_bytes"] == distinct and stages["kv_local_bytes"] == 2 * distinct
+    assert distinct < crossed < 1.5 * distinct, (crossed, distinct)  # once, not 3 times
+    assert dep.metric(dep.proxy, "kv_local_bytes_total") == local_before + 2 * distinct
+
+
 def test_a_hello_flood_from_one_host_leaves_other_hosts_welcome(three_hosts: ThreeHosts) -> None:
     """Issue #21 item 3 over the test hosts' network: a token holder on the proxy host
     sends the prefill worker 1,100 valid Hellos, each in a fresh instance's name (young

@@ -1,7 +1,8 @@
 """Greedy completions through the proxy equal colocated generation for every
 (prefill tp, decode tp) pair of the issue, with GQA replication on either side
 (SmolLM2 has 3 KV heads: tp 9 holds each head on three workers), and the decode workers
-read exactly the bytes of the KV heads they hold.
+read exactly the bytes of the KV heads they hold: the tp-9 decode instance fans out, so
+each head crosses from the prefill once and is copied to its other two holders.
 
 The pairs 3 -> 9, 9 -> 3 and 1 -> 3 are proven in tests/serve/test_prefix_serve.py,
 whose first turn is this test's full pull (same equality, same byte count) before its
@@ -35,11 +36,11 @@ def test_disaggregated_equals_colocated(instances, colocated, prefill_tp, decode
             assert out["choices"][0]["text"] == colocated[prompt]
             stages = out["kvbridge_stages"]
             assert "kv_load_failed" not in stages
-            # every decode worker reads its heads: bytes = tokens x layers x K,V x
-            # head_dim x fp32 x (KV heads held over all decode workers)
-            heads = max(decode_tp, 3)
-            tokens = out["usage"]["prompt_tokens"]
-            assert stages["kv_bytes"] == tokens * 30 * 2 * 64 * 4 * heads
+            # every KV head is read once: bytes = tokens x layers x K,V x head_dim x
+            # fp32 x 3 KV heads; at decode tp 9 (fan-out) its other holders copy it
+            per_head = out["usage"]["prompt_tokens"] * 30 * 2 * 64 * 4
+            assert stages["kv_bytes"] == per_head * 3
+            assert stages.get("kv_local_bytes", 0) == per_head * (max(decode_tp, 3) - 3)
         # the colocated answer itself matches the same request at this decode tp
         here = colocated_on(instances[("decode", decode_tp)], PROMPTS[0], 8)
         assert here == colocated[PROMPTS[0]]

@@ -31,12 +31,14 @@ def make_producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVPr
     return _producer(clock, agent, instance_id, **kw)
 
 
-def _producer(clock: Clock, agent: str, instance_id: str, **kw: Any) -> KVProducer:
+def _producer(
+    clock: Clock, agent: str, instance_id: str, model: ModelKVSpec = MODEL, **kw: Any
+) -> KVProducer:
     return KVProducer(
-        model=MODEL,
+        model=model,
         layout=PREFILL,
         rank=0,
-        regions=regions(PREFILL, 0),
+        regions=regions(PREFILL, 0, model),
         num_blocks=NUM_BLOCKS,
         transport=FakeTransport(agent),
         config=TransferConfig(

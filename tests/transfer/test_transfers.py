@@ -117,3 +117,37 @@ def test_kv_exported_from_a_process_of_its_own_arrives_byte_exact() -> None:
     )
     assert report.failures == []
     assert report.verified
+
+
+FAN_OUT = {
+    # GQA replicas (3 KV heads, decode tp 9), a partial pull: blocks 16 -> 32
+    "3->9, partial": (gqa(3, 9), lay(3, "BHLNC", 16), lay(9, "LBNHC", 32), 21),
+    # MLA: every decode worker holds the whole latent
+    "MLA 2->4": (
+        ModelKVSpec(3, 4, 1, 24, "bfloat16", AttentionKind.MLA, "mla"),
+        lay(2, "BLNHC"),
+        lay(4),
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FAN_OUT))
+def test_a_fan_out_on_the_decode_host_arrives_byte_exact(case: str) -> None:
+    """Issue #22 item 2 executed: the decode workers holding the same cells read them
+    from the prefill once (the lowest rank), the others copy them from its cache on the
+    host; every byte is checked, and the prefill's bytes are read once."""
+    model, prefill, decode, start = FAN_OUT[case]
+    report = run_check(
+        model, prefill, decode, num_requests=2, num_tokens=50, timeout_s=60,
+        start_token=start, fan_out="on",
+    )  # fmt: skip
+    assert report.failures == [] and report.verified
+    from kvbridge.plan.planner import make_plan
+
+    fan = make_plan(model, prefill, decode, decode_hosts=["here"] * decode.world_size)
+    plain = make_plan(model, prefill, decode)
+    tokens = 2 * (50 - start)
+    assert report.bytes == tokens * fan.link_bytes_per_token < tokens * plain.bytes_per_token
+    assert report.local_bytes == tokens * fan.local_bytes_per_token > 0
+    assert report.bytes + report.local_bytes == tokens * plain.bytes_per_token
