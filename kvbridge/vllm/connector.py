@@ -55,9 +55,11 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVBridgeHandshake(KVConnectorHandshakeMetadata):
-    """A worker's producer side channel ("" without one), for the scheduler side."""
+    """A worker's producer side channel ("" without one) and its consumer's `sibling`
+    (base64; "" without one: the fan-out), for the scheduler side."""
 
     endpoint: str
+    sibling: str = ""
 
 
 class KVBridgeConnector(KVConnectorBase_V1):
@@ -107,7 +109,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         )
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return KVBridgeHandshake(self.worker.endpoint if self.worker else "")
+        if self.worker is None:
+            return KVBridgeHandshake("")
+        return KVBridgeHandshake(self.worker.endpoint, self.worker.sibling)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -168,6 +172,9 @@ class KVBridgeConnector(KVConnectorBase_V1):
         endpoints = [getattr(metadata[r], "endpoint", "") for r in sorted(metadata)]
         if all(endpoints):
             self.scheduler.set_endpoints(endpoints)
+        siblings = [getattr(metadata[r], "sibling", "") for r in sorted(metadata)]
+        if all(siblings):
+            self.scheduler.set_siblings(siblings)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -73,6 +73,9 @@ class StepOrders:
     """What the scheduler side tells every worker in one step."""
 
     endpoints: list[str] = field(default_factory=list)  # producer side channels, rank order
+    #: consumer workers' `sibling`s (base64), rank order: in the first step only (the
+    #: workers meet each other once; the fan-out, `TransferConfig.fan_out`)
+    siblings: list[str] = field(default_factory=list)
     exposes: list[Expose] = field(default_factory=list)
     pulls: list[PullOrder] = field(default_factory=list)
     declines: list[Decline] = field(default_factory=list)
@@ -98,6 +101,7 @@ class SchedulerSide:
         self.block_size = block_size
         self.token = settings.transfer.token
         self.endpoints: list[str] = []
+        self._siblings: list[str] = []  # until sent in a step's orders
         self._orders = StepOrders()
         self._caps: dict[str, Capability] = {}  # decode: checked capabilities by request
         self._redeemed = Redeemed()  # decode: capabilities taken (each opens one pull)
@@ -106,11 +110,15 @@ class SchedulerSide:
     def set_endpoints(self, endpoints: list[str]) -> None:
         self.endpoints = endpoints
 
+    def set_siblings(self, siblings: list[str]) -> None:
+        self._siblings = siblings
+
     def build_orders(self, num_scheduled_tokens: int) -> StepOrders:
         """This step's orders; `num_scheduled_tokens` = 0 (nothing to compute) lets the
         workers wait for their transfers (`StepOrders.idle_wait_s`)."""
         out, self._orders = self._orders, StepOrders()
         out.endpoints = list(self.endpoints)
+        out.siblings, self._siblings = self._siblings, []
         if num_scheduled_tokens == 0:
             out.idle_wait_s = EMPTY_STEP_WAIT_S
         return out

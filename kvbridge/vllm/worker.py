@@ -12,6 +12,7 @@ and its notifications do not wait for the next step.
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 import time
@@ -27,6 +28,7 @@ from kvbridge.transfer.connector import (
     GetEndpoint,
     Poll,
     SetEndpoints,
+    SetSiblings,
     WorkerConnector,
 )
 from kvbridge.vllm.cache import RegisteredCache
@@ -142,6 +144,12 @@ class WorkerSide:
             self._close_runtime()
             raise
         self.endpoint = self.producer.handle(GetEndpoint()).endpoint if self.producer else ""
+        #: what the other decode workers of this instance need (the fan-out), base64
+        self.sibling = (
+            base64.b64encode(self.consumer.handle(GetEndpoint()).sibling).decode()
+            if self.consumer
+            else ""
+        )
         self._endpoints_set = False
         self._pulls: dict[str, _PullState] = {}  # by the producer's request id
         self._sending: set[str] = set()  # exposed request ids (vLLM's own on a prefill)
@@ -155,6 +163,17 @@ class WorkerSide:
         if self.producer is not None and not self._endpoints_set and orders.endpoints:
             self.producer.handle(SetEndpoints(orders.endpoints))
             self._endpoints_set = True
+        if self.consumer is not None and orders.siblings:
+            try:
+                self.consumer.handle(SetSiblings([base64.b64decode(s) for s in orders.siblings]))
+            except Exception as exc:  # the same list fails on every worker, as a rule
+                log.warning(
+                    "decode worker %d: meeting the instance's other workers failed (%s); "
+                    "it reads its own bytes, and pulls its siblings fan out fail and are "
+                    "recomputed",
+                    self.rank,
+                    exc,
+                )
         for expose in orders.exposes:
             assert self.producer is not None
             self.producer.handle(expose)
@@ -222,12 +241,14 @@ class WorkerSide:
                     self._observed["pull_seconds"].append(ev.elapsed_ms / 1e3)
                     self._observed["pull_bytes"].append(float(ev.nbytes))
                     log.info(
-                        "kvbridge decode worker %d pulled %s: tokens [%d, %d), %d bytes in %.1f ms",
+                        "kvbridge decode worker %d pulled %s: tokens [%d, %d), %d bytes "
+                        "(+%d copied from a sibling) in %.1f ms",
                         self.rank,
                         state.request_id,
                         state.start_token,
                         state.num_tokens,
                         ev.nbytes,
+                        ev.local_nbytes,
                         ms,
                     )
                 else:

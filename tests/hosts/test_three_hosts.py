@@ -320,12 +320,15 @@ def test_decode_workers_paused_past_the_lease_use_no_stale_byte(three_hosts: Thr
     read: the pull is failed as stale, recomputed, counted on the proxy's /metrics, and
     both answers equal colocated generation. (After the kill test: both instances start
     again, the prefill with a lease shorter than the pause, the decode with a liveness
-    bound longer than it, so the pause reads as what it is, not as a dead prefill.)"""
+    bound longer than it, so the pause reads as what it is, not as a dead prefill. The
+    decode instance runs at tp 9, so it fans out: the workers that copy from a stale
+    reader fail with it and copy nothing.)"""
     dep = three_hosts
     dep.prefill.kill()
     dep.decode.kill()
     dep.start_instance(dep.prefill, "prefill", 1, lease_s=4, claim_s=3)
-    dep.start_instance(dep.decode, "decode", 3, liveness_timeout_s=120)
+    # tp 9: three workers read over the link, six copy from them (the next test's fan-out)
+    dep.start_instance(dep.decode, "decode", 9, liveness_timeout_s=120)
     dep.wait_introduced(900)
     stale_before = dep.metric(dep.proxy, "kv_stale_pulls_total")
     expired_before = dep.metric(dep.prefill, "kv_releases_total", cause="lease_expired")
@@ -336,7 +339,7 @@ def test_decode_workers_paused_past_the_lease_use_no_stale_byte(three_hosts: Thr
         answers[prompt] = dep.complete(prompt, 2)
 
     workers = dep.worker_pids(dep.decode)
-    assert len(workers) == 3, workers
+    assert len(workers) == 9, workers
     asking = [threading.Thread(target=ask, args=(p,)) for p in (first, second)]
     dep.prefill.slow("100mbit")  # the pull takes ~4 s
     sent = dep.prefill.bytes_sent()
@@ -378,16 +381,15 @@ def test_decode_workers_paused_past_the_lease_use_no_stale_byte(three_hosts: Thr
 def test_a_decode_instance_at_tp_9_takes_each_kv_byte_over_the_link_once(
     three_hosts: ThreeHosts,
 ) -> None:
-    """Issue #22 item 2 through `kvbridge serve` across hosts: the decode instance
-    starts again at tp 9, holding each of SmolLM2's 3 KV heads on three workers. With the
-    prefill on another host it fans out (`--kv-fan-out auto`): one of a head's holders
-    reads it from the prefill host, the other two copy it from that worker's cache on
-    the decode host. The prefill host's cable carries the distinct KV once (three times
-    before), the answer equals colocated generation, and the proxy counts both hops."""
+    """Issue #22 item 2 through `kvbridge serve` across hosts: the decode instance runs
+    at tp 9 since the test before, holding each of SmolLM2's 3 KV heads on three workers.
+    With the prefill on another host it fans out (`--kv-fan-out auto`): one of a head's
+    holders reads it from the prefill host, the other two copy it from that worker's
+    cache on the decode host. The prefill host's cable carries the distinct KV once
+    (three times before), the answer equals colocated generation, and the proxy counts
+    both hops."""
     dep = three_hosts
-    dep.decode.kill()
-    dep.start_instance(dep.decode, "decode", 9)
-    dep.wait_introduced(900)
+    assert len(dep.worker_pids(dep.decode)) == 9
     prompt = "Fanned out. " + LONG_PROMPT
     local_before = dep.metric(dep.proxy, "kv_local_bytes_total")
     sent = dep.prefill.bytes_sent()

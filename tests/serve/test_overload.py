@@ -24,8 +24,9 @@ pytestmark = pytest.mark.slow
 #: The client's timeout: a request neither answered nor refused by then hung.
 CLIENT_TIMEOUT_S = 120.0
 #: The prefill instance's claim deadline, transfer timeout and lease: its unclaimed
-#: blocks are freed 5 + 5 + 5 s after they were exposed, long before the lease.
-CLAIM_S, TRANSFER_TIMEOUT_S, LEASE_S = 5.0, 5.0, 600.0
+#: blocks are freed 5 + 1 + 5 s after they were exposed, long before the lease (the
+#: transfer timeout bounds a prefill instance's pulls by others, none of its own).
+CLAIM_S, TRANSFER_TIMEOUT_S, LEASE_S = 5.0, 1.0, 600.0
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +160,7 @@ def test_reservations_bound_the_decode_instance(small):
 def test_unclaimed_kv_is_freed_at_the_claim_deadline(small):
     """A prefilled request no decode instance takes (and nobody cancels: the proxy
     died) is freed once its capability expired and no pull begun by then can still be
-    reading (claim 5 s + transfer timeout 5 s + 5 s), not at the 600 s lease; a pull
+    reading (claim 5 s + transfer timeout 1 s + 5 s), not at the 600 s lease; a pull
     after the claim deadline is refused."""
     prefill, decode = small["prefill"], small["decode"]
     gen = GenerateRequest(

@@ -39,7 +39,10 @@ from kvbridge.vllm.launch import (
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = Path(os.environ.get("KVBRIDGE_VLLM_MODELS", ROOT / ".cache" / "vllm-models"))
 #: "kvbridge decode worker R pulled ID: tokens [S, N), B bytes in T ms"
-PULLED = re.compile(r"decode worker (\d+) pulled (\S+): tokens \[(\d+), (\d+)\), (\d+) bytes")
+PULLED = re.compile(
+    r"decode worker (\d+) pulled (\S+): tokens \[(\d+), (\d+)\), (\d+) bytes "
+    r"\(\+(\d+) copied from a sibling\)"
+)
 
 
 @dataclass
@@ -47,7 +50,8 @@ class Pulled:
     rank: int
     start_token: int
     num_tokens: int
-    nbytes: int
+    nbytes: int  # read from the prefill
+    local_nbytes: int  # copied from another decode worker of the instance (the fan-out)
 
 
 class VLLMServer:
@@ -102,7 +106,10 @@ class VLLMServer:
     def pulled(self, since: int = 0) -> list[Pulled]:
         """The decode workers' pulls logged after byte `since` of the log."""
         text = self.log_text()[since:]
-        return [Pulled(int(m[1]), int(m[3]), int(m[4]), int(m[5])) for m in PULLED.finditer(text)]
+        return [
+            Pulled(int(m[1]), int(m[3]), int(m[4]), int(m[5]), int(m[6]))
+            for m in PULLED.finditer(text)
+        ]
 
     def metric(self, name: str) -> float:
         """A series of vLLM's /metrics (`vllm:<name>`), summed over its labels."""

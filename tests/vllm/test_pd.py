@@ -50,6 +50,8 @@ class Case:
     decode_block: int = 32
     #: the connector's kv_export setting ("": its default, auto, inline without a token)
     kv_export: str = ""
+    #: the connector's fan_out setting ("": its default, auto: off on one host)
+    fan_out: str = ""
 
     @property
     def id(self) -> str:
@@ -57,6 +59,7 @@ class Case:
             f"{self.model}-tp{self.prefill_tp}-tp{self.decode_tp}"
             f"-b{self.prefill_block}-b{self.decode_block}"
             + (f"-{self.kv_export}" if self.kv_export else "")
+            + (f"-fan-out-{self.fan_out}" if self.fan_out else "")
         )
 
 
@@ -64,7 +67,8 @@ CASES = [
     # the prefill's KV read from an export process (vLLM's buffer moved into shared memory)
     Case("smollm2-135m", 1, 3, kv_export="process"),
     Case("smollm2-135m", 3, 1),
-    Case("tiny-kv1", 1, 2),
+    # one KV head on both decode workers: one reads it, the other copies it (the fan-out)
+    Case("tiny-kv1", 1, 2, fan_out="on"),
     Case("tiny-kv1", 2, 1),
     Case("tiny-kv6", 2, 3),
     Case("tiny-kv6", 3, 2),
@@ -88,7 +92,7 @@ def export_processes() -> list[int]:
 
 def bytes_per_token(model: str, tp_size: int) -> int:
     """KV bytes of one token summed over the workers of an instance at `tp_size`
-    (replicated heads counted on every worker holding them)."""
+    (replicated heads counted on every worker holding them; tp_size 1: the distinct KV)."""
     cfg = json.loads((MODELS / model / "config.json").read_text())
     heads = cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -100,6 +104,8 @@ def bytes_per_token(model: str, tp_size: int) -> int:
 def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
     workers = case.prefill_tp + case.decode_tp  # pinned one per core only if they fit
     extra = {"kv_export": case.kv_export} if case.kv_export else {}
+    if case.fan_out:
+        extra["fan_out"] = case.fan_out
     prefill = VLLMServer(
         case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log",
         first_core=0, workers_on_host=workers, extra=extra,
@@ -130,7 +136,13 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         assert sorted(p.rank for p in pulls) == list(range(case.decode_tp)), decode.log_tail()
         # the prompt's tokens exactly, its partial last block included
         assert {(p.start_token, p.num_tokens) for p in pulls} == {(0, n)}, decode.log_tail()
-        assert sum(p.nbytes for p in pulls) == n * bytes_per_token(case.model, case.decode_tp)
+        got = sum(p.nbytes + p.local_nbytes for p in pulls)
+        assert got == n * bytes_per_token(case.model, case.decode_tp)
+        if case.fan_out == "on":  # each head read from the prefill once, copied for the rest
+            assert sum(p.nbytes for p in pulls) == n * bytes_per_token(case.model, 1)
+            assert all(p.local_nbytes for p in pulls if p.nbytes == 0) and got > sum(
+                p.nbytes for p in pulls
+            )
         # the same pulls in vLLM's own metrics (the connector's stats, on /metrics)
         assert decode.metric("kvbridge_pull_time_seconds_count") == case.decode_tp
         assert decode.metric("kvbridge_pull_bytes_sum") == sum(p.nbytes for p in pulls)
@@ -151,7 +163,7 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         hit = n // case.decode_block * case.decode_block
         pulls = decode.pulled(since)
         assert hit > 0 and {(p.start_token, p.num_tokens) for p in pulls} == {(hit, n2)}
-        assert sum(p.nbytes for p in pulls) == (n2 - hit) * bytes_per_token(
+        assert sum(p.nbytes + p.local_nbytes for p in pulls) == (n2 - hit) * bytes_per_token(
             case.model, case.decode_tp
         )
     finally:

@@ -71,3 +71,13 @@ def test_only_a_step_with_nothing_to_compute_lets_the_workers_wait() -> None:
     side = SchedulerSide(ConnectorSettings(), "d", "kv_both", 32)
     assert side.build_orders(0).idle_wait_s == EMPTY_STEP_WAIT_S > 0
     assert side.build_orders(1).idle_wait_s == 0
+
+
+def test_the_decode_workers_meet_each_other_in_the_first_step_only() -> None:
+    """The fan-out: every decode worker's sibling entry (from vLLM's handshake metadata)
+    goes to all workers once, in the next step's orders, not in every step's."""
+    decode = SchedulerSide(ConnectorSettings(), "d", "kv_both", 32)
+    assert decode.build_orders(1).siblings == []
+    decode.set_siblings(["c2libGluZyAw", "c2libGluZyAx"])
+    assert decode.build_orders(1).siblings == ["c2libGluZyAw", "c2libGluZyAx"]
+    assert decode.build_orders(1).siblings == []
