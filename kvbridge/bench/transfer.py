@@ -122,6 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "a bridge; needs root): the transfer crosses a link over TCP",
     )
     parser.add_argument(
+        "--link-rate",
+        default=None,
+        metavar="RATE",
+        help="with --hosts: limit what the prefill host sends to RATE (tc's units, e.g. "
+        "2gbit), so the link, not the two hosts' shared cores, is the bottleneck, as "
+        "between machines",
+    )
+    parser.add_argument(
         "--kv-integrity",
         choices=[m.value for m in Integrity],
         default=TransferConfig.integrity.value,
@@ -180,6 +188,7 @@ class Row:
 def run_transfer_bench(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         raise ConfigError(f"--tokens={args.tokens} must be a positive number of tokens")
+    burst = _burst(args.link_rate) if args.link_rate else None  # a bad rate: refused now
     if args.hosts:
         from kvbridge.harness.hosts import HostNetwork, missing
 
@@ -191,8 +200,27 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
                 "drop --no-auth"
             )
         with HostNetwork() as net:
-            return _run(args, (net.add("kvbh-prefill"), net.add("kvbh-decode")))
+            hosts = (net.add("kvbh-prefill"), net.add("kvbh-decode"))
+            if args.link_rate and burst:
+                hosts[0].slow(args.link_rate, burst=burst, latency="1s")
+            return _run(args, hosts)
+    if args.link_rate:
+        raise ConfigError(f"--link-rate={args.link_rate} needs --hosts (a link to limit)")
     return _run(args, None)
+
+
+def _burst(rate: str) -> str:
+    """A token bucket of 10 ms at `rate` (tc's units), at least tc's 32kbit: a small
+    bucket cannot reach a high rate at the kernel's timer granularity."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
+    for unit, scale in units.items():
+        if rate.endswith(unit):
+            try:
+                bits = float(rate.removesuffix(unit)) * scale
+            except ValueError:
+                break
+            return f"{max(int(bits / 8 / 100), 4096)}b"
+    raise ConfigError(f"--link-rate={rate!r} is not a rate; use e.g. 500mbit or 2gbit")
 
 
 def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> int:
@@ -232,6 +260,7 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
         f"request into the decode workers, {link_total / 2**20:.0f} MiB of them read from "
         f"the prefill ({link_total / distinct:.2f}x the distinct KV; fan-out "
         f"{'on' if fans_out else 'off'}); median of {repeat}"
+        + (f"; the prefill host sends at most {args.link_rate}" if args.link_rate else "")
     )
     src_buf = np.ones(total, dtype=np.uint8)
     dst_buf = np.zeros(total, dtype=np.uint8)
@@ -245,7 +274,7 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
     sent = hosts[0].bytes_sent() if hosts else 0
     modes = ["inline", "process"] if args.kv_export == "both" else [args.kv_export]
     rows = [
-        _measure_pair(args, model, pair, repeat, params, t_mem, hosts, mode)
+        _measure_pair(args, model, pair, repeat, params, t_mem, hosts, mode, fans_out)
         for pair in pairs
         for mode in modes
     ]
@@ -289,6 +318,7 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
         out["link_bytes_per_request"] = link_total
         out["local_bytes_per_request"] = link_plan.local_bytes_per_token * args.tokens
         out["fan_out"] = fans_out
+        out["link_rate"] = args.link_rate
         out["export_cost"] = export_cost[0][1] if export_cost else None
         print(json.dumps(out))
         return 0
@@ -368,10 +398,12 @@ def _measure_pair(
     t_mem: float,
     hosts: tuple[TestHost, TestHost] | None,
     kv_export: str = "inline",
+    fans_out: bool = False,
 ) -> Row:
     """Start one prefill and one decode instance of worker processes in these layouts
     (the prefill KV read as `kv_export` says) and time the plan's transfer and (a),
-    alternating, in the same processes."""
+    alternating, in the same processes. With `fans_out` (the decode workers fan out),
+    (a) is one READ per decode worker that reads from the prefill, of what it reads."""
     from kvbridge.harness.check import make_workload
     from kvbridge.harness.cluster import Cluster
 
@@ -379,14 +411,15 @@ def _measure_pair(
         _layout(args, args.prefill_tp, pair[0]),
         _layout(args, args.decode_tp, pair[1]),
     )
-    plan = make_plan(model, prefill, decode)
+    hosts_of = ["decode-host"] * decode.world_size if fans_out else None
+    plan = make_plan(model, prefill, decode, decode_hosts=hosts_of)
     tokens = args.tokens
     # one request's shuffled blocks, exposed and pulled again under a new id each time
     work = make_workload(prefill, decode, 1, tokens, seed=1)
     per_decode = [
         sum(r.bytes_per_token for r in plan.reads_for(d.rank)) * tokens for d in plan.decode_workers
     ]
-    readers = {d.rank: plan.reads_for(d.rank)[0].prefill_rank for d in plan.decode_workers}
+    readers = {r.decode_rank: r.prefill_rank for r in plan.reads}
     per_prefill = max(per_decode) * max(len(plan.readers_of(p.rank)) for p in plan.prefill_workers)
     token = secrets.token_hex(32).encode() if args.auth else None
     on_prefill, on_decode = (h.worker_options() for h in hosts) if hosts else ({}, {})
@@ -481,6 +514,7 @@ def _raw(
     bytes as one WRITE into it (the push direction's baseline)."""
     from kvbridge.harness.commands import RawDone, RawRead
 
+    decode = [w for w in decode if w.rank in readers]  # (a fan-out's copiers read nothing)
     t0 = time.perf_counter()
     for w in decode:
         src = prefill[readers[w.rank]]

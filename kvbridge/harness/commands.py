@@ -59,7 +59,8 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     #: `FanOut` value: the harness's decode workers fan out only when told (one host)
     fan_out: str = "off"
     netns: str = ""  # run on this test host (harness.hosts): its network namespace
-    hostname: str = ""  # ... under this hostname, in UTS and IPC namespaces of its own
+    hostname: str = ""  # ... under this hostname, in UTS and IPC namespaces ...
+    host_pid: int = 0  # ... those of this process (`TestHost.holder_pid`), 0: its own
 
 
 # -- parent -> worker ----------------------------------------------------------------

@@ -112,6 +112,8 @@ class TestHost:
     address: str
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    #: holds the UTS and IPC namespaces that harness workers on this host share
+    _holder: subprocess.Popen[bytes] | None = None
 
     def start(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
         """Run `argv` as this host's process (pid 1 of its pid namespace), output to
@@ -148,6 +150,10 @@ class TestHost:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 raise HostError(f"host {self.name}'s unshare outlived SIGKILL") from None
+        if self._holder is not None:  # ours to reap
+            self._holder.kill()
+            self._holder.wait(timeout_s)
+            self._holder = None
         deadline = time.monotonic() + timeout_s
         while pids := self.pids():
             if time.monotonic() > deadline:
@@ -232,19 +238,49 @@ class TestHost:
         try:
             target = os.open(f"/run/netns/{self.netns}", os.O_RDONLY)
             try:
-                _setns(target)
+                _setns_fd(target, CLONE_NEWNET)
             finally:
                 os.close(target)
             try:
                 yield
             finally:
-                _setns(own)
+                _setns_fd(own, CLONE_NEWNET)
         finally:
             os.close(own)
 
     def worker_options(self) -> dict[str, Any]:
-        """`WorkerSpec` fields that put harness workers on this host."""
-        return {"host": self.address, "netns": self.netns, "hostname": self.name}
+        """`WorkerSpec` fields that put harness workers on this host (in its network,
+        UTS and IPC namespaces, which they share as one host's processes do)."""
+        return {
+            "host": self.address,
+            "netns": self.netns,
+            "hostname": self.name,
+            "host_pid": self.holder_pid(),
+        }
+
+    def holder_pid(self, timeout_s: float = 10.0) -> int:
+        """The pid of a process in this host's namespaces (network, and UTS and IPC of
+        its own under its name) that harness workers join (`become`), started when first
+        asked for and again after `kill`: workers of one host then see each other as
+        one machine's processes (shared memory, CMA), as an instance's workers do."""
+        if self._holder is None or self._holder.poll() is not None:
+            # ip and unshare exec (no fork): the pid ends up as sleep, in the namespaces
+            script = 'hostname "$0" && exec sleep infinity'
+            cmd = ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--ipc"]
+            self._holder = subprocess.Popen(
+                [*cmd, "sh", "-c", script, self.name],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            deadline = time.monotonic() + timeout_s
+            comm = Path(f"/proc/{self._holder.pid}/comm")
+            while comm.read_text(errors="replace").strip() != "sleep":
+                if self._holder.poll() is not None or time.monotonic() > deadline:
+                    raise HostError(f"host {self.name}: its namespace holder did not start")
+                time.sleep(0.01)
+        return self._holder.pid
 
     def log_tail(self, num_chars: int = 4000) -> str:
         try:
@@ -253,25 +289,37 @@ class TestHost:
             return ""
 
 
-def become(netns: str, hostname: str) -> None:
+def become(netns: str, hostname: str, host_pid: int = 0) -> None:
     """Move the calling process onto a test host, at its start (before it opens a socket
-    or starts a thread): into the host's network namespace, and into UTS and IPC
-    namespaces of its own under `hostname` (its pids stay the machine's: a process
-    cannot change pid namespace). Used by harness workers a benchmark puts on hosts."""
-    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
-    try:
-        _setns(fd)
-    finally:
-        os.close(fd)
+    or starts a thread): into the host's network namespace, and into its UTS and IPC
+    namespaces, those of `host_pid` (`TestHost.holder_pid`; 0: new ones of its own under
+    `hostname`). Its pids stay the machine's (a process cannot change pid namespace).
+    Used by harness workers a benchmark puts on hosts."""
+    if host_pid:
+        for ns, flag in (("net", CLONE_NEWNET), ("uts", CLONE_NEWUTS), ("ipc", CLONE_NEWIPC)):
+            _setns(f"/proc/{host_pid}/ns/{ns}", flag)
+        if socket.gethostname() != hostname:
+            raise HostError(f"pid {host_pid} is not on host {hostname!r}")
+        return
+    _setns(f"/run/netns/{netns}", CLONE_NEWNET)
     if _libc.unshare(CLONE_NEWUTS | CLONE_NEWIPC) != 0:
         raise HostError(f"unshare(UTS, IPC) failed: {os.strerror(ctypes.get_errno())}")
     socket.sethostname(hostname)
 
 
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise HostError(f"setns(CLONE_NEWNET) failed: {os.strerror(err)}")
+def _setns(path: str, flag: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _setns_fd(fd, flag)
+    except HostError as exc:
+        raise HostError(f"{path}: {exc}") from None
+    finally:
+        os.close(fd)
+
+
+def _setns_fd(fd: int, flag: int) -> None:
+    if _libc.setns(fd, flag) != 0:
+        raise HostError(f"setns failed: {os.strerror(ctypes.get_errno())}")
 
 
 @dataclass

@@ -79,7 +79,7 @@ def worker_main(conn: Connection, spec_bytes: bytes) -> None:
         if spec.netns:  # before any socket or agent exists
             from kvbridge.harness.hosts import become
 
-            become(spec.netns, spec.hostname)
+            become(spec.netns, spec.hostname, spec.host_pid)
         _Worker(conn, spec).run()
     except (KeyboardInterrupt, EOFError, BrokenPipeError):
         pass

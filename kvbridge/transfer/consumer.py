@@ -174,22 +174,15 @@ class _Pull:
     #: fan-out: the decode rank whose cache this pull copies from once it has the bytes
     source: int | None = None
     local_posted: bool = False  # its READs from the source's cache are posted
+    source_confirmed: bool = False  # its source's pull is confirmed by the producers
+    source_failure: str | None = None  # why its source's pull failed, once told
+    told_copiers: bool = False  # a fan-out's source: told its copiers the bytes are here
     local_nbytes: int = 0
 
     @property
     def awaiting_acks(self) -> bool:
         """Every READ done; waiting for the producers' ReadAcks."""
         return self.state is TransferState.READING and not self.xfers and bool(self.awaiting)
-
-    @property
-    def awaiting_source(self) -> bool:
-        """A fan-out's copy waiting for its source to have the bytes (`LocalReady`)."""
-        return (
-            self.state is TransferState.READING
-            and self.source is not None
-            and not self.local_posted
-            and not self.awaiting
-        )
 
 
 @dataclass
@@ -266,8 +259,9 @@ class KVConsumer:
         self._hosts: tuple[str, ...] | None = None  # every worker's host, once told
         self._sibling_ranks: dict[str, int] = {}  # agent name -> rank
         self._sibling_key = sibling_key(identity, config.token)
-        #: (request id, generation) -> a source's notice, until the pull it names takes it
-        self._ready: collections.OrderedDict[tuple[str, int], LocalReady] = (
+        #: (request id, generation) -> a source's notices, until the pull they name takes
+        #: them
+        self._ready: collections.OrderedDict[tuple[str, int], list[LocalReady]] = (
             collections.OrderedDict()
         )
         hello = Hello(
@@ -599,8 +593,15 @@ class KVConsumer:
                     self.directory.drop(peer, reason)
                     self._finish(pull, TransferState.FAILED, reason)
                     return
-            if not pull.xfers and self._confirmed(pull):
-                return
+            if pull.source is not None:
+                if self._copy_from_source(pull):
+                    return
+            elif not pull.xfers:
+                if not pull.told_copiers:  # the bytes are here: copiers may copy them now
+                    pull.told_copiers = True
+                    self._tell_copiers(pull, TransferState.READING)
+                if self._confirmed(pull):
+                    return
         if now >= pull.deadline:
             unconfirmed = pull.awaiting_acks
             reason = self._timeout_reason(pull)
@@ -653,37 +654,54 @@ class KVConsumer:
             pull.awaiting.discard(p)
         if pull.awaiting:
             return False
-        if pull.source is not None and not pull.local_posted:
-            return self._copy_from_source(pull)
         self._finish(pull, TransferState.DONE, "")
         return True
 
     def _copy_from_source(self, pull: _Pull) -> bool:
-        """A fan-out's second hop: once `pull`'s source has the bytes (its `LocalReady`),
-        READ them from its cache on this host; FAILED if its pull failed. Whether the
-        pull ended."""
-        assert pull.source is not None and pull.instance.plan is not None
-        notice = self._ready.pop((pull.request_id, pull.generation), None)
-        if notice is None:
+        """A fan-out's second hop: once `pull`'s source tells that the bytes are in its
+        cache (`LocalReady`), READ them from there (on this host); DONE once those READs
+        are done and the source's pull is confirmed by the producers, FAILED if the
+        source's pull failed (once no READ of ours is left). Whether the pull ended."""
+        assert pull.source is not None
+        for notice in self._ready.pop((pull.request_id, pull.generation), []):
+            if not notice.ok:
+                pull.source_failure = notice.reason
+                break
+            pull.source_confirmed |= notice.confirmed
+            if not pull.local_posted:
+                try:
+                    self._copy(pull)
+                except TransferError as exc:
+                    self._finish(pull, TransferState.FAILED, str(exc))
+                    return True
+        if pull.xfers:
             return False
-        if not notice.ok:
+        if pull.source_failure is not None:
             self._finish(
                 pull,
                 TransferState.FAILED,
                 f"decode worker {pull.source}, which reads these bytes over the link for "
-                f"this worker, failed its pull: {notice.reason}",
+                f"this worker, failed its pull: {pull.source_failure}",
             )
             return True
+        if pull.source_confirmed:
+            self._finish(pull, TransferState.DONE, "")
+            return True
+        return False
+
+    def _copy(self, pull: _Pull) -> None:
+        """Post the READs of `pull`'s bytes from its source's cache; TransferError if
+        NIXL refuses one."""
+        assert pull.source is not None and pull.instance.plan is not None
         sib = self._siblings[pull.source]
-        lists = local_copy_lists(
+        pull.local_posted = True
+        for cl in local_copy_lists(
             pull.instance.plan,
             self.rank,
             pull.local_block_ids,
             pull.num_tokens,
             pull.start_token,
-        )
-        pull.local_posted = True
-        for cl in lists:
+        ):
             for local, local_idx, remote, remote_idx in self._reads(
                 pull,
                 cl,
@@ -695,12 +713,9 @@ class KVConsumer:
                 try:
                     xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, b"")
                 except TransferError as exc:
-                    self._finish(
-                        pull,
-                        TransferState.FAILED,
-                        f"READ from decode worker {sib.rank}'s cache on this host failed: {exc}",
-                    )
-                    return True
+                    raise TransferError(
+                        f"READ from decode worker {sib.rank}'s cache on this host failed: {exc}"
+                    ) from None
                 pull.xfers[max(pull.xfers, default=-1) + 1] = (LOCAL, xfer)
             pull.local_nbytes += cl.nbytes
         log.debug(
@@ -710,10 +725,6 @@ class KVConsumer:
             pull.local_nbytes,
             sib.rank,
         )
-        if pull.xfers:
-            return False
-        self._finish(pull, TransferState.DONE, "")
-        return True
 
     def _sibling_dlist(self, sib: _Sibling, g: int) -> Any:
         """`sib`'s regions cut into g-byte units, prepared once per (sibling, g)."""
@@ -746,35 +757,44 @@ class KVConsumer:
                         why,
                     )
                     continue
-                self._ready[(msg.request_id, msg.generation)] = msg
+                notices = self._ready.setdefault((msg.request_id, msg.generation), [])
+                if len(notices) < 4:  # in place, then confirmed or failed
+                    notices.append(msg)
                 while len(self._ready) > MAX_EARLY_READY:
                     self._ready.popitem(last=False)
 
-    def _tell_copiers(self, pull: _Pull, state: TransferState, reason: str) -> None:
-        """Tell the workers that copy `pull`'s bytes from this one (a fan-out's source)
-        that they are here (DONE) or will not come (FAILED)."""
+    def _copiers(self, pull: _Pull) -> list[int]:
+        """The decode workers that copy `pull`'s bytes from this one (a fan-out)."""
         plan = pull.instance.plan
-        if plan is None or pull.decline is not None:
+        if plan is None:
+            return []
+        return [c.decode_rank for c in plan.local_copies if c.source_rank == self.rank]
+
+    def _tell_copiers(self, pull: _Pull, state: TransferState, reason: str = "") -> None:
+        """Tell the workers that copy `pull`'s bytes from this one (a fan-out's source)
+        that they are in place (READING: copy them now), confirmed (DONE: use the copy)
+        or will not come (FAILED)."""
+        plan = pull.instance.plan
+        if plan is None or pull.decline is not None or not self._copiers(pull):
             return
         msg = LocalReady(
             request_id=pull.request_id,
             generation=pull.generation,
             rank=self.rank,
-            ok=state is TransferState.DONE,
+            ok=state is not TransferState.FAILED,
             reason=reason[:4000],
+            confirmed=state is TransferState.DONE,
         )
-        for c in plan.local_copies:
-            if c.source_rank != self.rank:
-                continue
+        for rank in self._copiers(pull):
             try:
                 self.transport.send_notif(
-                    self._siblings[c.decode_rank].agent, encode(msg, self._sibling_key)
+                    self._siblings[rank].agent, encode(msg, self._sibling_key)
                 )
             except TransferError as exc:
                 log.warning(
                     "decode worker %d: telling decode worker %d that %r is %s failed: %s",
                     self.rank,
-                    c.decode_rank,
+                    rank,
                     pull.request_id,
                     state.value,
                     exc,
@@ -833,13 +853,18 @@ class KVConsumer:
                 f"{t} waiting for prefill workers {sorted(pull.awaiting)} to confirm they held "
                 f"{pull.request_id!r} for the whole read (ReadAck)"
             )
-        if pull.awaiting_source:
+        if pull.source is not None and not pull.local_posted:
             return (
                 f"{t} waiting for decode worker {pull.source}, which reads these bytes over "
                 "the link for this worker, to have them (LocalReady)"
             )
-        if pull.local_posted:
+        if pull.source is not None and pull.xfers:
             return f"{t} copying from decode worker {pull.source}'s cache on this host"
+        if pull.source is not None:
+            return (
+                f"{t} waiting for the producers to confirm the bytes decode worker "
+                f"{pull.source} read for this worker"
+            )
         if pull.state is TransferState.READING:
             return f"{t} reading from prefill workers {sorted({p for p, _ in pull.xfers.values()})}"
         waiting = [w.endpoint for w in pull.instance.workers() if w.state is not PeerState.READY]

@@ -210,16 +210,20 @@ class ReadAck(msgspec.Struct, frozen=True, tag="read_ack", forbid_unknown_fields
 
 class LocalReady(msgspec.Struct, frozen=True, tag="local_ready", forbid_unknown_fields=True):
     """Decode worker -> a decode worker of its own instance on its host (NIXL
-    notification, signed with the instance's sibling key): the bytes of `request_id`
-    (`generation`) that `rank` reads over the link for both of them are in its cache
-    and confirmed (`ok`), so the receiver may copy them from there (the second hop of a
-    fan-out); or its pull failed (`ok` False, `reason`) and nothing will come."""
+    notification, signed with the instance's sibling key), about the bytes of
+    `request_id` (`generation`) that `rank` reads over the link for both of them: they
+    are in its cache (`ok`), so the receiver may copy them from there (the second hop of
+    a fan-out), and, once `confirmed`, the producers confirmed them (the receiver may use
+    its copy only then); or its pull failed (`ok` False, `reason`): nothing will come,
+    and a copy made is not to be used. A source tells both: in place as soon as its
+    READs are done (the receiver copies while the producers confirm), then confirmed."""
 
     request_id: Name
     generation: U64
     rank: Count
     ok: bool
     reason: Reason = ""
+    confirmed: bool = False
 
 
 Message = Hello | Welcome | Refused | Ping | Pong | ReadDone | ReadAck | LocalReady

@@ -76,19 +76,40 @@ def test_one_worker_reads_over_the_link_and_the_other_copies_from_it(producer, c
     reader, copier = fake(cs[0]), fake(cs[1])
     assert len(reader.reads) == 1 and copier.reads == []  # only worker 0 reads from P
     reader.read_state = XferState.DONE
-    deliver(p, reader.reads[0][2])  # its ReadDone, as NIXL delivers it
-    (first,) = run(p, cs)
-    # the producer planned the same fan-out: worker 0's notification is all it waits for
-    assert [(r.request_id, r.cause) for r in released] == [("r1", ReleaseCause.COMPLETED)]
-    # worker 0 is DONE once P confirmed; it told worker 1, which now copies from its cache
-    assert first.state is TransferState.DONE and first.nbytes > 0 and first.local_nbytes == 0
+    assert run(p, cs) == []
+    # the bytes are in worker 0's cache: worker 1 copies them at once, from its cache
     assert len(copier.reads) == 1
     local_idx, remote_idx, notif = copier.reads[0]
     assert notif == b"" and list(local_idx) == list(remote_idx)  # same blocks, same units
     copier.read_state = XferState.DONE
-    (second,) = run(p, cs)
-    assert second.state is TransferState.DONE and second.local_block_ids == (1, 6, 3)
-    assert second.nbytes == 0 and second.local_nbytes == first.nbytes
+    assert run(p, cs) == []  # copied, but not used before P confirmed what worker 0 read
+    deliver(p, reader.reads[0][2])  # worker 0's ReadDone, as NIXL delivers it
+    got = {r.local_nbytes > 0: r for r in run(p, cs)}
+    # the producer planned the same fan-out: worker 0's notification is all it waits for
+    assert [(r.request_id, r.cause) for r in released] == [("r1", ReleaseCause.COMPLETED)]
+    first, second = got[False], got[True]
+    assert first.state is second.state is TransferState.DONE
+    assert second.local_block_ids == (1, 6, 3) and second.nbytes == 0
+    assert second.local_nbytes == first.nbytes > 0
+
+
+def test_a_copy_of_bytes_the_producer_did_not_hold_is_never_used(producer, clock) -> None:
+    """The fence covers the second hop: worker 1 copied what worker 0 read, but P had
+    released the exposure meanwhile (its lease), so both pulls fail as stale."""
+    p, _ = producer
+    cs = decode_instance(clock)
+    p.expose("r1", [5, 2, 7], 48)
+    for c in cs:
+        c.pull("r1", p.endpoint, [5, 2, 7], [1, 6, 3], 48)
+    run(p, cs)
+    fake(cs[0]).read_state = fake(cs[1]).read_state = XferState.DONE
+    run(p, cs)
+    assert len(fake(cs[1]).reads) == 1  # copied already
+    p.cancel("r1", "the lease expired")
+    deliver(p, fake(cs[0]).reads[0][2])
+    got = run(p, cs)
+    assert [r.state for r in got] == [TransferState.FAILED] * 2
+    assert all("no longer held" in r.reason for r in got), [r.reason for r in got]
 
 
 def test_a_reader_that_fails_fails_its_copier_at_once_with_the_reason(producer, clock) -> None:
@@ -125,9 +146,10 @@ def test_a_notice_the_pull_has_not_reached_yet_is_kept_and_a_forged_one_ignored(
             deliver(p, reads[0][2])
         if cs[0].poll():
             break
-    # worker 0 is done and told worker 1 before worker 1 got its own Pull
-    assert [peer for peer, _ in fake(cs[0]).sent] == ["decode1"]
-    fake(cs[1]).inbox["decode0"] = [fake(cs[0]).sent[0][1]]
+    # worker 0 is done and told worker 1 (in place, then confirmed) before worker 1 got
+    # its own Pull
+    assert [peer for peer, _ in fake(cs[0]).sent] == ["decode1"] * 2
+    fake(cs[1]).inbox["decode0"] = [msg for _, msg in fake(cs[0]).sent]
     cs[1].poll()
     cs[1].pull("r1", p.endpoint, [5, 2, 7], [1, 6, 3], 48)
     fake(cs[1]).read_state = XferState.DONE
