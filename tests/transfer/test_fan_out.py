@@ -51,6 +51,15 @@ def decode_instance(clock: Clock, fan_out: str = "on", siblings: bool = True) ->
     return cs
 
 
+def pulling(p: KVProducer, clock: Clock, fan_out: str = "on") -> list[KVConsumer]:
+    """A decode instance of two workers pulling "r1" (3 blocks) from P, exposed."""
+    cs = decode_instance(clock, fan_out)
+    p.expose("r1", [5, 2, 7], 48)
+    for c in cs:
+        c.pull("r1", p.endpoint, [5, 2, 7], [1, 6, 3], 48)
+    return cs
+
+
 def run(p: KVProducer, cs: list[KVConsumer], rounds: int = 20) -> list[Any]:
     """Poll everyone; NIXL's notifications between the decode workers are relayed."""
     out = []
@@ -97,10 +106,7 @@ def test_a_copy_of_bytes_the_producer_did_not_hold_is_never_used(producer, clock
     """The fence covers the second hop: worker 1 copied what worker 0 read, but P had
     released the exposure meanwhile (its lease), so both pulls fail as stale."""
     p, _ = producer
-    cs = decode_instance(clock)
-    p.expose("r1", [5, 2, 7], 48)
-    for c in cs:
-        c.pull("r1", p.endpoint, [5, 2, 7], [1, 6, 3], 48)
+    cs = pulling(p, clock)
     run(p, cs)
     fake(cs[0]).read_state = fake(cs[1]).read_state = XferState.DONE
     run(p, cs)
@@ -114,10 +120,7 @@ def test_a_copy_of_bytes_the_producer_did_not_hold_is_never_used(producer, clock
 
 def test_a_reader_that_fails_fails_its_copier_at_once_with_the_reason(producer, clock) -> None:
     p, _ = producer
-    cs = decode_instance(clock)
-    p.expose("r1", [5, 2, 7], 48)
-    for c in cs:
-        c.pull("r1", p.endpoint, [5, 2, 7], [1, 6, 3], 48)
+    cs = pulling(p, clock)
     run(p, cs)
     fake(cs[0]).read_state = XferState.ERR
     got = sorted(run(p, cs), key=lambda r: "which reads" not in r.reason)  # the copier's first
