@@ -87,6 +87,7 @@ from kvbridge.transfer.messages import (
     Hello,
     LayoutWire,
     LocalReady,
+    Meet,
     ModelWire,
     ReadDone,
     Sibling,
@@ -109,6 +110,10 @@ CONNECT_SETTLE_S = 0.3
 RELEASE_RETRY_S = 1.0
 #: `_Pull.xfers` key of a READ from a sibling's cache (the second hop of a fan-out)
 LOCAL = -1
+#: Units each producer worker met by an introduction is read in a warm-up READ, which
+#: carries a `Meet` notification: NIXL and UCX set up a peer's READ and notification
+#: paths at their first use, which the first pull paid (~20 ms here; docs/benchmarks.md).
+WARM_UNITS = 2
 #: LocalReady notices kept for pulls not started yet here (the oldest go first).
 MAX_EARLY_READY = 4096
 
@@ -259,6 +264,10 @@ class KVConsumer:
         self._hosts: tuple[str, ...] | None = None  # every worker's host, once told
         self._sibling_ranks: dict[str, int] = {}  # agent name -> rank
         self._sibling_key = sibling_key(identity, config.token)
+        #: warm-up READs' destinations: unit size -> (buffer, its prepared list); the
+        #: READs in flight, with when to stop waiting for them
+        self._scratch: dict[int, tuple[np.ndarray, Any]] = {}
+        self._warming: list[tuple[Any, float]] = []
         #: (request id, generation) -> a source's notices, until the pull they name takes
         #: them
         self._ready: collections.OrderedDict[tuple[str, int], list[LocalReady]] = (
@@ -481,6 +490,7 @@ class KVConsumer:
                 try:
                     if not inst.prepared:
                         self._prepare(inst)
+                        self._warm_up(inst, now)
                 except KVBridgeError as exc:
                     log.warning(
                         "decode worker %d: preparing %s failed: %s", self.rank, endpoint, exc
@@ -499,6 +509,9 @@ class KVConsumer:
         for waits in (self._connect_deadline, self._settle_until):
             for endpoint in [e for e in waits if e not in self._connecting]:
                 del waits[endpoint]
+        self._warming = [
+            (x, end) for x, end in self._warming if not self._ended_warm_up(x, end, now)
+        ]
         self._abandon_lost()
         self._forget_unreachable()
         self.owed.settle(self.directory.find, self._send_owed)
@@ -525,6 +538,12 @@ class KVConsumer:
                 self.transport.release_dlist(handle)
             self.transport.remove_peer(sib.agent)
         self._siblings.clear()
+        for xfer, _ in self._warming:
+            self.transport.release(xfer)
+        self._warming.clear()
+        for _, handle in self._scratch.values():
+            self._orphan_dlists.append(handle)
+        self._scratch.clear()
         for handle in (*self._local_dlists.values(), *self._orphan_dlists):
             self.transport.release_dlist(handle)
         self._local_dlists.clear()
@@ -901,6 +920,45 @@ class KVConsumer:
                 self._local_dlist(g)
                 self._sibling_dlist(sib, g)
                 sib.unit = g
+
+    def _warm_up(self, inst: ProducerInstance, now: float) -> None:
+        """After an introduction: READ `WARM_UNITS` units of each producer worker this
+        worker reads from into a scratch buffer of its own, with a `Meet` notification
+        (the producer only notes it), so the first pull finds NIXL's and UCX's paths to
+        it set up. Best effort: a refusal is logged, never a failure."""
+        for p, g in inst.block_units.items():
+            peer = inst.readers[p]
+            assert peer.regions is not None
+            n = min(WARM_UNITS, num_units(peer.regions, g))
+            idx = np.arange(n, dtype=np.int32)
+            meet = peer.sign(Meet(instance_id=self.instance_id, rank=self.rank))
+            try:
+                local = self._scratch_dlist(g)
+                remote = self.directory.remote_dlist(peer, g)
+                xfer, _ = self.transport.read(local, idx, remote, idx, meet)
+            except TransferError as exc:
+                log.info(
+                    "decode worker %d: warm-up READ from %s: %s", self.rank, peer.endpoint, exc
+                )
+                continue
+            self._warming.append((xfer, now + self.config.handshake_timeout_s))
+
+    def _ended_warm_up(self, xfer: Any, give_up_at: float, now: float) -> bool:
+        """Whether a warm-up READ is over and released (a stuck one is given up on at
+        `give_up_at`; one NIXL cannot cancel is retried at the next poll)."""
+        if self.transport.state(xfer) is XferState.PROC and now < give_up_at:
+            return False
+        return self.transport.release(xfer)
+
+    def _scratch_dlist(self, g: int) -> Any:
+        """A prepared list of `WARM_UNITS` g-byte units of a buffer registered for the
+        warm-up READs (never the cache: its blocks may hold a request)."""
+        if g not in self._scratch:
+            buf = np.zeros(WARM_UNITS * g, dtype=np.uint8)
+            regions = CacheRegions.from_array(buf[None, :])
+            self.transport.register(regions)
+            self._scratch[g] = (buf, self.transport.prep_local(unit_descs(regions, g)))
+        return self._scratch[g][1]
 
     def _post(self, pull: _Pull) -> None:
         inst = pull.instance

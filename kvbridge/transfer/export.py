@@ -283,6 +283,9 @@ class ExportedTransport:
     def remove_peer(self, peer: str) -> None:
         raise self._producer_only("remove_peer")
 
+    def register(self, regions: CacheRegions) -> None:
+        raise self._producer_only("register")
+
     def prep_local(self, descs: np.ndarray) -> Any:
         raise self._producer_only("prep_local")
 

@@ -190,6 +190,16 @@ class ReadDone(msgspec.Struct, frozen=True, tag="read_done", forbid_unknown_fiel
     digest: bool = False
 
 
+class Meet(msgspec.Struct, frozen=True, tag="meet", forbid_unknown_fields=True):
+    """Consumer -> producer worker (NIXL notification, signed with the session key),
+    once after an introduction, on a small warm-up READ: nothing to do. It takes the
+    path a pull's READ and ReadDone take, so the first pull finds it set up (NIXL and
+    UCX set up a peer's READ and notification paths at their first use)."""
+
+    instance_id: Name
+    rank: Count
+
+
 class ReadAck(msgspec.Struct, frozen=True, tag="read_ack", forbid_unknown_fields=True):
     """Producer worker -> consumer (side channel, unasked): the answer to an ok
     `ReadDone` of `request_id` at `generation`. `held` is True only if that exposure was
@@ -226,7 +236,7 @@ class LocalReady(msgspec.Struct, frozen=True, tag="local_ready", forbid_unknown_
     confirmed: bool = False
 
 
-Message = Hello | Welcome | Refused | Ping | Pong | ReadDone | ReadAck | LocalReady
+Message = Hello | Welcome | Refused | Ping | Pong | ReadDone | ReadAck | LocalReady | Meet
 
 
 class Sibling(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -34,6 +34,7 @@ from kvbridge.transfer.errors import ProtocolError
 from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.messages import (
     Hello,
+    Meet,
     ReadAck,
     ReadDone,
     Refused,
@@ -77,7 +78,7 @@ class ProducerWorker:
         default_factory=collections.OrderedDict
     )
 
-    def sign(self, msg: ReadDone) -> bytes:
+    def sign(self, msg: ReadDone | Meet) -> bytes:
         """`msg` as this session's signed notification to the worker."""
         return encode(msg, self.session_key, self.session_id)
 

@@ -58,6 +58,7 @@ from kvbridge.transfer.integrity import digest, region_views
 from kvbridge.transfer.messages import (
     Hello,
     LayoutWire,
+    Meet,
     Message,
     ModelWire,
     Ping,
@@ -299,6 +300,9 @@ class KVProducer:
     def _on_notif(self, sender: str, raw: bytes) -> None:
         try:
             msg, sid = decode_signed(raw, self._sessions.key_of, 64 << 10)
+            if isinstance(msg, Meet):
+                self._met(msg, sid)
+                return
             if not isinstance(msg, ReadDone):
                 raise ProtocolError(f"notification of kind {type(msg).__name__}; expected ReadDone")
         except ProtocolError as exc:
@@ -332,6 +336,18 @@ class KVProducer:
             time.time() - msg.sent_at,
         )
         self._apply(msg, session)
+
+    def _met(self, msg: Meet, sid: bytes) -> None:
+        """A decode worker's warm-up notification (`Meet`): nothing to do but note it."""
+        session = self._sessions.get(sid)
+        assert session is not None  # its key verified the message
+        if (msg.instance_id, msg.rank) != (session.instance_id, session.rank):
+            self.num_replays += 1
+            self._ignore(f"a Meet naming {msg.instance_id!r} rank {msg.rank}, signed by "
+                         f"the session of {session.instance_id!r} rank {session.rank}", warn=True)  # fmt: skip
+            return
+        self._sessions.touch(sid)
+        log.debug("prefill worker %d: met %r rank %d", self.rank, msg.instance_id, msg.rank)
 
     def _apply(self, msg: ReadDone, session: Session) -> None:
         exp = self._exposed.get(msg.request_id)

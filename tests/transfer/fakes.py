@@ -37,12 +37,16 @@ class FakeTransport:
         self.released_dlists: list[Any] = []
         self.cancellable = True  # what `release` of a READ answers
         self.sent: list[tuple[str, bytes]] = []
+        self.registered: list[CacheRegions] = []
 
     def metadata(self) -> bytes:
         return f"md:{self.name}".encode()
 
     def peer_regions(self, regions: CacheRegions) -> CacheRegions:
         return regions
+
+    def register(self, regions: CacheRegions) -> None:
+        self.registered.append(regions)
 
     def add_peer(self, metadata: bytes) -> str:
         name = metadata.decode().removeprefix("md:")

@@ -345,16 +345,28 @@ def test_a_consumer_that_gives_up_tells_the_producer_which_releases_at_once(
 
 
 def test_connect_meets_a_producer_before_its_first_request(producer, clock) -> None:
-    """An introduction does the handshake and prepares the descriptor lists ahead, so
-    the first pull posts its READ on its first poll."""
+    """An introduction does the handshake, prepares the descriptor lists ahead and warms
+    the path to the producer (a small READ into a scratch buffer, carrying a Meet the
+    producer only notes), so the first pull posts its READ on its first poll and finds
+    NIXL's and UCX's paths set up."""
     p, _ = producer
     c = consumer(0, clock)
+    t = c.transport
+    assert isinstance(t, FakeTransport)
     c.connect(p.endpoint)
     assert c.is_busy
     for _ in range(20):
         p.poll(5)
         c.poll()
     assert c.is_busy  # met, still polled often while NIXL makes its connections
+    (warm,) = t.reads  # 2 units into the registered scratch buffer, with the Meet
+    assert len(warm[0]) == 2 and len(t.registered) == 1
+    assert t.registered[0].addresses[0] not in c.regions.addresses
+    deliver(p, warm[2])
+    replays = p.num_replays
+    p.poll()
+    assert p.num_replays == replays and p.num_ignored_notifs == 0  # noted, nothing else
+    t.read_state = XferState.DONE  # the warm-up READ ends; it is released at a poll
     clock.now += CONNECT_SETTLE_S
     c.poll()
     assert not c.is_busy and c.transport.peers == ["prefill0"]
@@ -362,8 +374,9 @@ def test_connect_meets_a_producer_before_its_first_request(producer, clock) -> N
     assert inst.is_ready and inst.prepared
     p.expose("r1", [3], 4)
     c.pull("r1", p.endpoint, [3], [5], 4)
+    t.read_state = XferState.PROC
     c.poll()  # no handshake to wait for
-    assert isinstance(c.transport, FakeTransport) and len(c.transport.reads) == 1
+    assert len(t.reads) == 2 and t.reads[1][2]  # the pull's READ, carrying its ReadDone
 
 
 def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(
@@ -397,7 +410,8 @@ def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(
         p2.expose("r1", [3], 4)
         c.pull("r1", p2.endpoint, [3], [5], 4)
         c.poll()
-        assert len(c.transport.reads) == 1
+        # the first agent's warm-up, the new one's, then the pull's READ (from the new)
+        assert len(c.transport.reads) == 3 and c.transport.reads[2][2]
     finally:
         p2.close()
 
