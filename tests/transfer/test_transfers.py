@@ -30,7 +30,7 @@ def lay(tp: int, layout: str = "BHLNC", block_size: int = 16, pp: int = 1) -> In
 CASES = {
     "equal tp 2->2": (gqa(4, 8), lay(2), lay(2)),
     "1->3, LBHNC->BLHNC": (gqa(3, 9), lay(1, "LBHNC"), lay(3, "BLHNC")),
-    "3->9, BHLNC->LBNHC": (gqa(3, 9), lay(3), lay(9, "LBNHC")),
+    # (3 -> 9, BHLNC -> LBNHC: test_kv_exported_from_a_process_of_its_own_arrives_byte_exact)
     "9->3, 3 kv heads": (gqa(3, 9), lay(9), lay(3)),
     "9->1, block 32->16, LBNHC->BHLNC": (gqa(3, 9), lay(9, "LBNHC", 32), lay(1)),
     "2->5, HND->BLNHC": (gqa(10, 10), lay(2, "HND"), lay(5, "BLNHC")),
@@ -96,12 +96,15 @@ def test_kv_exported_from_a_process_of_its_own_arrives_byte_exact() -> None:
     """Prefill workers whose cache lies in shared memory, read by the decode workers from
     an export process each (`kv_export="process"`, kvbridge serve's default with a
     token): the same bytes as from the workers' own agents."""
-    model, prefill, decode = CASES["3->9, BHLNC->LBNHC"]
+    model, prefill, decode = gqa(3, 9), lay(3), lay(9, "LBNHC")  # decode replicas
     report = run_check(
         model, prefill, decode, num_requests=3, num_tokens=37, timeout_s=60, kv_export="process"
     )
     assert report.failures == []
     assert report.verified
+    from kvbridge.plan.planner import make_plan
+
+    assert report.bytes == 3 * 37 * make_plan(model, prefill, decode).bytes_per_token
 
 
 FAN_OUT = {
