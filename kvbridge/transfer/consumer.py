@@ -38,12 +38,14 @@ heads replicated when decode tp > num_kv_heads; MLA's latent) need the same pref
 bytes. Once the engine told every worker its siblings (`sibling` -> `set_siblings`: each
 one's host, NIXL agent and cache regions), a pull from a producer the config fans out
 from (`TransferConfig.fan_out`) is planned with the workers' hosts: on each host the
-lowest rank holding a set of cells reads it over the link, and once its pull is DONE
-(confirmed by the producers) it tells each worker that copies from it (`LocalReady`, a
-NIXL notification signed with the instance's sibling key), which then READs those
-blocks from its cache on the host (CMA). A reader whose pull failed tells them so; a
-copier waits at most the pull's `transfer_timeout_s`. The producer plans the same
-(`Hello.decode_hosts`) and waits only for the readers' ReadDones.
+lowest rank holding a set of cells reads it over the link; as soon as its READs are done
+it tells each worker that copies from it (`LocalReady`, a NIXL notification signed with
+the instance's sibling key), which READs those blocks from its cache on the host (CMA
+for host memory) while the producers confirm; the reader tells them again once its pull
+is confirmed, and only then is a copy DONE. A reader whose pull failed (stale included)
+tells them so, and their copies are not used. A copier's bound is the pull's
+`transfer_timeout_s`, and again as much from when its copy starts. The producer plans
+the same (`Hello.decode_hosts`) and waits only for the readers' ReadDones.
 
 Not thread-safe: `pull`, `poll`, `close` from one thread at a time
 (a `WorkerConnector` holds its lock around each).
@@ -202,14 +204,17 @@ class _Sibling:
     unit: int | None = None  # whole-block unit of a copy from it (None: exact lists)
 
 
-def sibling_key(identity: Identity | None, token: bytes | None) -> bytes | None:
-    """The key signing `LocalReady` notices between one decode instance's workers: from
-    the instance's secret key (only its workers hold it), else from the shared token;
-    None without either (nothing is authenticated then)."""
+def sibling_key(identity: Identity | None, token: bytes | None, instance_id: str) -> bytes | None:
+    """The key signing `LocalReady` notices between the workers of decode instance
+    `instance_id`: from the instance's secret key (only its workers hold it), else from
+    the shared token (every holder of the secret could derive it; a notice still needs
+    the receiver's NIXL metadata, which only its instance's workers are given); None
+    without either (nothing is authenticated then)."""
     secret = identity.secret if identity is not None else token
     if secret is None:
         return None
-    return hmac.new(secret, b"kvbridge fan-out siblings", hashlib.sha256).digest()
+    label = b"kvbridge fan-out siblings\0" + instance_id.encode()
+    return hmac.new(secret, label, hashlib.sha256).digest()
 
 
 class KVConsumer:
@@ -263,11 +268,13 @@ class KVConsumer:
         self._siblings: dict[int, _Sibling] = {}  # fan-out: this instance's other workers
         self._hosts: tuple[str, ...] | None = None  # every worker's host, once told
         self._sibling_ranks: dict[str, int] = {}  # agent name -> rank
-        self._sibling_key = sibling_key(identity, config.token)
+        self._sibling_key = sibling_key(identity, config.token, instance_id)
         #: warm-up READs' destinations: unit size -> (buffer, its prepared list); the
         #: READs in flight, with when to stop waiting for them
-        self._scratch: dict[int, tuple[np.ndarray, Any]] = {}
-        self._warming: list[tuple[Any, float]] = []
+        self._scratch: dict[int, tuple[np.ndarray, Any | None]] = {}
+        #: warm-up READs in flight: (READ, when to give up on it, its producer instance)
+        self._warming: list[tuple[Any, float, ProducerInstance]] = []
+        self._warm_retry_at = 0.0  # a warm-up READ NIXL could not cancel: retried then
         #: (request id, generation) -> a source's notices, until the pull they name takes
         #: them
         self._ready: collections.OrderedDict[tuple[str, int], list[LocalReady]] = (
@@ -384,9 +391,14 @@ class KVConsumer:
         """Meet the other workers of this instance (every worker's `sibling()`, rank
         order), so pulls from a producer this worker fans out from
         (`TransferConfig.fan_out`) read each byte once per host. Before this call (or
-        at world size 1) every pull reads its own bytes. Once only: a second call with
-        the same workers does nothing; TransferError on a list that does not describe
-        this instance (count, ranks, this worker's own entry)."""
+        at world size 1) every pull reads its own bytes: call it before the first
+        handshake (the reference engine does so when it is made), since a producer
+        instance met before keeps its plan. Every worker of the instance must get the
+        same list and decide alike (`TransferConfig.fans_out_from`: its workers on one
+        host), else the producers see two plans and the pulls fail as stale. Once only:
+        a second call with the same workers does nothing; TransferError, with nothing
+        loaded, on a list that does not describe this instance (count, ranks, this
+        worker's own entry, an agent or regions that do not match)."""
         infos = [decode_sibling(b) for b in siblings]
         world = self.layout.world_size
         if len(infos) != world or [i.rank for i in infos] != list(range(world)):
@@ -405,32 +417,41 @@ class KVConsumer:
             ):
                 return
             raise TransferError("siblings were set already, to other workers")
-        for info in infos:
-            if info.rank == self.rank:
-                continue
-            agent = self.transport.add_peer(info.agent_metadata)
-            if agent != info.agent_name:
-                self.transport.remove_peer(agent)
-                raise TransferError(
-                    f"sibling {info.rank}: its metadata names agent {agent!r}, its entry "
-                    f"{info.agent_name!r}"
-                )
-            regions = CacheRegions(
-                tuple(a for a, _ in info.regions),
-                tuple(n for _, n in info.regions),
-                MemType(info.mem_type),
-                info.device_id,
-            )
-            if regions.lengths != self.regions.lengths:
-                self.transport.remove_peer(agent)
-                raise TransferError(
-                    f"sibling {info.rank}: its {len(regions.lengths)} cache regions differ "
-                    f"from this worker's {len(self.regions.lengths)} (every worker of an "
-                    "instance has the same cache)"
-                )
-            self._siblings[info.rank] = _Sibling(info.rank, info.host, agent, regions)
-            self._sibling_ranks[agent] = info.rank
+        met: dict[int, _Sibling] = {}
+        try:
+            for info in infos:
+                if info.rank != self.rank:
+                    met[info.rank] = self._meet_sibling(info)
+        except BaseException:
+            for sib in met.values():  # all or nothing: no half-met instance
+                self.transport.remove_peer(sib.agent)
+            raise
+        self._siblings = met
+        self._sibling_ranks = {sib.agent: rank for rank, sib in met.items()}
         self._hosts = tuple(i.host for i in infos)
+
+    def _meet_sibling(self, info: Sibling) -> _Sibling:
+        """Load sibling `info`'s agent; TransferError (nothing loaded) if its entry is not
+        one of this instance's workers."""
+        agent = self.transport.add_peer(info.agent_metadata)
+        regions = CacheRegions(
+            tuple(a for a, _ in info.regions),
+            tuple(n for _, n in info.regions),
+            MemType(info.mem_type),
+            info.device_id,
+        )
+        why = ""
+        if agent != info.agent_name:
+            why = f"its metadata names agent {agent!r}, its entry {info.agent_name!r}"
+        elif regions.lengths != self.regions.lengths:
+            why = (
+                f"its {len(regions.lengths)} cache regions differ from this worker's "
+                f"{len(self.regions.lengths)} (every worker of an instance has the same cache)"
+            )
+        if why:
+            self.transport.remove_peer(agent)
+            raise TransferError(f"sibling {info.rank}: {why}")
+        return _Sibling(info.rank, info.host, agent, regions)
 
     def _fan_out_hosts(self, endpoint: str) -> tuple[str, ...] | None:
         """Every decode worker's host if pulls from the producer at `endpoint` fan out
@@ -509,9 +530,8 @@ class KVConsumer:
         for waits in (self._connect_deadline, self._settle_until):
             for endpoint in [e for e in waits if e not in self._connecting]:
                 del waits[endpoint]
-        self._warming = [
-            (x, end) for x, end in self._warming if not self._ended_warm_up(x, end, now)
-        ]
+        if self._warming and now >= self._warm_retry_at:
+            self._warming = [w for w in self._warming if not self._ended_warm_up(w[0], w[1], now)]
         self._abandon_lost()
         self._forget_unreachable()
         self.owed.settle(self.directory.find, self._send_owed)
@@ -538,12 +558,10 @@ class KVConsumer:
                 self.transport.release_dlist(handle)
             self.transport.remove_peer(sib.agent)
         self._siblings.clear()
-        for xfer, _ in self._warming:
-            self.transport.release(xfer)
+        for xfer, _, _ in self._warming:
+            self.transport.release(xfer)  # (the scratch buffers outlive the agent: kept)
         self._warming.clear()
-        for _, handle in self._scratch.values():
-            self._orphan_dlists.append(handle)
-        self._scratch.clear()
+        self._orphan_dlists += [h for _, h in self._scratch.values() if h is not None]
         for handle in (*self._local_dlists.values(), *self._orphan_dlists):
             self.transport.release_dlist(handle)
         self._local_dlists.clear()
@@ -683,11 +701,24 @@ class KVConsumer:
         source's pull failed (once no READ of ours is left). Whether the pull ended."""
         assert pull.source is not None
         for notice in self._ready.pop((pull.request_id, pull.generation), []):
+            if notice.rank != pull.source:
+                log.warning(
+                    "decode worker %d: a LocalReady of %r from decode worker %d, which does "
+                    "not read it for this worker (%d does); ignored",
+                    self.rank,
+                    pull.request_id,
+                    notice.rank,
+                    pull.source,
+                )
+                continue
             if not notice.ok:
                 pull.source_failure = notice.reason
                 break
             pull.source_confirmed |= notice.confirmed
             if not pull.local_posted:
+                # the second hop gets a transfer timeout of its own from here: a reader
+                # that took its whole bound leaves its copiers time to copy
+                pull.deadline = max(pull.deadline, self._clock() + self.config.transfer_timeout_s)
                 try:
                     self._copy(pull)
                 except TransferError as exc:
@@ -826,6 +857,7 @@ class KVConsumer:
         names a session it no longer has), so every later pull would time out the same
         way; the next pull or introduction handshakes afresh instead."""
         in_use = [p.instance for p in self._pulls.values()] + list(self._connecting.values())
+        in_use += [inst for _, _, inst in self._warming]  # its lists are in use
         self.directory.forget_unreachable(in_use)
         for endpoint, (inst, reason) in list(self._remeet.items()):
             if any(i is inst for i in in_use):
@@ -925,7 +957,10 @@ class KVConsumer:
         """After an introduction: READ `WARM_UNITS` units of each producer worker this
         worker reads from into a scratch buffer of its own, with a `Meet` notification
         (the producer only notes it), so the first pull finds NIXL's and UCX's paths to
-        it set up. Best effort: a refusal is logged, never a failure."""
+        it set up. Best effort: a refusal is logged, never a failure. Host-memory caches
+        only (the scratch buffer is host memory)."""
+        if self.regions.mem_type is not MemType.DRAM:
+            return
         for p, g in inst.block_units.items():
             peer = inst.readers[p]
             assert peer.regions is not None
@@ -941,24 +976,33 @@ class KVConsumer:
                     "decode worker %d: warm-up READ from %s: %s", self.rank, peer.endpoint, exc
                 )
                 continue
-            self._warming.append((xfer, now + self.config.handshake_timeout_s))
+            self._warming.append((xfer, now + self.config.handshake_timeout_s, inst))
 
     def _ended_warm_up(self, xfer: Any, give_up_at: float, now: float) -> bool:
         """Whether a warm-up READ is over and released (a stuck one is given up on at
-        `give_up_at`; one NIXL cannot cancel is retried at the next poll)."""
+        `give_up_at`; one NIXL cannot cancel is retried after `RELEASE_RETRY_S`)."""
         if self.transport.state(xfer) is XferState.PROC and now < give_up_at:
             return False
-        return self.transport.release(xfer)
+        if self.transport.release(xfer):
+            return True
+        self._warm_retry_at = now + RELEASE_RETRY_S
+        return False
 
     def _scratch_dlist(self, g: int) -> Any:
-        """A prepared list of `WARM_UNITS` g-byte units of a buffer registered for the
-        warm-up READs (never the cache: its blocks may hold a request)."""
+        """A prepared list of `WARM_UNITS` g-byte units of a host buffer registered for
+        the warm-up READs (never the cache: its blocks may hold a request). The buffer is
+        kept for the consumer's life once registered (NIXL keeps the registration until
+        the agent closes), even if preparing its list failed."""
         if g not in self._scratch:
             buf = np.zeros(WARM_UNITS * g, dtype=np.uint8)
+            self.transport.register(CacheRegions.from_array(buf[None, :]))
+            self._scratch[g] = (buf, None)
+        buf, handle = self._scratch[g]
+        if handle is None:
             regions = CacheRegions.from_array(buf[None, :])
-            self.transport.register(regions)
-            self._scratch[g] = (buf, self.transport.prep_local(unit_descs(regions, g)))
-        return self._scratch[g][1]
+            handle = self.transport.prep_local(unit_descs(regions, g))
+            self._scratch[g] = (buf, handle)
+        return handle
 
     def _post(self, pull: _Pull) -> None:
         inst = pull.instance

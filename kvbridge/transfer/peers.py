@@ -283,7 +283,9 @@ class ProducerDirectory:
                     type(msg).__name__,
                 )
                 continue
-            w.acks[(msg.request_id, msg.generation)] = msg
+            # the answer to our one ReadDone of that exposure; a later one answers a
+            # duplicate (never ours to believe over the first)
+            w.acks.setdefault((msg.request_id, msg.generation), msg)
             while len(w.acks) > MAX_ACKS:
                 w.acks.popitem(last=False)
 

@@ -430,6 +430,7 @@ def test_a_producer_gone_while_idle_is_forgotten_and_met_again_when_back(clock, 
         p.poll(5)
         c.poll()
     assert c.connect(p.endpoint, "P") and c.transport.peers == ["prefill0"]
+    c.transport.read_state = XferState.DONE  # the warm-up READ (one with CMA at once)
     clock.now += CONNECT_SETTLE_S
     c.poll()  # settled: nothing in flight
     port = int(p.endpoint.rsplit(":", 1)[1])
