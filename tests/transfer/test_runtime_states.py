@@ -68,12 +68,17 @@ def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer
     assert [(r.request_id, r.cause, r.block_ids) for r in released] == [
         ("r1", ReleaseCause.COMPLETED, (5, 2, 7))
     ]
+    # worker 1's ReadDone again, after the release: P answers it not held, but worker 1
+    # goes by the answer to its one ReadDone, which came first
+    deliver(p, cs[1].transport.reads[0][2])
+    p.poll()
+    assert p.num_stale_acks == 1
     results = drive(p, cs)  # both answered held (ReadAck)
     assert sorted((r.request_id, r.state) for r in results) == [("r1", TransferState.DONE)] * 2
     assert all(r.local_block_ids == (1, 6, 3) for r in results)
     notify(p, cs[1], "r1")  # stale
     p.poll()
-    assert p.num_ignored_notifs == 2 and len(released) == 1 and p.num_pinned_blocks == 0
+    assert p.num_ignored_notifs == 3 and len(released) == 1 and p.num_pinned_blocks == 0
 
 
 def pull_split(p: KVProducer, clock: Clock) -> tuple[KVConsumer, FakeTransport]:
