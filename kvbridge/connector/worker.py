@@ -15,7 +15,6 @@ only while its agent is polled), also while the worker computes a step.
 
 from __future__ import annotations
 
-import base64
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.metadata import ConnectorMetadata, KVWorkerOutput
@@ -94,9 +93,7 @@ class KVConnectorWorker:
         (`KVConnectorScheduler.set_worker_endpoints`): a producer's side-channel
         endpoint; a consumer's `sibling` (base64), for the fan-out."""
         reply = self._handle(GetEndpoint())
-        if self.role is ConnectorRole.PRODUCER:
-            return reply.endpoint
-        return base64.b64encode(reply.sibling).decode()
+        return reply.endpoint if self.role is ConnectorRole.PRODUCER else reply.sibling
 
     # -- per step ---------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: ConnectorMetadata) -> None:
@@ -109,7 +106,7 @@ class KVConnectorWorker:
         """Start the bound pulls; meet introduced producers; decline what will not be read."""
         meta = self._bound()
         if meta.siblings is not None:
-            self._try(SetSiblings([base64.b64decode(b) for b in meta.siblings]))
+            self._try(SetSiblings(meta.siblings))
         for connect in meta.peers_to_connect:
             try:
                 if self._handle(connect).connected:

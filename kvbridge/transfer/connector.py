@@ -7,7 +7,8 @@ talks to all of its workers with typed requests and gets one typed reply per wor
 
     GetEndpoint               -> reply.endpoint: this worker's side channel (producers)
                                  reply.sibling: what its instance's other workers need
-                                 to copy from it (consumers: `KVConsumer.sibling`)
+                                 to copy from it (consumers: `KVConsumer.sibling`, as
+                                 base64 text, as engines pass handshake metadata)
     SetEndpoints(endpoints)   every producer worker learns all its instance's endpoints
                               (gather GetEndpoint from every worker first, rank order)
     SetSiblings(siblings)     every consumer worker meets its instance's other workers
@@ -44,6 +45,7 @@ runtime's modules are imported when a `WorkerConnector` is built, not before.
 
 from __future__ import annotations
 
+import base64
 import enum
 import threading
 import time
@@ -112,7 +114,7 @@ class SetSiblings(msgspec.Struct, frozen=True, tag="set_siblings"):
     """Tell each consumer worker every worker's `ConnectorReply.sibling` of its instance,
     in rank order (`KVConsumer.set_siblings`)."""
 
-    siblings: list[bytes]
+    siblings: list[str]
 
 
 class Expose(msgspec.Struct, frozen=True, tag="expose"):
@@ -206,7 +208,7 @@ class ConnectorReply(msgspec.Struct, frozen=True):
     pinned_blocks: int = 0  # producer: blocks pinned; consumer: blocks being pulled into
     replays_refused: int = 0  # producer: forged, replayed or misdirected messages so far
     connected: bool = False  # Connect: this consumer worker has met that producer instance
-    sibling: bytes = b""  # GetEndpoint on a consumer: `KVConsumer.sibling`
+    sibling: str = ""  # GetEndpoint on a consumer: `KVConsumer.sibling`, base64
 
 
 request_decoder = msgspec.msgpack.Decoder(ConnectorRequest)
@@ -375,11 +377,13 @@ class WorkerConnector:
             if self.producer is not None:
                 return ConnectorReply(endpoint=self.producer.endpoint)
             assert self.consumer is not None
-            return ConnectorReply(sibling=self.consumer.sibling())
+            return ConnectorReply(sibling=base64.b64encode(self.consumer.sibling()).decode())
         if isinstance(request, SetEndpoints):
             self._need(self.producer, request).set_worker_endpoints(request.endpoints)
         elif isinstance(request, SetSiblings):
-            self._need(self.consumer, request).set_siblings(request.siblings)
+            self._need(self.consumer, request).set_siblings(
+                [base64.b64decode(s) for s in request.siblings]
+            )
         elif isinstance(request, Expose):
             self._need(self.producer, request).expose(
                 request.request_id,

@@ -100,7 +100,13 @@ from kvbridge.transfer.messages import (
     spec_error,
 )
 from kvbridge.transfer.owed import OwedNotices
-from kvbridge.transfer.peers import PeerState, ProducerDirectory, ProducerInstance, ProducerWorker
+from kvbridge.transfer.peers import (
+    PeerState,
+    ProducerDirectory,
+    ProducerInstance,
+    ProducerWorker,
+    unit_dlist,
+)
 from kvbridge.transfer.regions import CacheRegions, MemType, worker_shard_checked
 
 log = logging.getLogger("kvbridge.transfer.consumer")
@@ -778,11 +784,7 @@ class KVConsumer:
 
     def _sibling_dlist(self, sib: _Sibling, g: int) -> Any:
         """`sib`'s regions cut into g-byte units, prepared once per (sibling, g)."""
-        if g not in sib.dlists:
-            sib.dlists[g] = self.transport.prep_remote(
-                sib.agent, unit_descs(sib.regions, g), sib.regions.mem_type
-            )
-        return sib.dlists[g]
+        return unit_dlist(self.transport, sib.dlists, sib.agent, sib.regions, g)
 
     def _take_notices(self, notifs: dict[str, list[bytes]]) -> None:
         """Keep the `LocalReady` notices of this instance's workers for the pulls they
@@ -790,21 +792,19 @@ class KVConsumer:
         for sender, msgs in notifs.items():
             rank = self._sibling_ranks.get(sender)
             for raw in msgs:
-                why = "" if rank is not None else "not from a worker of this instance"
-                msg = None
-                if not why:
-                    try:
-                        msg = decode(raw, self._sibling_key, 64 << 10)
-                    except ProtocolError as exc:
-                        why = str(exc)
-                if msg is not None and not (isinstance(msg, LocalReady) and msg.rank == rank):
-                    why = f"a {type(msg).__name__} naming rank {getattr(msg, 'rank', '?')}"
-                if why or not isinstance(msg, LocalReady):
+                try:
+                    if rank is None:
+                        raise ProtocolError("not from a worker of this instance")
+                    msg = decode(raw, self._sibling_key, 64 << 10)
+                    if not isinstance(msg, LocalReady) or msg.rank != rank:
+                        what = type(msg).__name__
+                        raise ProtocolError(f"a {what} naming rank {getattr(msg, 'rank', '?')}")
+                except ProtocolError as exc:
                     log.warning(
                         "decode worker %d ignored a notification from %s: %s",
                         self.rank,
                         sender,
-                        why,
+                        exc,
                     )
                     continue
                 notices = self._ready.setdefault((msg.request_id, msg.generation), [])
@@ -824,8 +824,8 @@ class KVConsumer:
         """Tell the workers that copy `pull`'s bytes from this one (a fan-out's source)
         that they are in place (READING: copy them now), confirmed (DONE: use the copy)
         or will not come (FAILED)."""
-        plan = pull.instance.plan
-        if plan is None or pull.decline is not None or not self._copiers(pull):
+        copiers = self._copiers(pull)
+        if pull.decline is not None or not copiers:
             return
         msg = LocalReady(
             request_id=pull.request_id,
@@ -835,7 +835,7 @@ class KVConsumer:
             reason=reason[:4000],
             confirmed=state is TransferState.DONE,
         )
-        for rank in self._copiers(pull):
+        for rank in copiers:
             try:
                 self.transport.send_notif(
                     self._siblings[rank].agent, encode(msg, self._sibling_key)

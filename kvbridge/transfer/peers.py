@@ -51,6 +51,16 @@ log = logging.getLogger("kvbridge.transfer.consumer")
 MAX_ACKS = 4096
 
 
+def unit_dlist(
+    transport: Transport, cache: dict[int, Any], agent: str, regions: CacheRegions, g: int
+) -> Any:
+    """Peer `agent`'s `regions` cut into g-byte units as a prepared remote list, made once
+    per unit size and kept in `cache` (the caller releases them when it drops the peer)."""
+    if g not in cache:
+        cache[g] = transport.prep_remote(agent, unit_descs(regions, g), regions.mem_type)
+    return cache[g]
+
+
 class PeerState(enum.Enum):
     CONNECTING = "connecting"
     READY = "ready"
@@ -157,11 +167,7 @@ class ProducerDirectory:
     def remote_dlist(self, w: ProducerWorker, g: int) -> Any:
         """`w`'s regions cut into g-byte units, prepared once per (worker, g)."""
         assert w.regions is not None
-        if g not in w.remote_dlists:
-            w.remote_dlists[g] = self.transport.prep_remote(
-                w.agent, unit_descs(w.regions, g), w.regions.mem_type
-            )
-        return w.remote_dlists[g]
+        return unit_dlist(self.transport, w.remote_dlists, w.agent, w.regions, g)
 
     def drop(self, w: ProducerWorker, reason: str, quiet: bool = False) -> None:
         """Forget a producer worker (a later pull reconnects) and fail its instances."""

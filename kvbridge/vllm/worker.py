@@ -12,7 +12,6 @@ and its notifications do not wait for the next step.
 
 from __future__ import annotations
 
-import base64
 import itertools
 import logging
 import time
@@ -145,11 +144,7 @@ class WorkerSide:
             raise
         self.endpoint = self.producer.handle(GetEndpoint()).endpoint if self.producer else ""
         #: what the other decode workers of this instance need (the fan-out), base64
-        self.sibling = (
-            base64.b64encode(self.consumer.handle(GetEndpoint()).sibling).decode()
-            if self.consumer
-            else ""
-        )
+        self.sibling = self.consumer.handle(GetEndpoint()).sibling if self.consumer else ""
         self._endpoints_set = False
         self._pulls: dict[str, _PullState] = {}  # by the producer's request id
         self._sending: set[str] = set()  # exposed request ids (vLLM's own on a prefill)
@@ -165,7 +160,7 @@ class WorkerSide:
             self._endpoints_set = True
         if self.consumer is not None and orders.siblings:
             try:
-                self.consumer.handle(SetSiblings([base64.b64decode(s) for s in orders.siblings]))
+                self.consumer.handle(SetSiblings(orders.siblings))
             except Exception as exc:  # the same list fails on every worker, as a rule
                 log.warning(
                     "decode worker %d: meeting the instance's other workers failed (%s); "
