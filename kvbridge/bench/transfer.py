@@ -201,7 +201,7 @@ def run_transfer_bench(args: argparse.Namespace) -> int:
             )
         with HostNetwork() as net:
             hosts = (net.add("kvbh-prefill"), net.add("kvbh-decode"))
-            if args.link_rate and burst:
+            if burst is not None:
                 hosts[0].slow(args.link_rate, burst=burst, latency="1s")
             return _run(args, hosts)
     if args.link_rate:
@@ -244,7 +244,9 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
     )
     total = plan.bytes_per_token * args.tokens
     # what must cross from the prefill: with a fan-out each head once per decode host
-    fans_out = args.kv_fan_out == "on" or (args.kv_fan_out == "auto" and hosts is not None)
+    # (decided as the decode workers decide it, from where the prefill workers listen)
+    prefill_at = f"tcp://{hosts[0].address if hosts else '127.0.0.1'}:0"
+    fans_out = TransferConfig(fan_out=FanOut(args.kv_fan_out)).fans_out_from(prefill_at)
     link_plan = (
         make_plan(
             plan.model, plan.prefill, plan.decode, decode_hosts=["d"] * len(plan.decode_workers)
