@@ -31,7 +31,7 @@ typecheck: setup
 	$(BIN)/mypy
 
 unit: setup
-	$(BIN)/pytest -q
+	$(BIN)/python tests/run_split.py -q
 
 test: lint typecheck unit
 
