@@ -161,13 +161,18 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 def _run_serve_bench(args: argparse.Namespace, token_path: Path) -> int:
     dep = Deployment()
     servers: list[ServerThread] = []
-    common = dict(model=args.model, kv_cache_mb=args.kv_cache_mb, kv_token_file=str(token_path))
+    common = dict(
+        model=args.model,
+        kv_cache_mb=args.kv_cache_mb,
+        kv_token_file=str(token_path),
+        cpu_priority=args.cpu_priority,
+    )
     token = token_path.read_bytes().strip()
     tps = [args.prefill_tp, args.decode_tp]
     try:
         print(
             f"starting prefill tp {args.prefill_tp} and decode tp {args.decode_tp} (shared "
-            "token) ...",
+            f"token, CPU priority {'on' if args.cpu_priority else 'off'}) ...",
             flush=True,
         )
         p = dep.start_instance("prefill", InstanceConfig(Role.PREFILL, args.prefill_tp, **common))

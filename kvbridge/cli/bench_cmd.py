@@ -77,6 +77,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "100 words, or every conversation of --multi-turn)",
     )
     bs.add_argument(
+        "--no-cpu-priority",
+        dest="cpu_priority",
+        action="store_false",
+        help="start the instances with kvbridge serve --no-cpu-priority (every thread at "
+        "the same priority) instead of the default",
+    )
+    bs.add_argument(
         "--idle-s",
         type=float,
         default=5.0,

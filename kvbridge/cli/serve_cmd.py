@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvbridge.cli.plan_cmd import layout_arg
+from kvbridge.engine.cpu_share import COMPUTE_NICE
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP
 from kvbridge.serve.config import Engine, InstanceConfig, ProxyConfig
@@ -102,6 +103,17 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         "heads, MLA) read them once per host, one worker over the link and the others "
         "copying from it on the host: from a prefill on another host (auto; default), "
         "always (on), or each worker reads its own (off)",
+    )
+    p.add_argument(
+        "--cpu-priority",
+        action=argparse.BooleanOptionalAction,
+        default=_DEFAULTS["cpu_priority"],
+        help="on cores a prefill and a decode instance share, KV transfers first, then "
+        "prefills, then decodes: the compute threads run at nice "
+        f"{COMPUTE_NICE['prefill']} in a prefill instance and {COMPUTE_NICE['decode']} in a "
+        "decode instance, the KV transfer threads at the priority the instance was started "
+        "with (as the colocated engine runs a prompt's prefill before its next decode "
+        "step); alone on its cores an instance runs as fast (default: on)",
     )
     p.add_argument(
         "--lease-s",
@@ -366,6 +378,7 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Any:
         kv_integrity=Integrity(args.kv_integrity),
         kv_export=KVExport(args.kv_export),
         kv_fan_out=FanOut(args.kv_fan_out),
+        cpu_priority=args.cpu_priority,
         lease_s=args.lease_s,
         transfer_timeout_s=args.transfer_timeout_s,
         liveness_timeout_s=args.liveness_timeout_s,

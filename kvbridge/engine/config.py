@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbridge.engine.cpu_share import check_cpu_nice
 from kvbridge.engine.errors import ModelLoadError
 from kvbridge.plan.geometry import ModelKVSpec, attention_kind
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, CacheLayout, InstanceLayout, check_tp_size
@@ -154,9 +155,12 @@ class EngineConfig:
     kv_cache_mb: int = 256
     worker_timeout_s: float = 300.0
     enable_prefix_caching: bool = True  # reuse the K/V of prompts' common full blocks
+    #: the nice value of the compute threads (not the KV connector's): `cpu_share.py`
+    cpu_nice: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
+        check_cpu_nice(self.cpu_nice)
         if self.cache_layout.is_channel_major:
             raise ModelLoadError(
                 f"cache_layout={self.cache_layout.name!r} keeps a half channel-major, as "

@@ -18,6 +18,7 @@ import torch
 from kvbridge.connector import ConnectorMetadata, ConnectorSpec, KVWorkerOutput
 from kvbridge.connector.worker import KVConnectorWorker
 from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.cpu_share import thread_ids, yield_compute
 from kvbridge.engine.errors import EngineError
 from kvbridge.engine.model_runner import ModelRunner
 from kvbridge.engine.parallel.base import SingleProcessCommunicator
@@ -63,14 +64,19 @@ def shares_kv(spec: ConnectorSpec | None) -> bool:
 def make_worker_connector(
     runner: ModelRunner, config: EngineConfig, rank: int, spec: ConnectorSpec | None
 ) -> KVConnectorWorker | None:
-    """This worker's side of the KV connector over its cache, if the instance has one."""
-    if spec is None:
-        return None
-    model = runner.model_config.kv_spec(config.kv_dtype)
-    worker = KVConnectorWorker(spec, model, config.layout(), rank)
-    worker.register_kv_caches(
-        runner.kv_cache.tensor, runner.kv_cache.num_blocks, segment=runner.kv_cache.segment
-    )
+    """This worker's side of the KV connector over its cache, if the instance has one;
+    then this process's compute threads, not the connector's, go to `config.cpu_nice`
+    (`cpu_share.py`)."""
+    compute = thread_ids()
+    worker = None
+    if spec is not None:
+        model = runner.model_config.kv_spec(config.kv_dtype)
+        worker = KVConnectorWorker(spec, model, config.layout(), rank)
+        worker.register_kv_caches(
+            runner.kv_cache.tensor, runner.kv_cache.num_blocks, segment=runner.kv_cache.segment
+        )
+    if config.cpu_nice:
+        yield_compute(config.cpu_nice, keep=thread_ids() - compute)
     return worker
 
 

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 
 from kvbridge.connector import KVLoadFailure
 from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.cpu_share import COMPUTE_NICE
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
@@ -124,6 +125,9 @@ class InstanceConfig:
     #: instance binding a non-loopback host makes its own, certified by the token
     tls_cert: str | None = None
     tls_key: str | None = None
+    #: its compute threads at its role's `COMPUTE_NICE`, its KV transfer threads not
+    #: (`engine/cpu_share.py`): on shared cores transfers, then prefills, then decodes
+    cpu_priority: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
@@ -180,6 +184,7 @@ class InstanceConfig:
             cache_layout=self.cache_layout,
             kv_cache_mb=self.kv_cache_mb,
             enable_prefix_caching=self.enable_prefix_caching,
+            cpu_nice=COMPUTE_NICE[self.role.value] if self.cpu_priority else 0,
         )
 
     def transfer_config(self) -> TransferConfig:

@@ -52,6 +52,12 @@ def _server_config(cfg: InstanceConfig, inst: Instance) -> uvicorn.Config:
     return config
 
 
+def _cpu(nice: int) -> str:
+    if not nice:
+        return "compute and KV transfers at the CPU priority it was started with"
+    return f"compute at CPU nice {nice}, KV transfers at the priority it was started with"
+
+
 def run_instance(cfg: InstanceConfig) -> int:
     role = cfg.role
     if role is Role.PREFILL:
@@ -123,7 +129,7 @@ def run_instance(cfg: InstanceConfig) -> int:
     print(
         f"[{instance_id}] internal API on {cfg.scheme}://{cfg.host}:{port} ({reach(cfg.host)})"
         + (f", KV side channel {inst.endpoint}" if inst.endpoint else "")
-        + f"; UCX devices {devices}; {security}",
+        + f"; UCX devices {devices}; {security}; {_cpu(config.cpu_nice)}",
         file=sys.stderr,
         flush=True,
     )

@@ -2,8 +2,11 @@
 decode instance as child processes (each with its own tp workers), then the proxy.
 
 Children are started as `python -m kvbridge.serve.instance_main CONFIG.json` (their
-`InstanceConfig` as one JSON document) in their own process groups; `Deployment.stop()` (also on Ctrl-C, errors and interpreter exit)
-terminates them and their workers. Every wait is bounded.
+`InstanceConfig` as one JSON document) in their own process groups (Ctrl-C in a terminal
+reaches us, not them) of our session (so the scheduler weighs their threads against each
+other, and a decode instance's `--cpu-nice` lets a prefill instance compute first);
+`Deployment.stop()` (also on Ctrl-C, errors and interpreter exit) terminates them and
+their workers. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def _exit_cleanly_on_sigterm() -> None:
 
     The default action ends the process at once, and uvicorn re-raises the SIGTERM it
     caught once the proxy has shut down: either way the instances (in their own
-    sessions) would be left running. Only from the main thread, and only over the
+    process groups) would be left running. Only from the main thread, and only over the
     default handler."""
     if threading.current_thread() is threading.main_thread() and (
         signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -101,7 +104,7 @@ class Deployment:
         with os.fdopen(fd, "wb") as f:
             f.write(doc)
         cmd = [sys.executable, "-m", "kvbridge.serve.instance_main", str(config_file)]
-        proc = subprocess.Popen(cmd, start_new_session=True)
+        proc = subprocess.Popen(cmd, process_group=0, stdin=subprocess.DEVNULL)
         child = Child(name, config.host, port_file, proc, config.scheme)
         self.children.append(child)
         atexit.register(self.stop)

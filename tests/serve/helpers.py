@@ -57,9 +57,13 @@ def small_instance(
     role: str, tp: int, block_size: int = 16, layout: str = "BHLNC", **overrides: Any
 ) -> InstanceConfig:
     """A test instance's config: a small cache, and timeouts generous enough for a
-    2-core machine running two dozen processes (the fault tests pass shorter ones)."""
+    2-core machine running two dozen processes (the fault tests pass shorter ones). Its
+    compute keeps its CPU priority: the suite runs two pytest processes at once, and an
+    instance yielding to the other one's tests only makes them slower (`kvbridge serve`'s
+    default is checked by the SIGTERM test)."""
     fields: dict[str, Any] = dict(
         kv_cache_mb=32,
+        cpu_priority=False,
         lease_s=120,
         transfer_timeout_s=60,
         handshake_timeout_s=30,

@@ -12,6 +12,7 @@ import pytest
 from kvbridge.cli.main import build_parser
 from kvbridge.cli.serve_cmd import DEFAULT_TP, deployment_config, fill_demo_defaults
 from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.cpu_share import COMPUTE_NICE
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE
 from kvbridge.serve.config import InstanceConfig, KVLoadFailure, Role
@@ -125,3 +126,43 @@ def test_a_launched_instances_config_document_round_trips_and_is_checked_again(
         InstanceConfig.from_json(bad)
     with pytest.raises(ConfigError, match=r"instance config: Expected `int`.*\$\.tp_size"):
         InstanceConfig.from_json(cfg.to_json().replace(b'"tp_size":2', b'"tp_size":"2"'))
+
+
+@pytest.mark.parametrize("nice", [-1, 20, True])
+def test_a_nice_value_outside_0_to_19_is_refused_naming_the_range(nice: int) -> None:
+    with pytest.raises(ConfigError, match=rf"cpu_nice={nice!r} must be .* from 0 .* to 19"):
+        EngineConfig(cpu_nice=nice)
+
+
+def test_cpu_priority_orders_prefill_compute_before_decode_compute_or_neither() -> None:
+    prefill, decode = (InstanceConfig(r, 3).engine_config().cpu_nice for r in Role)
+    assert (prefill, decode) == (COMPUTE_NICE["prefill"], COMPUTE_NICE["decode"])
+    assert 0 < prefill < decode
+    for role in Role:
+        assert InstanceConfig(role, 3, cpu_priority=False).engine_config().cpu_nice == 0
+
+
+def test_yield_compute_lowers_every_thread_but_the_kept_ones_and_never_raises_one() -> None:
+    """In a child process: the threads that existed before (the compute) go to the nice
+    value, the ones kept (made for the KV connector) stay at 0, a thread the compute
+    makes afterwards inherits the value, and a lower value raises nobody back."""
+    import subprocess
+    import sys
+
+    code = (
+        "import threading, os, time\n"
+        "from kvbridge.engine.cpu_share import thread_ids, yield_compute\n"
+        "def tid_of(box): box.append(threading.get_native_id()); time.sleep(3)\n"
+        "old, kv = [], []\n"
+        "threading.Thread(target=tid_of, args=(old,)).start()\n"
+        "compute = thread_ids()\n"
+        "threading.Thread(target=tid_of, args=(kv,)).start(); time.sleep(0.2)\n"
+        "n = yield_compute(7, keep=thread_ids() - compute); yield_compute(3, keep=set())\n"
+        "new = []; threading.Thread(target=tid_of, args=(new,)).start(); time.sleep(0.2)\n"
+        "nice = lambda t: os.getpriority(os.PRIO_PROCESS, t)\n"
+        "print(n, nice(threading.get_native_id()), nice(old[0]), nice(kv[0]), nice(new[0]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    # the KV thread is only lowered by the second call (3 < 7 raises nothing back)
+    lowered, *nices = out.stdout.split()
+    assert int(lowered) >= 2 and nices == ["7", "7", "3", "7"], out

@@ -10,12 +10,14 @@ import os
 import secrets
 import signal
 import time
+from pathlib import Path
 
 import httpx
 import msgspec
 import openai
 import pytest
 
+from kvbridge.engine.cpu_share import COMPUTE_NICE
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import KVLoadFailure
@@ -430,8 +432,11 @@ def _tp_workers(pid: int) -> list[int]:
 
 def test_sigterm_to_serve_stops_its_instances(tmp_path):
     """`kvbridge serve` killed with SIGTERM (as by systemd, docker or `timeout`) stops
-    the instance processes it started; they live in their own sessions, so nothing else
-    would."""
+    the instance processes it started; they live in their own process groups, so nothing
+    else would. (Before: both run in serve's session, where the decode instance's compute
+    thread runs at the default `--cpu-nice` and the threads its KV connector made keep
+    their priority, and every thread of the prefill instance is at 0, so on these shared
+    cores a prefill computes first and a pull still moves.)"""
     import subprocess
     import sys
 
@@ -460,6 +465,13 @@ def test_sigterm_to_serve_stops_its_instances(tmp_path):
             ).stdout.split()
         ]
         assert children, "no instance processes found"
+        roles = {pid: _cmdline(pid).rsplit("/", 1)[-1].split("-")[0] for pid in children}
+        assert sorted(roles.values()) == ["decode", "prefill"], roles
+        for pid, role in roles.items():
+            assert os.getsid(pid) == os.getsid(serve.pid) and os.getpgid(pid) == pid
+            # tp 1: the main thread computes; NIXL's, UCX's and the progress thread do not
+            nices = {tid: _nice(tid) for tid in _threads(pid)}
+            assert nices[pid] == COMPUTE_NICE[role] and 0 in nices.values(), (role, nices)
         serve.send_signal(signal.SIGTERM)
         serve.wait(60)
         alive = [pid for pid in children if _alive(pid)]
@@ -467,6 +479,19 @@ def test_sigterm_to_serve_stops_its_instances(tmp_path):
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+
+
+def _nice(tid: int) -> int:
+    """A thread's nice value (/proc/TID/stat, the 19th field)."""
+    return int(Path(f"/proc/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def _threads(pid: int) -> list[int]:
+    return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
 
 
 def _alive(pid: int) -> bool:
