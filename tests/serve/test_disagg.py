@@ -433,10 +433,10 @@ def _tp_workers(pid: int) -> list[int]:
 def test_sigterm_to_serve_stops_its_instances(tmp_path):
     """`kvbridge serve` killed with SIGTERM (as by systemd, docker or `timeout`) stops
     the instance processes it started; they live in their own process groups, so nothing
-    else would. (Before: both run in serve's session, where the decode instance's compute
-    thread runs at the default `--cpu-nice` and the threads its KV connector made keep
-    their priority, and every thread of the prefill instance is at 0, so on these shared
-    cores a prefill computes first and a pull still moves.)"""
+    else would. (Before: both run in serve's session, each instance's compute thread at
+    its role's nice value, the decode's above the prefill's, and the threads their KV
+    connectors made at the priority they were started with, so on these shared cores
+    transfers come first, then prefills, then decodes.)"""
     import subprocess
     import sys
 
@@ -476,9 +476,13 @@ def test_sigterm_to_serve_stops_its_instances(tmp_path):
         serve.wait(60)
         alive = [pid for pid in children if _alive(pid)]
         assert alive == [], f"instances still running after SIGTERM: {alive}"
-    finally:
+    finally:  # a check that failed before the SIGTERM: serve still stops its instances
         if serve.poll() is None:
-            serve.kill()
+            serve.terminate()
+            try:
+                serve.wait(60)
+            except subprocess.TimeoutExpired:
+                serve.kill()
 
 
 def _cmdline(pid: int) -> str:
