@@ -5,12 +5,15 @@ The first process runs the packages that hold the most memory, one after the oth
 serve package's shared instances, about 10 GB; the engine package's oracle and tp 9
 engines, about 9 GB); the second runs every other package (the test hosts' three-host
 deployment, about 4 GB, among them), so the two never add up to the machine's 24 GiB.
-Each process's output is printed whole once it ends, in order; the exit status is the
-first non-zero one. Arguments after the script's name go to both processes.
+Each process's output is printed whole once both end (Ctrl-C or SIGTERM stops both,
+and what they wrote is still printed); the exit status is the first failure's (a half
+that collected no test is none). Options after the script's name go to both processes.
 """
 
 from __future__ import annotations
 
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: pytest's exit status when it collected no test (e.g. `-k` matched only the other half).
+NO_TESTS = 5
 #: The first process's packages, in order; the second runs all the others.
 HEAVY = ("tests/serve", "tests/engine")
 
@@ -30,22 +35,39 @@ def commands(extra: list[str]) -> list[list[str]]:
 
 def main(argv: list[str]) -> int:
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvbridge-suite-") as tmp:
-        runs = []
+    runs: list[tuple[list[str], subprocess.Popen[bytes], Path]] = []
+    codes: list[int] = []
+
+    def stop(signum: int, frame: object) -> None:  # Ctrl-C, a CI timeout: both stop
+        for _, proc, _ in runs:
+            proc.send_signal(signum)
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvbridge-suite-"))
+    print(f"===== two pytest processes; their output is in {tmp} until both end", flush=True)
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
         for i, cmd in enumerate(commands(argv)):
-            log = open(Path(tmp, f"{i}.log"), "w+b")  # noqa: SIM115 (closed below)
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            log = Path(tmp, f"{i}.log")
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
             runs.append((cmd, proc, log))
-        codes = []
-        for cmd, proc, log in runs:
+        for _, proc, _ in runs:
             codes.append(proc.wait())
-            log.seek(0)
-            print(f"===== {' '.join(cmd[1:])}: exit {codes[-1]}", flush=True)
-            sys.stdout.buffer.write(log.read())
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        for (cmd, proc, log), code in zip(runs, [*codes, *[None] * len(runs)], strict=False):
+            print(f"===== {' '.join(cmd[1:])}: exit {code if code is not None else proc.poll()}")
             sys.stdout.flush()
-            log.close()
+            sys.stdout.buffer.write(log.read_bytes())
+            sys.stdout.flush()
+        shutil.rmtree(tmp, ignore_errors=True)
     print(f"===== both pytest processes done in {time.monotonic() - started:.0f} s: exit {codes}")
-    return next((c for c in codes if c), 0)
+    # 5 (no test collected) from one half is not a failure when the other ran tests
+    failed = [c for c in codes if c not in (0, NO_TESTS)]
+    if failed:
+        return failed[0]
+    return NO_TESTS if codes and all(c == NO_TESTS for c in codes) else 0
 
 
 if __name__ == "__main__":

@@ -134,7 +134,12 @@ def run_multi_turn_bench(args: argparse.Namespace) -> int:
     bytes_per_token = plan.bytes_per_token
     dep = Deployment()
     servers: list[ServerThread] = []
-    common: dict[str, Any] = dict(model=args.model, kv_cache_mb=args.kv_cache_mb, block_size=block)
+    common: dict[str, Any] = dict(
+        model=args.model,
+        kv_cache_mb=args.kv_cache_mb,
+        block_size=block,
+        cpu_priority=args.cpu_priority,
+    )
     try:
         print(
             f"starting prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, twice "

@@ -560,6 +560,11 @@ def _run_vllm_demo(args: argparse.Namespace) -> int:
                     "pp 1 and vLLM's own cache layout; leave the flag out"
                 )
 
+    if not args.cpu_priority:
+        raise ConfigError(
+            "--no-cpu-priority with --engine vllm: vLLM runs its own processes, kvbridge "
+            "sets no CPU priority for them; leave the flag out"
+        )
     given = {
         f: getattr(args, f)
         for f in ("prefill_tp", "decode_tp", "prefill_block_size", "decode_block_size")

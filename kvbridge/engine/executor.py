@@ -67,7 +67,7 @@ def make_worker_connector(
     """This worker's side of the KV connector over its cache, if the instance has one;
     then this process's compute threads, not the connector's, go to `config.cpu_nice`
     (`cpu_share.py`)."""
-    compute = thread_ids()
+    compute = thread_ids() if config.cpu_nice else set()  # (/proc: Linux only)
     worker = None
     if spec is not None:
         model = runner.model_config.kv_spec(config.kv_dtype)

@@ -5,6 +5,7 @@ launches (its `InstanceConfig` as one JSON document, `InstanceConfig.to_json`)."
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import uuid
@@ -59,6 +60,9 @@ def _cpu(nice: int) -> str:
 
 
 def run_instance(cfg: InstanceConfig) -> int:
+    # a launched instance is in a background process group of the launcher's terminal:
+    # with `stty tostop`, its first write there would stop it
+    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     role = cfg.role
     if role is Role.PREFILL:
         instance_id, identity = f"{role.value}-{uuid.uuid4().hex[:8]}", ""

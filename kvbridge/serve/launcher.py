@@ -4,7 +4,7 @@ decode instance as child processes (each with its own tp workers), then the prox
 Children are started as `python -m kvbridge.serve.instance_main CONFIG.json` (their
 `InstanceConfig` as one JSON document) in their own process groups (Ctrl-C in a terminal
 reaches us, not them) of our session (so the scheduler weighs their threads against each
-other, and a decode instance's `--cpu-nice` lets a prefill instance compute first);
+other, and `--cpu-priority` lets transfers, then prefills, come before decodes);
 `Deployment.stop()` (also on Ctrl-C, errors and interpreter exit) terminates them and
 their workers. Every wait is bounded.
 """

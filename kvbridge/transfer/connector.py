@@ -269,7 +269,9 @@ class WorkerConnector:
         from kvbridge.transfer.identity import Identity
         from kvbridge.transfer.netdev import device_of
         from kvbridge.transfer.producer import KVProducer
+        from kvbridge.transfer.side_channel import start_io_threads
 
+        start_io_threads()  # (among the connector's threads: engine/cpu_share.py)
         self.role = spec.role
         name = f"{spec.instance_id}-{spec.role.value}-{rank}"
         net_device = device_of(spec.transfer.reachable_host)

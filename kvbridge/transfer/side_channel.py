@@ -51,6 +51,15 @@ def _ctx() -> zmq.Context[zmq.Socket[bytes]]:
     return _context
 
 
+def start_io_threads() -> None:
+    """Start this process's ZMQ I/O and reaper threads now (libzmq starts them with a
+    context's first socket), so that they are made by whoever calls this: a worker's
+    connector, whose threads keep their CPU priority when the compute lowers its own
+    (`kvbridge.engine.cpu_share`); made later by the compute's thread, they would
+    inherit its lower priority and carry the heartbeats and notifications behind it."""
+    _ctx().socket(zmq.PAIR).close(linger=0)
+
+
 def _start_authenticator() -> None:
     """Run ZMQ's authenticator (ZAP) for this process's context once: it admits every
     CURVE client (the server key, from the token, already keeps out non-holders) and

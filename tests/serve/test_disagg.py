@@ -472,6 +472,8 @@ def test_sigterm_to_serve_stops_its_instances(tmp_path):
             # tp 1: the main thread computes; NIXL's, UCX's and the progress thread do not
             nices = {tid: _nice(tid) for tid in _threads(pid)}
             assert nices[pid] == COMPUTE_NICE[role] and 0 in nices.values(), (role, nices)
+            zmq = [t for t in nices if _comm(pid, t).startswith("ZMQbg")]  # its I/O, reaper
+            assert zmq and all(nices[t] == 0 for t in zmq), (role, nices)
         serve.send_signal(signal.SIGTERM)
         serve.wait(60)
         alive = [pid for pid in children if _alive(pid)]
@@ -492,6 +494,10 @@ def _cmdline(pid: int) -> str:
 def _nice(tid: int) -> int:
     """A thread's nice value (/proc/TID/stat, the 19th field)."""
     return int(Path(f"/proc/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def _comm(pid: int, tid: int) -> str:
+    return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
 
 
 def _threads(pid: int) -> list[int]:
