@@ -36,7 +36,6 @@ def commands(extra: list[str]) -> list[list[str]]:
 def main(argv: list[str]) -> int:
     started = time.monotonic()
     runs: list[tuple[list[str], subprocess.Popen[bytes], Path]] = []
-    codes: list[int] = []
 
     def stop(signum: int, frame: object) -> None:  # Ctrl-C, a CI timeout: both stop
         for _, proc, _ in runs:
@@ -52,16 +51,17 @@ def main(argv: list[str]) -> int:
                 proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
             runs.append((cmd, proc, log))
         for _, proc, _ in runs:
-            codes.append(proc.wait())
+            proc.wait()
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        for (cmd, proc, log), code in zip(runs, [*codes, *[None] * len(runs)], strict=False):
-            print(f"===== {' '.join(cmd[1:])}: exit {code if code is not None else proc.poll()}")
+        for cmd, proc, log in runs:
+            print(f"===== {' '.join(cmd[1:])}: exit {proc.poll()}")
             sys.stdout.flush()
             sys.stdout.buffer.write(log.read_bytes())
             sys.stdout.flush()
         shutil.rmtree(tmp, ignore_errors=True)
+    codes = [proc.returncode for _, proc, _ in runs]
     print(f"===== both pytest processes done in {time.monotonic() - started:.0f} s: exit {codes}")
     # 5 (no test collected) from one half is not a failure when the other ran tests
     failed = [c for c in codes if c not in (0, NO_TESTS)]
