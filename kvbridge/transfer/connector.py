@@ -31,9 +31,12 @@ polls its agent. Each `WorkerConnector` therefore runs a `ProgressThread`
 Decline), `IDLE_POLL_S` for an idle producer (it answers handshakes, runs leases),
 `CONSUMER_IDLE_S` for an idle consumer, blocked on an event in between. One lock
 serializes the thread's polls with the driver's requests (NIXL's agent has no lock of
-its own here). An engine that wants to poll from its own loop instead builds the
-connector with `progress_thread=False` and calls `idle_poll()` between driver calls,
-waiting no longer than it returns.
+its own here); a driver's Poll then only collects what the thread found, so the
+transfers' work (a READ's copy runs in whichever thread polls) stays on the thread, at
+its priority, never on an engine thread that computes at a lower one. An engine that
+wants to poll from its own loop instead builds the connector with
+`progress_thread=False` and calls `idle_poll()` between driver calls, waiting no longer
+than it returns.
 
 On the driver, `TransferTracker` turns the workers' events into one outcome per request
 once every worker reported: the release callback of the engine (free the blocks).
@@ -172,7 +175,8 @@ class Connect(msgspec.Struct, frozen=True, tag="connect"):
 
 
 class Poll(msgspec.Struct, frozen=True, tag="poll"):
-    """Progress transfers now and report the requests finished since the last Poll."""
+    """Report the requests finished since the last Poll; a worker without a progress
+    thread also progresses its transfers now (with one, the thread does)."""
 
 
 ConnectorRequest = (
@@ -421,8 +425,12 @@ class WorkerConnector:
             self._last_poll = 0.0
             return ConnectorReply(connected=met)
         elif isinstance(request, Poll):
-            self._last_poll = 0.0  # the driver asks: poll now
-            self._poll_if_due()
+            if self.progress is None:  # the driver asks: poll now
+                self._last_poll = 0.0
+                self._poll_if_due()
+            # else only collect: the progress thread polls, at its own priority (the
+            # driver's thread may run the compute at a lower one, engine/cpu_share.py,
+            # and whichever thread polls the agent copies the data of a READ)
             events, self._events = self._events, []
             self._has_events.clear()
             replays = self.producer.num_replays if self.producer is not None else 0
