@@ -55,6 +55,10 @@ class ConnectorMetadata(msgspec.Struct, frozen=True):
     worker_endpoints: list[str] | None = None
     #: consumer workers: every worker's `sibling` (base64) of this instance, rank order
     siblings: list[str] | None = None
+    #: consumer workers: after starting `reqs_to_recv`, wait up to this many seconds for
+    #: them to end before reporting (the host would rather start its next step with
+    #: them than without); 0: report at once
+    recv_wait_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.0
 
     @property
     def is_empty(self) -> bool:

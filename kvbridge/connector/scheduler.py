@@ -32,6 +32,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import msgspec
+
 from kvbridge.connector.metadata import (
     ConnectorMetadata,
     KVTransferParams,
@@ -381,9 +383,13 @@ class KVConnectorScheduler:
         return True
 
     # -- every step -----------------------------------------------------------------------
-    def build_connector_meta(self) -> ConnectorMetadata:
-        """The orders gathered since the last call, for every worker."""
+    def build_connector_meta(self, recv_wait_s: float = 0.0) -> ConnectorMetadata:
+        """The orders gathered since the last call, for every worker; with `recv_wait_s`
+        the workers wait up to that long for the pulls ordered now to end before they
+        report (`ConnectorMetadata.recv_wait_s`)."""
         meta, self._meta = self._meta.build(), _MetaBuilder()
+        if recv_wait_s > 0 and meta.reqs_to_recv:
+            meta = msgspec.structs.replace(meta, recv_wait_s=recv_wait_s)
         return meta
 
     def update_connector_output(self, outputs: list[KVWorkerOutput]) -> list[KVRequest]:

@@ -5,7 +5,8 @@ memory builds it, registers its cache once (`register_kv_caches`) and, for every
 of orders from the scheduler side, runs `execute(metadata)`:
 
     bind_connector_metadata -> start_load_kv (pulls, declines, introductions)
-      -> wait_for_save (exposes, cancels) -> get_finished -> clear_connector_metadata
+      -> wait_for_save (exposes, cancels) -> wait_for_recv (only if the orders ask)
+      -> get_finished -> clear_connector_metadata
 
 Between orders the process does nothing for it: the transfer layer's
 `kvbridge.transfer.connector.WorkerConnector`, which this wraps and which does the work,
@@ -15,6 +16,7 @@ only while its agent is polled), also while the worker computes a step.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector.metadata import ConnectorMetadata, KVWorkerOutput
@@ -55,7 +57,9 @@ class KVConnectorWorker:
         self._load_blocks: dict[str, list[int]] = {}  # pulls in flight: local blocks
         self._load_errors: set[int] = set()
         self._connected: list[str] = []  # introduced producers met, since the last report
-        self._refused: list[ConnectorEvent] = []  # orders that raised: reported as failed
+        #: events for the next report: orders that raised (as failed transfers) and the
+        #: ends `wait_for_recv` collected
+        self._unreported: list[ConnectorEvent] = []
         self._errors: list[str] = []  # other orders that raised
 
     @property
@@ -132,12 +136,30 @@ class KVConnectorWorker:
         for cancel in meta.reqs_to_cancel:
             self._try(cancel)
 
+    def wait_for_recv(self) -> None:
+        """Wait up to the bound orders' `recv_wait_s` for their pulls to end here (DONE
+        or FAILED), keeping the ends for `get_finished`. Only a connector whose progress
+        thread moves the pulls meanwhile waits; the wait ends at the last pull's end."""
+        meta = self._bound()
+        conn = self.connector
+        if meta.recv_wait_s <= 0 or conn is None or conn.progress is None:
+            return
+        pending = {p.request_id for p in meta.reqs_to_recv if p.request_id in self._load_blocks}
+        deadline = time.monotonic() + meta.recv_wait_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not conn.wait_for_events(left):
+                return
+            events = self._handle(Poll()).events
+            self._unreported += events
+            pending -= {ev.request_id for ev in events}
+
     def get_finished(self) -> KVWorkerOutput:
         """Progress transfers now and report what finished since the last report."""
         reply = self._handle(Poll())
         sending: list[ConnectorEvent] = []
         recving: list[ConnectorEvent] = []
-        events, self._refused = [*self._refused, *reply.events], []
+        events, self._unreported = [*self._unreported, *reply.events], []
         for ev in events:
             if self.role is ConnectorRole.PRODUCER:
                 sending.append(ev)
@@ -168,6 +190,7 @@ class KVConnectorWorker:
         try:
             self.start_load_kv()
             self.wait_for_save()
+            self.wait_for_recv()
             return self.get_finished()
         except Exception as exc:  # reported to the driver; the worker stays usable
             return KVWorkerOutput(error=f"{type(exc).__name__}: {exc}")
@@ -200,7 +223,7 @@ class KVConnectorWorker:
             if request_id is None:
                 self._errors.append(reason)
             else:
-                self._refused.append(ConnectorEvent(request_id, False, reason))
+                self._unreported.append(ConnectorEvent(request_id, False, reason))
             return False
         return True
 

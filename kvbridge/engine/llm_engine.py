@@ -65,6 +65,14 @@ from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvbridge.engine.weights import Progress, open_weights, read_model_config, resolve_model
 
 ExecutorFactory = Callable[..., Executor]
+#: A decode step about to start waits up to this share of the last decode step's time for
+#: the pulls it starts (`LLMEngine._join_wait_s`). A request can only join a batch between
+#: steps, so without the wait a pull that ends 40 ms into a step of 300 ms joins the step
+#: after it: its second token comes a whole step later. The running requests pay the wait
+#: (one pull's time, once per pulled request); the pulled one gains up to a step.
+JOIN_WAIT_OF_STEP = 0.5
+#: The longest such wait: the engine loop serves its other calls between steps.
+JOIN_WAIT_MAX_S = 1.0
 log = logging.getLogger("kvbridge.engine")
 
 
@@ -168,6 +176,7 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []  # from calls between steps
+        self._decode_step_s = 0.0  # the last decode step's forward (`_join_wait_s`)
         # the workers learn their instance's endpoints now, before anyone can reach this
         # engine: a producer worker refuses handshakes until it knows them, and an idle
         # engine sends the connector's orders only at its first step or poll (a decode
@@ -341,11 +350,11 @@ class LLMEngine:
         blocks still held by the connector (exposed, or a pull ending)."""
         return request_id in self._seqs or request_id in self.scheduler.held
 
-    def _kv_flush(self, poll: bool) -> list[RequestOutput]:
+    def _kv_flush(self, poll: bool, recv_wait_s: float = 0.0) -> list[RequestOutput]:
         kv = self.kv
         if kv is None:
             return []
-        meta = kv.build_connector_meta()
+        meta = kv.build_connector_meta(recv_wait_s)
         if meta.is_empty and not poll:
             return []
         ended = kv.update_connector_output(self.executor.kv_step(meta))
@@ -458,15 +467,20 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward step; the outputs of every request that got a token or finished."""
         outputs, self._pending_outputs = self._pending_outputs, []
+        wait = self._join_wait_s()
+        if wait:  # pulls that end within `wait` join this step's decodes, not the next
+            self.scheduler.start_remote_loads()
+            outputs += self._take_ended_loads()
+            outputs += self._kv_flush(poll=False, recv_wait_s=wait)
         step = self.scheduler.schedule()
-        for seq, rec in self.scheduler.take_ended_loads():  # refused before any pull
-            out = self._kv_ended(rec, seq)
-            if out is not None:
-                outputs.append(out)
+        outputs += self._take_ended_loads()
         outputs += self._kv_flush(poll=False)  # start the pulls allocated just now
         if step is None:
             return outputs
+        began = time.perf_counter()
         logits = self.executor.execute(step.to_batch(self.config.block_size))
+        if not step.is_prefill:
+            self._decode_step_s = time.perf_counter() - began
         self.scheduler.after_step(step)
         row = 0
         for seq in step.seqs:
@@ -485,6 +499,33 @@ class LLMEngine:
             )
         outputs += self._kv_flush(poll=False)  # expose the prefills that finished now
         return outputs
+
+    def _take_ended_loads(self) -> list[RequestOutput]:
+        """Requests whose pull was refused before it began (no blocks, no KV to come)."""
+        outputs = []
+        for seq, rec in self.scheduler.take_ended_loads():
+            out = self._kv_ended(rec, seq)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _join_wait_s(self) -> float:
+        """How long this step waits for the pulls it is about to start: with decodes
+        running and only pulled requests waiting, up to `JOIN_WAIT_OF_STEP` of the last
+        decode step (at most `JOIN_WAIT_MAX_S`), so a pull that ends by then joins this
+        step instead of the next one; 0 when there is nothing to join or the workers do
+        not progress their pulls by themselves (nothing would move while we wait)."""
+        sched = self.scheduler
+        if (
+            self.kv is None
+            or not self._decode_step_s
+            or not sched.running
+            or not sched.waiting
+            or not self.executor.connector_polls_itself
+            or any(s.status is not SequenceStatus.WAITING_FOR_REMOTE_KV for s in sched.waiting)
+        ):
+            return 0.0
+        return min(JOIN_WAIT_OF_STEP * self._decode_step_s, JOIN_WAIT_MAX_S)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)

@@ -97,8 +97,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next step, or None if nothing can run (nothing queued)."""
-        if self.connector is not None:
-            self._start_remote_loads(self.connector)
+        self.start_remote_loads()
         if self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit, start, qlen, need = self._next_chunk(seq)
@@ -133,10 +132,15 @@ class Scheduler:
             return self.schedule() if self.waiting else None
         return ScheduledStep(scheduled, [1] * len(scheduled), is_prefill=False)
 
-    def _start_remote_loads(self, kv: KVConnectorScheduler) -> None:
+    def start_remote_loads(self) -> None:
         """Waiting requests whose prompt KV comes from elsewhere: their cached prefix
         stays, blocks are allocated for the rest and the connector pulls into them (at
-        least the last token: a prompt held whole is computed here, not pulled)."""
+        least the last token: a prompt held whole is computed here, not pulled).
+        `schedule` calls it first; the engine may call it earlier (a step that waits
+        for the pulls it starts)."""
+        kv = self.connector
+        if kv is None:
+            return
         bm = self.blocks
         for seq in [s for s in self.waiting if s.status is SequenceStatus.WAITING_FOR_REMOTE_KV]:
             self.waiting.remove(seq)

@@ -23,6 +23,7 @@ from kvbridge.connector import (
     RequestState,
     TransferConfig,
 )
+from kvbridge.engine import llm_engine
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import Completion, LLMEngine
 from kvbridge.engine.sampling import SamplingParams
@@ -266,4 +267,35 @@ def test_a_pull_slower_than_the_lease_never_decodes_from_reused_blocks(
     rid = decode.add_request(ids, PARAMS)
     drive([decode], lambda: decode.is_finished(rid))
     assert out.token_ids == decode.pop(rid).token_ids
+    drive([prefill, decode], lambda: all_free(prefill, decode))
+
+
+@pytest.mark.slow
+def test_a_pull_ending_within_the_wait_joins_the_running_decodes_in_the_step_that_started_it(
+    pair: tuple[LLMEngine, LLMEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request can join a batch only between steps: the step that starts a pull
+    while others decode waits for it (up to a share of a decode step, here made long
+    enough for any host), and the pulled request gets its second token in that same
+    step, not one step later. Tokens as colocated."""
+    prefill, decode = pair
+    monkeypatch.setattr(llm_engine, "JOIN_WAIT_OF_STEP", 1e6)
+    monkeypatch.setattr(llm_engine, "JOIN_WAIT_MAX_S", 30.0)
+    long = SamplingParams(max_tokens=12)
+    first, second = (prefill_one(prefill, rid, long) for rid in ("run", "join"))
+    for pre in (first, second):
+        assert isinstance(pre.kv_transfer_params, RemotePrefill)
+    decode.add_request(first.prompt_ids, long, "run", kv_transfer_params=first.kv_transfer_params)
+    drive([prefill, decode], lambda: bool(decode.scheduler.running))
+    decode.step()  # "run" decodes alone: the engine knows how long a decode step takes
+    decode.add_request(
+        second.prompt_ids, long, "join", kv_transfer_params=second.kv_transfer_params
+    )
+    outputs = decode.step()  # starts the pull, waits for it, decodes both
+    assert {o.request_id for o in outputs if o.new_token_ids} == {"run", "join"}
+    assert transitions(decode, "join") == [(S.WAITING_FOR_REMOTE_KV, S.RUNNING)]
+    drive([prefill, decode], lambda: decode.is_finished("run") and decode.is_finished("join"))
+    runs, joins = decode.pop("run"), decode.pop("join")
+    want = reference(decode, long)
+    assert runs.token_ids == want and joins.token_ids == want
     drive([prefill, decode], lambda: all_free(prefill, decode))
