@@ -155,7 +155,8 @@ class EngineConfig:
     kv_cache_mb: int = 256
     worker_timeout_s: float = 300.0
     enable_prefix_caching: bool = True  # reuse the K/V of prompts' common full blocks
-    #: the nice value of the compute threads (not the KV connector's): `cpu_share.py`
+    #: how much the compute threads' nice value is raised above the process's (not the
+    #: KV connector's threads): `cpu_share.py`
     cpu_nice: int = 0
 
     def __post_init__(self) -> None:

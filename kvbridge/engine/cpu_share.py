@@ -28,21 +28,32 @@ from kvbridge.errors import ConfigError
 
 #: The largest nice value Linux has.
 MAX_NICE = 19
-#: The nice value of an instance's compute threads, by role, with `--cpu-priority` (the
-#: default). Linux's weights: a transfer thread 1024, a prefill compute thread 335, a
+#: How much an instance's compute threads' nice value is raised above the process's (an
+#: increment, as `nice -n` gives one), by role, with `--cpu-priority` (the default). From
+#: nice 0, Linux's weights: a transfer thread 1024, a prefill compute thread 335, a
 #: decode compute thread 36 (so three busy prefill workers get about three quarters of
 #: the cores beside nine decode workers). Prefill compute at 0 gave a better TTFT but
 #: left the transfers level with it, and pulls under load took 2.3-3.1x their time
-#: alone (docs/benchmarks.md).
+#: alone (docs/benchmarks.md). An increment, not a value: an instance started under
+#: `nice -n 10` keeps the order (10, 15, 19) instead of flattening it.
 COMPUTE_NICE = {"prefill": 5, "decode": 15}
 
 
 def check_cpu_nice(value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_NICE:
         raise ConfigError(
-            f"cpu_nice={value!r} must be a nice value from 0 (the compute keeps its "
+            f"cpu_nice={value!r} must be a nice increment from 0 (the compute keeps its "
             f"priority) to {MAX_NICE} (it yields the most)"
         )
+
+
+def compute_nice(increment: int, started: int | None = None) -> int:
+    """The nice value compute threads get with `increment` in a process started at nice
+    `started` (None: the calling thread's now, which `yield_compute` has not lowered):
+    the two summed, at most `MAX_NICE`."""
+    if started is None:
+        started = os.getpriority(os.PRIO_PROCESS, 0)
+    return min(started + increment, MAX_NICE)
 
 
 def thread_ids() -> set[int]:
@@ -50,9 +61,11 @@ def thread_ids() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def yield_compute(nice: int, keep: set[int]) -> int:
-    """Lower every thread of this process to `nice` but those in `keep` (never raising
-    one already lower); how many threads it lowered."""
+def yield_compute(increment: int, keep: set[int]) -> int:
+    """Lower every thread of this process but those in `keep` to `compute_nice(increment)`
+    (never raising one already lower); how many threads it lowered. Called once, from
+    a thread at the process's starting priority."""
+    nice = compute_nice(increment)
     lowered = 0
     for tid in thread_ids() - keep:
         try:

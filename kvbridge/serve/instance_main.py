@@ -21,6 +21,7 @@ from kvbridge.connector import (
     is_loopback,
     net_device_of,
 )
+from kvbridge.engine.cpu_share import compute_nice
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.serve.config import InstanceConfig, Role
@@ -53,16 +54,19 @@ def _server_config(cfg: InstanceConfig, inst: Instance) -> uvicorn.Config:
     return config
 
 
-def _cpu(nice: int) -> str:
-    if not nice:
-        return "compute and KV transfers at the CPU priority it was started with"
-    return f"compute at CPU nice {nice}, KV transfers at the priority it was started with"
+def _cpu(increment: int, started: int) -> str:
+    """The CPU priorities of an instance started at nice `started` (cpu_share.py)."""
+    compute = compute_nice(increment, started)
+    if compute == started:
+        return f"compute and KV transfers at CPU nice {started} (as started)"
+    return f"compute at CPU nice {compute}, KV transfers at {started} (as started)"
 
 
 def run_instance(cfg: InstanceConfig) -> int:
     # a launched instance is in a background process group of the launcher's terminal:
     # with `stty tostop`, its first write there would stop it
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    started_nice = os.getpriority(os.PRIO_PROCESS, 0)  # (tp 1 lowers this thread's)
     role = cfg.role
     if role is Role.PREFILL:
         instance_id, identity = f"{role.value}-{uuid.uuid4().hex[:8]}", ""
@@ -133,7 +137,7 @@ def run_instance(cfg: InstanceConfig) -> int:
     print(
         f"[{instance_id}] internal API on {cfg.scheme}://{cfg.host}:{port} ({reach(cfg.host)})"
         + (f", KV side channel {inst.endpoint}" if inst.endpoint else "")
-        + f"; UCX devices {devices}; {security}; {_cpu(config.cpu_nice)}",
+        + f"; UCX devices {devices}; {security}; {_cpu(config.cpu_nice, started_nice)}",
         file=sys.stderr,
         flush=True,
     )

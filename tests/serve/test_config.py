@@ -142,27 +142,32 @@ def test_cpu_priority_orders_prefill_compute_before_decode_compute_or_neither() 
         assert InstanceConfig(role, 3, cpu_priority=False).engine_config().cpu_nice == 0
 
 
-def test_yield_compute_lowers_every_thread_but_the_kept_ones_and_never_raises_one() -> None:
-    """In a child process: the threads that existed before (the compute) go to the nice
-    value, the ones kept (made for the KV connector) stay at 0, a thread the compute
-    makes afterwards inherits the value, and a lower value raises nobody back."""
+def test_yield_compute_raises_the_compute_threads_nice_by_the_increment_only() -> None:
+    """In a child process started at nice 4: the threads that existed before (the
+    compute) go to 4 + 7, the ones kept (made for the KV connector) stay at 4, a thread
+    the compute makes afterwards inherits 11, one already at 18 is not raised back, and
+    an increment past 19 stops there."""
     import subprocess
     import sys
 
     code = (
         "import threading, os, time\n"
-        "from kvbridge.engine.cpu_share import thread_ids, yield_compute\n"
+        "from kvbridge.engine.cpu_share import compute_nice, thread_ids, yield_compute\n"
         "def tid_of(box): box.append(threading.get_native_id()); time.sleep(3)\n"
-        "old, kv = [], []\n"
-        "threading.Thread(target=tid_of, args=(old,)).start()\n"
+        "old, low, kv = [], [], []\n"
+        "for box in (old, low): threading.Thread(target=tid_of, args=(box,)).start()\n"
+        "time.sleep(0.2); os.setpriority(os.PRIO_PROCESS, low[0], 18)\n"
         "compute = thread_ids()\n"
         "threading.Thread(target=tid_of, args=(kv,)).start(); time.sleep(0.2)\n"
-        "n = yield_compute(7, keep=thread_ids() - compute); yield_compute(3, keep=set())\n"
+        "top = compute_nice(19)\n"
+        "n = yield_compute(7, keep=thread_ids() - compute)\n"
         "new = []; threading.Thread(target=tid_of, args=(new,)).start(); time.sleep(0.2)\n"
         "nice = lambda t: os.getpriority(os.PRIO_PROCESS, t)\n"
-        "print(n, nice(threading.get_native_id()), nice(old[0]), nice(kv[0]), nice(new[0]))\n"
+        "print(n, top, *(nice(t) for t in (threading.get_native_id(), old[0], kv[0], "
+        "new[0], low[0])))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    # the KV thread is only lowered by the second call (3 < 7 raises nothing back)
+    out = subprocess.run(
+        ["nice", "-n", "4", sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     lowered, *nices = out.stdout.split()
-    assert int(lowered) >= 2 and nices == ["7", "7", "3", "7"], out
+    assert int(lowered) >= 2 and nices == ["19", "11", "11", "4", "11", "18"], out
