@@ -63,21 +63,23 @@ class Child:
         return f"{self.scheme}://{self.host}:{self.port}"
 
 
-def _sigterm_exit(signum: int, frame: object) -> None:
+def _signal_exit(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _exit_cleanly_on_sigterm() -> None:
-    """Make SIGTERM raise SystemExit, so `finally` blocks and atexit stop the instances.
+def _exit_cleanly_on_signals() -> None:
+    """Make SIGTERM and SIGHUP (the terminal closed) raise SystemExit, so `finally`
+    blocks and atexit stop the instances.
 
     The default action ends the process at once, and uvicorn re-raises the SIGTERM it
     caught once the proxy has shut down: either way the instances (in their own
-    process groups) would be left running. Only from the main thread, and only over the
-    default handler."""
-    if threading.current_thread() is threading.main_thread() and (
-        signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    ):
-        signal.signal(signal.SIGTERM, _sigterm_exit)
+    process groups, which a terminal's SIGHUP does not reach) would be left running.
+    Only from the main thread, and only over a default handler."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_DFL:
+            signal.signal(sig, _signal_exit)
 
 
 @dataclass
@@ -90,7 +92,7 @@ class Deployment:
     _tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvbridge-")))
 
     def __post_init__(self) -> None:
-        _exit_cleanly_on_sigterm()
+        _exit_cleanly_on_signals()
 
     def start_instance(self, name: str, config: InstanceConfig) -> Child:
         """Start one instance process with `config` (its port: any free one, reported

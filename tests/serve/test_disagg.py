@@ -507,6 +507,40 @@ def _threads(pid: int) -> list[int]:
     return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_a_terminal_hangup_stops_a_deployments_instances(sig: int) -> None:
+    """What `kvbridge serve` does around its proxy, with a stand-in instance (a process
+    group of its own, which a terminal's SIGHUP does not reach): either signal ends
+    the process through its `finally`, which stops the instance."""
+    import subprocess
+    import sys
+
+    code = (
+        "import subprocess, time\n"
+        "from pathlib import Path\n"
+        "from kvbridge.serve.launcher import Child, Deployment\n"
+        "dep = Deployment()\n"
+        "proc = subprocess.Popen(['sleep', '300'], process_group=0)\n"
+        "dep.children.append(Child('stand-in', '127.0.0.1', Path('unused'), proc))\n"
+        "print(proc.pid, flush=True)\n"
+        "try:\n"
+        "    time.sleep(300)\n"
+        "finally:\n"
+        "    dep.stop()\n"
+    )
+    serve = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert serve.stdout is not None
+        child = int(serve.stdout.readline())
+        serve.send_signal(sig)
+        assert serve.wait(60) == 128 + sig
+        assert not _alive(child), "the stand-in instance outlived the signal"
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(10)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
