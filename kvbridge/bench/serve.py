@@ -38,6 +38,11 @@ from kvbridge.serve.launcher import Deployment
 from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.proxy import make_app
 
+#: Requests per concurrency level unless `--rounds` says otherwise: a median of two pulls
+#: at concurrency 1 (the baseline of the pull targets) was at the mercy of one pull the
+#: integrity check samples (1 in 8, 3x as long).
+MIN_REQUESTS = 8
+
 
 def _one(url: str, prompt: str, max_tokens: int) -> tuple[float, float]:
     """(ttft_s, tpot_s) of one streamed greedy completion."""
@@ -78,8 +83,9 @@ class Level:
 
 class PullRecorder(DisaggBackend):
     """The proxy's backend, keeping each request's pull times from the decode instance's
-    last event: `transfer_ms` (Pull to the engine seeing every worker done, so it
-    includes the wait for the forward step in flight) and `kv_ready_ms` (the slowest
+    last event: `transfer_ms` (Pull to the engine seeing every worker done: a step
+    that starts pulls while others decode waits for them up to half a step, and a pull
+    that takes longer is seen at the end of that step) and `kv_ready_ms` (the slowest
     decode worker's own time from Pull to done; 0 from an instance that does not say)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -196,11 +202,12 @@ def _run_serve_bench(args: argparse.Namespace, token_path: Path) -> int:
             before = httpx.get(f"{disagg.url}/metrics").text
             backend.pull_ms.clear()
             backend.ready_ms.clear()
-            dt, dp = _measure(disagg.url, c, args.rounds, args.prompt_words, args.max_tokens, "d")
+            rounds = args.rounds or max(2, math.ceil(MIN_REQUESTS / c))
+            dt, dp = _measure(disagg.url, c, rounds, args.prompt_words, args.max_tokens, "d")
             after = httpx.get(f"{disagg.url}/metrics").text
             pull = statistics.median(backend.pull_ms) if backend.pull_ms else float("nan")
             ready = statistics.median(backend.ready_ms) if backend.ready_ms else float("nan")
-            ct, cp = _measure(coloc.url, c, args.rounds, args.prompt_words, args.max_tokens, "c")
+            ct, cp = _measure(coloc.url, c, rounds, args.prompt_words, args.max_tokens, "c")
             n = metric_value(after, "kv_transfer_ms_count") - metric_value(
                 before, "kv_transfer_ms_count"
             )

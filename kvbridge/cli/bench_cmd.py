@@ -68,7 +68,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     bs.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     bs.add_argument("--prompt-words", type=int, default=100, help="words per prompt")
     bs.add_argument("--max-tokens", type=int, default=32)
-    bs.add_argument("--rounds", type=int, default=2, help="batches per concurrency level")
+    bs.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="batches per concurrency level (default: enough for 8 requests, at least 2, "
+        "so each level's medians, the pull at concurrency 1 among them, are of 8 or more)",
+    )
     bs.add_argument(
         "--kv-cache-mb",
         type=int,
