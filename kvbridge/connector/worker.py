@@ -155,7 +155,8 @@ class KVConnectorWorker:
             pending -= {ev.request_id for ev in events}
 
     def get_finished(self) -> KVWorkerOutput:
-        """Progress transfers now and report what finished since the last report."""
+        """Report what finished since the last report (the progress thread moved it;
+        a connector without the thread progresses its transfers now)."""
         reply = self._handle(Poll())
         sending: list[ConnectorEvent] = []
         recving: list[ConnectorEvent] = []

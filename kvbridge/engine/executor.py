@@ -65,8 +65,8 @@ def make_worker_connector(
     runner: ModelRunner, config: EngineConfig, rank: int, spec: ConnectorSpec | None
 ) -> KVConnectorWorker | None:
     """This worker's side of the KV connector over its cache, if the instance has one;
-    then this process's compute threads, not the connector's, go to `config.cpu_nice`
-    (`cpu_share.py`)."""
+    then this process's compute threads, not the connector's, get their nice value
+    raised by `config.cpu_nice` (`cpu_share.py`)."""
     compute = thread_ids() if config.cpu_nice else set()  # (/proc: Linux only)
     worker = None
     if spec is not None:

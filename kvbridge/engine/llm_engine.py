@@ -17,8 +17,10 @@ a request's hand-over is given as its `kv_transfer_params` and lives in the engi
     capability not valid here raises CapabilityRefused) keeps the prompt's cached prefix,
     pulls the rest and decodes; a failed pull recomputes the prompt here or ends the
     request with FinishReason.ERROR, by the connector's `kv_load_failure` policy.
-  Connector transfers progress in `step()` and `poll_kv()` (call it every
-  `kv_poll_interval()` seconds when that is not None).
+  The connector's orders go to the workers in `step()` and `poll_kv()` (call it every
+  `kv_poll_interval()` seconds when that is not None), which also collect the ended
+  hand-overs; the workers' progress threads move the transfers in between. A decode
+  step that starts pulls while others decode may wait for them (`JOIN_WAIT_OF_STEP`).
 Without a connector, the seams a test or another transport uses by hand:
 `add_request(..., prefill_only=True)` (or `prefill()`) keeps a prefill's blocks
 (`Completion.block_ids`) until `release_blocks`; `allocate_blocks` /
@@ -35,8 +37,10 @@ with the same salt share them (`BlockManager.root`).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -69,8 +73,11 @@ ExecutorFactory = Callable[..., Executor]
 #: the pulls it starts (`LLMEngine._join_wait_s`). A request can only join a batch between
 #: steps, so without the wait a pull that ends 40 ms into a step of 300 ms joins the step
 #: after it: its second token comes a whole step later. The running requests pay the wait
-#: (one pull's time, once per pulled request); the pulled one gains up to a step.
+#: (one pull's time, once per pulled request); the pulled one gains up to a step. When
+#: the recent pulls (median of the last `RECENT_PULLS`) took longer than the wait allows
+#: (a slow link, a prefill gone), a step does not wait: it would only delay the others.
 JOIN_WAIT_OF_STEP = 0.5
+RECENT_PULLS = 8
 #: The longest such wait: the engine loop serves its other calls between steps.
 JOIN_WAIT_MAX_S = 1.0
 log = logging.getLogger("kvbridge.engine")
@@ -177,6 +184,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []  # from calls between steps
         self._decode_step_s = 0.0  # the last decode step's forward (`_join_wait_s`)
+        #: the workers' own time of the last pulls that ended (seconds; `_join_wait_s`)
+        self._pull_s: collections.deque[float] = collections.deque(maxlen=RECENT_PULLS)
         # the workers learn their instance's endpoints now, before anyone can reach this
         # engine: a producer worker refuses handshakes until it knows them, and an idle
         # engine sends the connector's orders only at its first step or poll (a decode
@@ -379,6 +388,8 @@ class LLMEngine:
         seq.kv_nbytes, seq.kv_transfer_ms = rec.nbytes, rec.transfer_ms
         seq.kv_local_nbytes = rec.local_nbytes
         seq.kv_ready_ms = rec.worker_ms
+        if rec.worker_ms:  # (0: refused before any worker began)
+            self._pull_s.append(rec.worker_ms / 1e3)
         first = rec.first_token_id
         assert first is not None
         if rec.state is RequestState.FAILED:
@@ -513,8 +524,9 @@ class LLMEngine:
         """How long this step waits for the pulls it is about to start: with decodes
         running and only pulled requests waiting, up to `JOIN_WAIT_OF_STEP` of the last
         decode step (at most `JOIN_WAIT_MAX_S`), so a pull that ends by then joins this
-        step instead of the next one; 0 when there is nothing to join or the workers do
-        not progress their pulls by themselves (nothing would move while we wait)."""
+        step instead of the next one; 0 when there is nothing to join, when the workers
+        do not progress their pulls by themselves (nothing would move while we wait) or
+        when recent pulls took longer than the wait."""
         sched = self.scheduler
         if (
             self.kv is None
@@ -525,7 +537,10 @@ class LLMEngine:
             or any(s.status is not SequenceStatus.WAITING_FOR_REMOTE_KV for s in sched.waiting)
         ):
             return 0.0
-        return min(JOIN_WAIT_OF_STEP * self._decode_step_s, JOIN_WAIT_MAX_S)
+        wait = min(JOIN_WAIT_OF_STEP * self._decode_step_s, JOIN_WAIT_MAX_S)
+        if self._pull_s and statistics.median(self._pull_s) > wait:
+            return 0.0
+        return wait
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)

@@ -125,8 +125,8 @@ class InstanceConfig:
     #: instance binding a non-loopback host makes its own, certified by the token
     tls_cert: str | None = None
     tls_key: str | None = None
-    #: its compute threads at its role's `COMPUTE_NICE`, its KV transfer threads not
-    #: (`engine/cpu_share.py`): on shared cores transfers, then prefills, then decodes
+    #: its compute threads' nice value raised by its role's `COMPUTE_NICE`, its KV
+    #: transfer threads' not (`engine/cpu_share.py`): on shared cores transfers, then prefills, then decodes
     cpu_priority: bool = True
 
     def __post_init__(self) -> None:

@@ -64,6 +64,8 @@ class Child:
 
 
 def _signal_exit(signum: int, frame: object) -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # once: a second one must not cut the stop
+        signal.signal(sig, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -78,6 +78,9 @@ IDLE_POLL_S = 0.05
 BUSY_POLL_S = 0.001
 #: How often an idle consumer worker polls (nothing is pending; a pull wakes it).
 CONSUMER_IDLE_S = 0.5
+#: A progress thread this late for its next poll is starved (the host does not run it):
+#: a driver's Poll then polls itself rather than only collecting.
+STARVED_S = 0.1
 
 
 class ConnectorRole(enum.Enum):
@@ -176,7 +179,8 @@ class Connect(msgspec.Struct, frozen=True, tag="connect"):
 
 class Poll(msgspec.Struct, frozen=True, tag="poll"):
     """Report the requests finished since the last Poll; a worker without a progress
-    thread also progresses its transfers now (with one, the thread does)."""
+    thread, or whose thread is starved (`STARVED_S`), also progresses its transfers now
+    (otherwise the thread does)."""
 
 
 ConnectorRequest = (
@@ -425,12 +429,12 @@ class WorkerConnector:
             self._last_poll = 0.0
             return ConnectorReply(connected=met)
         elif isinstance(request, Poll):
-            if self.progress is None:  # the driver asks: poll now
-                self._last_poll = 0.0
+            if self.progress is None or self.progress.late_s() > STARVED_S:
+                self._last_poll = 0.0  # the driver asks: poll now
                 self._poll_if_due()
             # else only collect: the progress thread polls, at its own priority (the
             # driver's thread may run the compute at a lower one, engine/cpu_share.py,
-            # and whichever thread polls the agent copies the data of a READ)
+            # and the thread that polls the agent posts and progresses a pull's READs)
             events, self._events = self._events, []
             self._has_events.clear()
             replays = self.producer.num_replays if self.producer is not None else 0

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -86,6 +87,7 @@ class ProgressThread:
         self.num_late_wakes = 0  # waits that ended more than LATE_WAKE_S past their time
         self.is_waiting = False  # True while blocked between two polls
         self.wait_s = 0.0  # the longest the current (or last) wait lasts
+        self._due = math.inf  # when the thread is to poll next (`late_s`); not yet begun
         self.failure: str | None = None  # why `step` raised, if it did; the thread ended
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -95,7 +97,13 @@ class ProgressThread:
 
     def wake(self) -> None:
         """Poll now: new work arrived (a pull, an exposure, an introduction)."""
+        self._due = min(self._due, monotonic())
         self._wake.set()
+
+    def late_s(self) -> float:
+        """How long past its time the thread's next poll is (0 if not due yet); from
+        another thread, which cannot run while the thread's poll holds the owner's lock."""
+        return max(0.0, monotonic() - self._due)
 
     @property
     def is_alive(self) -> bool:
@@ -125,6 +133,7 @@ class ProgressThread:
             self.wait_s = max(wait_s, 0.0)
             self.is_waiting = True
             began = monotonic()
+            self._due = began + self.wait_s
             woken = self._wake.wait(self.wait_s)
             self.is_waiting = False
             late = monotonic() - began - (0.0 if woken else self.wait_s)

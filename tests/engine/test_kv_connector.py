@@ -277,13 +277,14 @@ def test_a_pull_ending_within_the_wait_joins_the_running_decodes_in_the_step_tha
     """A request can join a batch only between steps: the step that starts a pull
     while others decode waits for it (up to a share of a decode step, here made long
     enough for any host), and the pulled request gets its second token in that same
-    step, not one step later. Tokens as colocated."""
+    step, not one step later; unless recent pulls took longer than the wait allows.
+    Tokens as colocated."""
     prefill, decode = pair
     monkeypatch.setattr(llm_engine, "JOIN_WAIT_OF_STEP", 1e6)
     monkeypatch.setattr(llm_engine, "JOIN_WAIT_MAX_S", 30.0)
     long = SamplingParams(max_tokens=12)
-    first, second = (prefill_one(prefill, rid, long) for rid in ("run", "join"))
-    for pre in (first, second):
+    first, second, third = (prefill_one(prefill, rid, long) for rid in ("run", "join", "late"))
+    for pre in (first, second, third):
         assert isinstance(pre.kv_transfer_params, RemotePrefill)
     decode.add_request(first.prompt_ids, long, "run", kv_transfer_params=first.kv_transfer_params)
     drive([prefill, decode], lambda: bool(decode.scheduler.running))
@@ -294,8 +295,14 @@ def test_a_pull_ending_within_the_wait_joins_the_running_decodes_in_the_step_tha
     outputs = decode.step()  # starts the pull, waits for it, decodes both
     assert {o.request_id for o in outputs if o.new_token_ids} == {"run", "join"}
     assert transitions(decode, "join") == [(S.WAITING_FOR_REMOTE_KV, S.RUNNING)]
-    drive([prefill, decode], lambda: decode.is_finished("run") and decode.is_finished("join"))
-    runs, joins = decode.pop("run"), decode.pop("join")
+    # recent pulls took longer than any wait allows (a slow link): the next step that
+    # starts one does not wait for it, the others decode at once
+    decode._pull_s.extend([60.0] * llm_engine.RECENT_PULLS)
+    decode.add_request(third.prompt_ids, long, "late", kv_transfer_params=third.kv_transfer_params)
+    outputs = decode.step()
+    assert {o.request_id for o in outputs if o.new_token_ids} == {"run", "join"}
+    done = ("run", "join", "late")
+    drive([prefill, decode], lambda: all(decode.is_finished(r) for r in done))
     want = reference(decode, long)
-    assert runs.token_ids == want and joins.token_ids == want
+    assert [decode.pop(r).token_ids for r in done] == [want] * 3
     drive([prefill, decode], lambda: all_free(prefill, decode))

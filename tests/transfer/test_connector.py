@@ -50,6 +50,7 @@ def test_producer_connector_exposes_polls_and_reports_the_release() -> None:
         assert reply.pinned_blocks == 2 and reply.events == []
         assert conn.poll_interval() < IDLE_POLL_S  # busy: a read may be in flight
         time.sleep(0.25)  # nobody pulls: the lease expires and the release is reported
+        assert conn.wait_for_events(30)  # (by the progress thread: a Poll only collects)
         (event,) = conn.handle(Poll()).events
         assert event.request_id == "r1" and not event.ok and "lease expired" in event.reason
         assert conn.handle(Poll()) == ConnectorReply()  # reported once, nothing pinned
@@ -77,6 +78,7 @@ def test_cancel_and_a_short_lease_are_reported_as_releases() -> None:
         (event,) = conn.handle(Poll()).events
         assert event.request_id == "r1" and not event.ok and "client went away" in event.reason
         time.sleep(0.25)
+        assert conn.wait_for_events(30)  # (by the progress thread: a Poll only collects)
         (event,) = conn.handle(Poll()).events
         assert event.request_id == "r2" and "lease expired after 0.2 s" in event.reason
         assert conn.handle(Poll()) == ConnectorReply()

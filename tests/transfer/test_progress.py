@@ -28,6 +28,7 @@ from kvbridge.transfer.connector import (
     BUSY_POLL_S,
     CONSUMER_IDLE_S,
     IDLE_POLL_S,
+    STARVED_S,
     Cancel,
     ConnectorRole,
     ConnectorSpec,
@@ -191,6 +192,35 @@ def test_an_idle_consumer_thread_sleeps_and_close_joins_it() -> None:
     assert not conn.progress.is_alive
     assert name not in [t.name for t in threading.enumerate()]
     conn.close()  # idempotent
+
+
+def test_a_starved_thread_leaves_the_polling_to_the_drivers_poll() -> None:
+    """A Poll only collects what the progress thread found, unless the thread is more
+    than STARVED_S late for its next poll (the host does not run it): then the Poll
+    polls itself, and a lease that expired meanwhile is reported."""
+    conn = make(ConnectorRole.PRODUCER, FakeTransport("prefill0"), lease_s=0.2)
+    progress = conn.progress
+    assert progress is not None
+    stuck, release = threading.Event(), threading.Event()
+
+    def starved() -> float:  # the thread's poll, as on a host that does not run it
+        stuck.set()
+        release.wait(60)
+        return 0.0
+
+    try:
+        (endpoint,) = [conn.handle(GetEndpoint()).endpoint]
+        conn.handle(SetEndpoints([endpoint]))
+        progress._step = starved
+        conn.handle(Expose("r1", [3, 1], 20))  # wakes the thread: it never polls again
+        assert stuck.wait(30)
+        time.sleep(0.3)  # the lease expired, and the thread is 0.3 s late
+        assert progress.late_s() > STARVED_S
+        (event,) = conn.handle(Poll()).events
+        assert event.request_id == "r1" and "lease expired" in event.reason
+    finally:
+        release.set()
+        conn.close()
 
 
 class BrokenTransport(FakeTransport):
