@@ -522,8 +522,8 @@ def test_sigterm_or_a_terminal_hangup_stops_a_deployments_instances(sig: int) ->
         "dep = Deployment()\n"
         "proc = subprocess.Popen(['sleep', '300'], process_group=0)\n"
         "dep.children.append(Child('stand-in', '127.0.0.1', Path('unused'), proc))\n"
-        "print(proc.pid, flush=True)\n"
-        "try:\n"
+        "try:\n"  # (the pid is printed inside: a signal before `try` would skip `finally`)
+        "    print(proc.pid, flush=True)\n"
         "    time.sleep(300)\n"
         "finally:\n"
         "    dep.stop()\n"
