@@ -516,9 +516,12 @@ def test_sigterm_or_a_terminal_hangup_stops_a_deployments_instances(sig: int) ->
     import sys
 
     code = (
-        "import subprocess, time\n"
+        "import signal, subprocess, time\n"
         "from pathlib import Path\n"
         "from kvbridge.serve.launcher import Child, Deployment\n"
+        # as started from a terminal (the suite itself may run under nohup, and an ignored
+        # signal stays ignored: Deployment installs its handler over the default only)
+        f"signal.signal({int(sig)}, signal.SIG_DFL)\n"
         "dep = Deployment()\n"
         "proc = subprocess.Popen(['sleep', '300'], process_group=0)\n"
         "dep.children.append(Child('stand-in', '127.0.0.1', Path('unused'), proc))\n"
