@@ -111,9 +111,10 @@ def add_instance_arguments(p: argparse.ArgumentParser) -> None:
         help="on cores a prefill and a decode instance share, KV transfers first, then "
         "prefills, then decodes: the compute threads' nice value is raised by "
         f"{COMPUTE_NICE['prefill']} in a prefill instance and by {COMPUTE_NICE['decode']} in "
-        "a decode instance (to at most 19), the KV transfer "
-        "threads at the priority the instance was started with (as the colocated engine runs a prompt's prefill before its next decode "
-        "step); alone on its cores an instance runs as fast (default: on)",
+        "a decode instance (to at most 19), the KV transfer threads at the priority the "
+        "instance was started with (as the colocated engine runs a prompt's prefill "
+        "before its next decode step); alone on its cores an instance runs as fast "
+        "(default: on)",
     )
     p.add_argument(
         "--lease-s",

@@ -126,7 +126,8 @@ class InstanceConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     #: its compute threads' nice value raised by its role's `COMPUTE_NICE`, its KV
-    #: transfer threads' not (`engine/cpu_share.py`): on shared cores transfers, then prefills, then decodes
+    #: transfer threads' not (`engine/cpu_share.py`): on shared cores transfers, then
+    #: prefills, then decodes
     cpu_priority: bool = True
 
     def __post_init__(self) -> None:

@@ -33,7 +33,8 @@ Decline), `IDLE_POLL_S` for an idle producer (it answers handshakes, runs leases
 serializes the thread's polls with the driver's requests (NIXL's agent has no lock of
 its own here); a driver's Poll then only collects what the thread found, so the
 transfers' work (a READ's copy runs in whichever thread polls) stays on the thread, at
-its priority, never on an engine thread that computes at a lower one. An engine that
+its priority, not on an engine thread that computes at a lower one (unless the thread
+is over `STARVED_S` late for its poll: then the Poll polls too). An engine that
 wants to poll from its own loop instead builds the connector with
 `progress_thread=False` and calls `idle_poll()` between driver calls, waiting no longer
 than it returns.
