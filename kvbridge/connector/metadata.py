@@ -31,12 +31,15 @@ class RemoteDecode(msgspec.Struct, frozen=True, tag="remote_decode"):
 
 class RemotePrefill(msgspec.Struct, frozen=True, tag="remote_prefill"):
     """Decode side: pull the request's KV with `capability` (signed by the prefill
-    instance `instance_id`); `first_token_id` is the token the prefill sampled. An
+    instance `instance_id`); `first_token_id` is the token the prefill sampled (None
+    where the host samples it again, as vLLM does). `request_id` is the request's id
+    at the prefill instance, which its capability names ("": the same id as here). An
     empty capability means there is no KV to pull (the failure policy applies)."""
 
-    first_token_id: int
+    first_token_id: int | None = None
     capability: Annotated[bytes, msgspec.Meta(max_length=1 << 24)] = b""
     instance_id: _Name = ""
+    request_id: _Name = ""
 
 
 KVTransferParams = RemoteDecode | RemotePrefill
@@ -47,6 +50,9 @@ class ConnectorMetadata(msgspec.Struct, frozen=True):
     `KVConnectorMetadata`). Empty lists: nothing to do but progress and report."""
 
     reqs_to_recv: list[Pull] = msgspec.field(default_factory=list)
+    #: the host's id of each pull in `reqs_to_recv` (same order): a pull's own
+    #: `request_id` is the prefill instance's, the workers report the host's
+    recv_request_ids: list[str] = msgspec.field(default_factory=list)
     reqs_to_send: list[Expose] = msgspec.field(default_factory=list)
     reqs_to_cancel: list[Cancel] = msgspec.field(default_factory=list)
     reqs_to_decline: list[Decline] = msgspec.field(default_factory=list)
@@ -59,6 +65,10 @@ class ConnectorMetadata(msgspec.Struct, frozen=True):
     #: them to end before reporting (the host would rather start its next step with
     #: them than without); 0: report at once
     recv_wait_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.0
+    #: a step with nothing to compute: a worker with transfers in flight and nothing to
+    #: report yet may wait up to this many seconds for one to end before it reports (a
+    #: host that keeps stepping while transfers run sleeps on them, not spins); 0: never
+    idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.0
 
     @property
     def is_empty(self) -> bool:

@@ -27,6 +27,7 @@ host frees or uses its blocks: the connector never frees a block itself.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -216,14 +217,19 @@ class KVConnectorScheduler:
         return self._new(KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, n, params, cap))
 
     def _check(self, params: RemotePrefill, request_id: str, prompt_ids: list[int]) -> Capability:
-        """The capability, checked: signed with our token, issued to this instance,
-        unexpired, for this request's prompt (its token ids, not only their number), and
-        not used before (a capability opens one pull)."""
+        """The capability, checked: signed with our token, issued to this instance (or to
+        no instance in particular: a prefill request that named no reader), unexpired,
+        for this request (`params.request_id`, or this id) and its prompt (its token
+        ids, not only their number), and not used before (a capability opens one pull)."""
         num_tokens = len(prompt_ids)
+        request_id = params.request_id or request_id
         try:
             cap = check_capability(params.capability, self.token, self.instance_id)
         except AuthError as exc:
-            raise CapabilityRefused(f"KV capability refused: {exc}") from None
+            try:  # issued to no reader: any decode instance holding the token may pull
+                cap = check_capability(params.capability, self.token, "")
+            except AuthError:
+                raise CapabilityRefused(f"KV capability refused: {exc}") from None
         if cap.block_size <= 0 or not 0 <= cap.start_token <= cap.num_tokens:
             raise CapabilityRefused(
                 f"KV capability refused: block_size={cap.block_size} and start_token="
@@ -264,43 +270,65 @@ class KVConnectorScheduler:
                 f"than the {cap.start_token} the prefill instance left out",
             )
             return 0, False
+        if num_computed_tokens % self.block_size:
+            self.load_refused(
+                request_id,
+                f"the prefix cache hit of {num_computed_tokens} tokens is not a whole number "
+                f"of blocks of {self.block_size}",
+            )
+            return 0, False
+        if num_computed_tokens >= rec.num_tokens:
+            self.load_refused(request_id, "the decode instance holds the whole prompt")
+            return 0, False
         return rec.num_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(
         self, request_id: str, block_ids: list[int], num_external_tokens: int
     ) -> None:
         """The host allocated `block_ids` (the whole prompt's, its cached prefix first):
-        pull the last `num_external_tokens` tokens into them."""
+        pull the last `num_external_tokens` tokens into them (none: nothing to pull, the
+        prefill instance is told, `load_refused`)."""
         rec = self.requests[request_id]
         cap = rec.capability
         assert cap is not None and rec.state is RequestState.WAITING_FOR_REMOTE_KV
+        if num_external_tokens <= 0:
+            self.load_refused(request_id, "the decode instance holds the prompt")
+            return
         cached = rec.num_tokens - num_external_tokens
         bp, bd = cap.block_size, self.block_size
         rec.block_ids = list(block_ids)
         rec.num_cached_tokens = cached
         rec.remaining = self.world_size
         rec.started = time.perf_counter()
+        # tokens [cached, num_tokens): both block lists start with the block holding
+        # token `cached` (a whole number of local blocks; inside a prefill block when
+        # the block sizes differ); the plan cuts pages at both sides' boundaries
         self._meta.recv.append(
             Pull(
-                request_id,
+                cap.request_id,
                 cap.endpoint,
                 cap.block_ids[cached // bp - cap.start_token // bp :],
-                block_ids[cached // bd :],
+                block_ids[cached // bd : math.ceil(cap.num_tokens / bd)],
                 cap.num_tokens,
                 start_token=cached,
                 generation=cap.generation,
             )
         )
+        self._meta.recv_request_ids.append(request_id)
 
     def load_refused(self, request_id: str, reason: str) -> KVRequest:
         """Pull nothing (no blocks to receive it, ...): the prefill instance is told at
         once (it frees its blocks), then the failure policy applies."""
         rec = self.requests[request_id]
-        if rec.capability is not None:
-            self._meta.decline.append(Decline(request_id, rec.capability.endpoint, reason))
-            self.busy_until = time.monotonic() + CONNECT_POLL_S
+        self._decline(rec, reason)
         self._end_load(rec, reason)
         return self.pop_ended(request_id)
+
+    def _decline(self, rec: KVRequest, reason: str) -> None:
+        cap = rec.capability
+        if cap is not None:
+            self._meta.decline.append(Decline(cap.request_id, cap.endpoint, reason))
+            self.busy_until = time.monotonic() + CONNECT_POLL_S
 
     def pop_ended(self, request_id: str) -> KVRequest:
         """The record of a hand-over a call has just ended (RECOMPUTE, FAILED, RELEASED)."""
@@ -334,7 +362,9 @@ class KVConnectorScheduler:
                 rec.aborted = True
                 return True, None
             rec.aborted = True
-            self._end_load(rec, "the request was aborted before its KV was pulled")
+            reason = "the request was aborted before its KV was pulled"
+            self._decline(rec, reason)
+            self._end_load(rec, reason)
             self._ended.pop(request_id)
             return False, None
         if rec.state is not RequestState.PREFILLING:
@@ -349,7 +379,7 @@ class KVConnectorScheduler:
         assert isinstance(rec.params, RemoteDecode)
         n = rec.num_tokens
         start = min(max(rec.params.start_token, 0), n)  # the reader holds [0, start)
-        exposed = block_ids[start // self.block_size :]
+        exposed = block_ids[start // self.block_size : math.ceil(n / self.block_size)]
         lease = self.config.exposure_lease_s
         generation = new_generation()
         self._meta.send.append(
@@ -383,13 +413,18 @@ class KVConnectorScheduler:
         return True
 
     # -- every step -----------------------------------------------------------------------
-    def build_connector_meta(self, recv_wait_s: float = 0.0) -> ConnectorMetadata:
+    def build_connector_meta(
+        self, recv_wait_s: float = 0.0, idle_wait_s: float = 0.0
+    ) -> ConnectorMetadata:
         """The orders gathered since the last call, for every worker; with `recv_wait_s`
         the workers wait up to that long for the pulls ordered now to end before they
-        report (`ConnectorMetadata.recv_wait_s`)."""
+        report (`ConnectorMetadata.recv_wait_s`); with `idle_wait_s` (a step with
+        nothing to compute) for any transfer in flight (`ConnectorMetadata.idle_wait_s`)."""
         meta, self._meta = self._meta.build(), _MetaBuilder()
         if recv_wait_s > 0 and meta.reqs_to_recv:
             meta = msgspec.structs.replace(meta, recv_wait_s=recv_wait_s)
+        if idle_wait_s > 0:
+            meta = msgspec.structs.replace(meta, idle_wait_s=idle_wait_s)
         return meta
 
     def update_connector_output(self, outputs: list[KVWorkerOutput]) -> list[KVRequest]:
@@ -474,6 +509,7 @@ class KVConnectorScheduler:
 @dataclass
 class _MetaBuilder:
     recv: list[Pull] = field(default_factory=list)
+    recv_request_ids: list[str] = field(default_factory=list)
     send: list[Expose] = field(default_factory=list)
     cancel: list[Cancel] = field(default_factory=list)
     decline: list[Decline] = field(default_factory=list)
@@ -483,11 +519,12 @@ class _MetaBuilder:
 
     def build(self) -> ConnectorMetadata:
         return ConnectorMetadata(
-            self.recv,
-            self.send,
-            self.cancel,
-            self.decline,
-            self.connect,
-            self.worker_endpoints,
-            self.siblings,
+            reqs_to_recv=self.recv,
+            recv_request_ids=self.recv_request_ids,
+            reqs_to_send=self.send,
+            reqs_to_cancel=self.cancel,
+            reqs_to_decline=self.decline,
+            peers_to_connect=self.connect,
+            worker_endpoints=self.worker_endpoints,
+            siblings=self.siblings,
         )

@@ -16,12 +16,18 @@ only while its agent is polled), also while the worker computes a step.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvbridge.connector.metadata import ConnectorMetadata, KVWorkerOutput
+from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, num_regions
+from kvbridge.transfer.config import KVExport, TransferConfig
 from kvbridge.transfer.connector import (
     ConnectorEvent,
     ConnectorReply,
@@ -35,9 +41,46 @@ from kvbridge.transfer.connector import (
     WorkerConnector,
 )
 
+#: under vLLM's "vllm" logger where vLLM hosts it (its handlers print it)
+log = logging.getLogger("vllm.kvbridge")
+
 if TYPE_CHECKING:
     from kvbridge.transfer.agent import Transport
     from kvbridge.transfer.export import SharedSegment
+    from kvbridge.transfer.regions import CacheRegions
+
+
+def adopt_segment(regions: CacheRegions, transfer: TransferConfig) -> SharedSegment | None:
+    """A host's cache moved into shared memory in place, for a producer whose peers read
+    from an export process; None where they read from its own agent: inline, auto
+    without a token, or a cache this cannot move (auto: logged; process: ConfigError
+    naming why)."""
+    from kvbridge.transfer.errors import TransferError
+    from kvbridge.transfer.export import SharedSegment
+
+    if not transfer.wants_export_process:
+        return None
+    spans = sorted(zip(regions.addresses, regions.lengths, strict=True))
+    gaps = [a for (a, n), (b, _) in itertools.pairwise(spans) if a + n != b]
+    try:
+        if gaps:
+            raise TransferError(
+                f"its {len(spans)} layer regions are not one contiguous buffer (a gap after "
+                f"{gaps[0]:#x})"
+            )
+        lo, (last, n) = spans[0][0], spans[-1]
+        return SharedSegment.adopt(lo, last + n - lo)
+    except TransferError as exc:
+        if transfer.kv_export is KVExport.PROCESS:
+            raise ConfigError(
+                f"kv_export='process' cannot export this KV cache: {exc}; use 'inline' or 'auto'"
+            ) from None
+        log.warning(
+            "kvbridge: peers read this prefill worker's KV from its own NIXL agent "
+            "(kv_export auto could not move the KV cache into shared memory: %s)",
+            exc,
+        )
+        return None
 
 
 class KVConnectorWorker:
@@ -54,7 +97,10 @@ class KVConnectorWorker:
         self.rank = rank
         self.connector: WorkerConnector | None = None
         self._meta: ConnectorMetadata | None = None
-        self._load_blocks: dict[str, list[int]] = {}  # pulls in flight: local blocks
+        #: pulls in flight, by the prefill instance's request id: (the host's id, the
+        #: local blocks); exposures in flight (producer)
+        self._loads: dict[str, tuple[str, list[int]]] = {}
+        self._exposed: set[str] = set()
         self._load_errors: set[int] = set()
         self._connected: list[str] = []  # introduced producers met, since the last report
         #: events for the next report: orders that raised (as failed transfers) and the
@@ -81,12 +127,31 @@ class KVConnectorWorker:
         from kvbridge.transfer.regions import CacheRegions
 
         regions = num_regions(self.model, self.layout, self.layout.workers(self.model)[self.rank])
+        self.register_regions(
+            CacheRegions.from_tensor(kv_cache, regions), num_blocks, transport, segment
+        )
+
+    def register_regions(
+        self,
+        regions: CacheRegions,
+        num_blocks: int,
+        transport: Transport | None = None,
+        segment: SharedSegment | None = None,
+        adopt: bool = False,
+    ) -> None:
+        """`register_kv_caches` for a cache the host already cut into the planner's
+        regions (a host whose cache is one buffer per layer, as vLLM's). `adopt`: the
+        host allocated the cache itself, so a producer whose peers read from an export
+        process (`TransferConfig.kv_export`) first moves it into shared memory in place
+        (`adopt_segment`)."""
+        if adopt and self.role is ConnectorRole.PRODUCER:
+            segment = adopt_segment(regions, self.spec.transfer)
         self.connector = WorkerConnector(
             self.spec,
             self.model,
             self.layout,
             self.rank,
-            CacheRegions.from_tensor(kv_cache, regions),
+            regions,
             num_blocks,
             transport=transport,
             segment=segment,
@@ -119,9 +184,10 @@ class KVConnectorWorker:
                 self._errors.append(f"Connect failed on worker {self.rank}: {exc}")
         for decline in meta.reqs_to_decline:
             self._try(decline)
-        for pull in meta.reqs_to_recv:
-            if self._try(pull, request_id=pull.request_id):
-                self._load_blocks[pull.request_id] = list(pull.local_block_ids)
+        host_ids = meta.recv_request_ids or [p.request_id for p in meta.reqs_to_recv]
+        for pull, host_id in zip(meta.reqs_to_recv, host_ids, strict=True):
+            if self._try(pull, request_id=host_id):
+                self._loads[pull.request_id] = (host_id, list(pull.local_block_ids))
             else:
                 self._load_errors.update(pull.local_block_ids)
 
@@ -132,7 +198,8 @@ class KVConnectorWorker:
         if meta.worker_endpoints is not None:
             self._try(SetEndpoints(meta.worker_endpoints))
         for expose in meta.reqs_to_send:
-            self._try(expose, request_id=expose.request_id)
+            if self._try(expose, request_id=expose.request_id):
+                self._exposed.add(expose.request_id)
         for cancel in meta.reqs_to_cancel:
             self._try(cancel)
 
@@ -144,31 +211,35 @@ class KVConnectorWorker:
         conn = self.connector
         if meta.recv_wait_s <= 0 or conn is None or conn.progress is None:
             return
-        pending = {p.request_id for p in meta.reqs_to_recv if p.request_id in self._load_blocks}
+        pending = {p.request_id for p in meta.reqs_to_recv if p.request_id in self._loads}
         deadline = time.monotonic() + meta.recv_wait_s
         while pending:
             left = deadline - time.monotonic()
             if left <= 0 or not conn.wait_for_events(left):
                 return
             events = self._handle(Poll()).events
-            self._unreported += events
             pending -= {ev.request_id for ev in events}
+            self._unreported += self._own(events)
 
     def get_finished(self) -> KVWorkerOutput:
         """Report what finished since the last report (the progress thread moved it;
-        a connector without the thread progresses its transfers now)."""
+        a connector without the thread progresses its transfers now). With the bound
+        orders' `idle_wait_s`, a worker with transfers in flight and nothing to report
+        first waits up to that long for one to end (on the runtime's event)."""
         reply = self._handle(Poll())
+        events = [*self._unreported, *self._own(reply.events)]
+        wait_s = self._meta.idle_wait_s if self._meta is not None else 0.0
+        in_flight = self._loads or self._exposed
+        if not events and wait_s > 0 and in_flight and self._need().wait_for_events(wait_s):
+            events = self._own(self._handle(Poll()).events)
+        self._unreported = []
         sending: list[ConnectorEvent] = []
         recving: list[ConnectorEvent] = []
-        events, self._unreported = [*self._unreported, *reply.events], []
         for ev in events:
             if self.role is ConnectorRole.PRODUCER:
                 sending.append(ev)
             else:
                 recving.append(ev)
-                blocks = self._load_blocks.pop(ev.request_id, [])
-                if not ev.ok:
-                    self._load_errors.update(blocks)
         error, self._errors = "; ".join(self._errors), []
         connected, self._connected = self._connected, []
         return KVWorkerOutput(
@@ -205,6 +276,26 @@ class KVConnectorWorker:
             self.connector = None
 
     # -- helpers ------------------------------------------------------------------------------
+    def _own(self, events: list[ConnectorEvent]) -> list[ConnectorEvent]:
+        """The events of this worker's own transfers, named with the host's request ids
+        (a pull's events come under the prefill instance's id); a failed pull's blocks
+        are kept for `get_block_ids_with_load_errors`."""
+        out = []
+        for ev in events:
+            if self.role is ConnectorRole.PRODUCER:
+                if ev.request_id in self._exposed:
+                    self._exposed.discard(ev.request_id)
+                    out.append(ev)
+                continue
+            load = self._loads.pop(ev.request_id, None)
+            if load is None:
+                continue
+            host_id, blocks = load
+            if not ev.ok:
+                self._load_errors.update(blocks)
+            out.append(msgspec.structs.replace(ev, request_id=host_id))
+        return out
+
     def _bound(self) -> ConnectorMetadata:
         assert self._meta is not None, "bind_connector_metadata first"
         return self._meta

@@ -1,18 +1,19 @@
-"""`KVBridgeConnector`: vLLM's v1 KV connector API over kvbridge's planner and runtime.
+"""`KVBridgeConnector`: vLLM's v1 KV connector API, translated onto kvbridge's hand-over
+contract (`kvbridge.connector`).
 
 vLLM builds it once per engine with role SCHEDULER (in the EngineCore process:
 `scheduler.SchedulerSide`) and once per worker with role WORKER (`worker.WorkerSide`,
-built when vLLM registers the KV caches). The scheduler side learns the workers'
-side-channel endpoints through vLLM's handshake metadata and sends each step's orders
-(`StepOrders`) to the workers as the connector metadata. Transfers are asynchronous:
-loads complete between steps (`get_finished`); failed loads are reported as blocks
-(`get_block_ids_with_load_errors`) so vLLM recomputes them or fails the request, as
-its `kv_load_failure_policy` says.
+built when vLLM registers the KV caches). Each side holds the contract's own objects,
+one per role the instance plays: the scheduler side's orders reach the workers as the
+connector metadata, the workers' reports come back as the connector worker metadata.
+Transfers are asynchronous: loads complete between steps (`get_finished`); failed loads
+are reported as blocks (`get_block_ids_with_load_errors`) so vLLM recomputes them or
+fails the request, as its `kv_load_failure_policy` says.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -21,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -29,10 +31,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvbridge.connector import ConnectorRole, KVWorkerOutput
+from kvbridge.connector.metadata import encode, output_decoder
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import describe_kv_caches
-from kvbridge.vllm.scheduler import SchedulerSide, StepOrders
-from kvbridge.vllm.settings import ConnectorSettings, check_vllm
+from kvbridge.vllm.scheduler import Orders, SchedulerSide
+from kvbridge.vllm.settings import ROLES, ConnectorSettings, check_vllm
 from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
 from kvbridge.vllm.worker import WorkerSide
 
@@ -43,14 +47,28 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
-    """One step's orders from the scheduler side to every worker."""
+    """One step's orders from the scheduler side to every worker, per role."""
 
-    orders: StepOrders
+    orders: Orders
+
+
+@dataclass
+class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):
+    """The workers' reports of one step (each an encoded `KVWorkerOutput`, by role),
+    gathered over the TP workers by vLLM for the scheduler side."""
+
+    reports: list[tuple[ConnectorRole, bytes]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVBridgeWorkerMeta)
+        self.reports += other.reports
+        return self
 
 
 @dataclass
@@ -82,15 +100,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.instance_id = self.settings.instance_id or str(kv.engine_id)
         if self.settings.identity is not None:  # every process reads the same key
             self.instance_id = self.settings.identity.bind(self.instance_id)
-        self.kv_role = str(kv.kv_role)
+        self.roles = ROLES[str(kv.kv_role)]
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
-        self._load_errors: set[int] = set()  # blocks that failed to load, not reported yet
+        self._report = KVBridgeWorkerMeta()  # this step's, until vLLM takes it
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(
-                self.settings, self.instance_id, self.kv_role, self.block_size
+                self.settings, self.instance_id, self.roles, self.block_size, self.tp_size
             )
 
     # -- worker side ---------------------------------------------------------------------
@@ -99,14 +117,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
         model = load_model_spec(self._vllm_config.model_config.model)
         cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size)
-        self.worker = WorkerSide(
-            self.settings,
-            self.instance_id,
-            self.kv_role,
-            model,
-            cache,
-            get_tensor_model_parallel_rank(),
-        )
+        rank = get_tensor_model_parallel_rank()
+        self.worker = WorkerSide(self.settings, self.instance_id, self.roles, model, cache, rank)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.worker is None:
@@ -116,7 +128,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVBridgeMetadata) and self.worker is not None
-        self.worker.apply(meta.orders)
+        self.worker.start(meta.orders)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous
@@ -127,19 +139,21 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return  # a decode worker reads the prefill's blocks in place
 
     def wait_for_save(self) -> None:
-        return
+        if self.worker is not None:
+            self.worker.save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        meta = self._get_connector_metadata()
-        wait_s = meta.orders.idle_wait_s if isinstance(meta, KVBridgeMetadata) else 0.0
-        res = self.worker.collect(wait_s)
-        self._load_errors |= res.failed_block_ids
+        res = self.worker.collect()
+        self._report.reports += [(role, encode(out)) for role, out in res.reports.items()]
         return res.finished_sending or None, res.finished_recving or None
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        out, self._report = self._report, KVBridgeWorkerMeta()
+        return out if out.reports else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._load_errors = self._load_errors, set()
-        return out
+        return self.worker.load_errors() if self.worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = self.worker.take_observations() if self.worker is not None else None
@@ -169,12 +183,15 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
         assert self.scheduler is not None
-        endpoints = [getattr(metadata[r], "endpoint", "") for r in sorted(metadata)]
-        if all(endpoints):
-            self.scheduler.set_endpoints(endpoints)
-        siblings = [getattr(metadata[r], "sibling", "") for r in sorted(metadata)]
-        if all(siblings):
-            self.scheduler.set_siblings(siblings)
+        ranks = sorted(metadata)
+        self.scheduler.set_handshake(
+            [getattr(metadata[r], "endpoint", "") for r in ranks],
+            [getattr(metadata[r], "sibling", "") for r in ranks],
+        )
+
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -193,6 +210,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return KVBridgeMetadata(
             self.scheduler.build_orders(scheduler_output.total_num_scheduled_tokens)
         )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self.scheduler is not None
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, KVBridgeWorkerMeta):
+            return
+        reports: dict[ConnectorRole, list[KVWorkerOutput]] = {}
+        for role, raw in meta.reports:
+            reports.setdefault(role, []).append(output_decoder.decode(raw))
+        self.scheduler.update(reports)
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -1,51 +1,54 @@
-"""The connector's scheduler side: one per vLLM engine, in the EngineCore process.
+"""The connector's scheduler side in vLLM: one per engine, in the EngineCore process.
 
-A request's path through it (vLLM's two-step P/D request, a proxy drives it):
+It only translates. vLLM's `Request`s and their `kv_transfer_params` dicts become calls
+on the hand-over contract (`kvbridge.connector.KVConnectorScheduler`), one per role the
+instance plays (`kv_role`: kv_producer, kv_consumer, kv_both), which checks and issues
+capabilities, orders exposes, pulls and declines, and keeps each request's
+`RequestState`. A request's path (vLLM's two-step P/D request, a proxy drives it):
 
   prefill instance                          decode instance
   ----------------                          ---------------
-  request with kv_transfer_params
   {"do_remote_decode": true}, max_tokens 1
-  `request_finished`: keep the blocks,
-  issue a pull capability (signed, names
-  the request, blocks, tokens, endpoint,
-  reader), return it as kv_transfer_params
-  next step's metadata: Expose -> workers   the proxy sends the prompt again with them
-                                            `get_num_new_matched_tokens`: check the
-                                            capability; the tokens past the local prefix
-                                            cache hit load asynchronously
-                                            `update_state_after_alloc`: Pull (or Decline
-                                            if nothing is left to load) -> workers
-  workers release when the decode workers   workers report each pull done or failed
-  notified (or at the lease): finished_sending  (failed blocks: kv_load_failure_policy)
+  `on_new_request`: PREFILLING
+  `request_finished`: EXPOSED; the params
+  carry the signed capability               the proxy sends the prompt again with them
+                                            `on_new_request`: capability checked,
+                                            WAITING_FOR_REMOTE_KV (refused: computed here)
+                                            `get_num_new_matched_tokens`: the tokens past
+                                            the local prefix cache hit load asynchronously
+                                            `update_state_after_alloc`: Pull -> workers
+  workers release once read (or at the      workers report the pull: RUNNING, or its
+  lease): RELEASED, finished_sending        blocks as load errors (vLLM's
+                                            kv_load_failure_policy applies)
 
-Only plain data leaves this object: the metadata each step (`StepOrders`).
+The workers' reports reach it as vLLM's connector worker metadata (`update`). vLLM owns
+every block: a decode request aborted while pulling waits in vLLM's own scheduler.
+Nothing here imports vLLM (requests are read by their attributes).
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import logging
-import math
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.transfer.capability import (
-    Capability,
-    Redeemed,
-    check,
-    issue,
-    new_generation,
-    prompt_digest,
+from kvbridge.connector import (
+    CapabilityRefused,
+    ConnectorMetadata,
+    ConnectorRole,
+    ConnectorSpec,
+    KVConnectorConfig,
+    KVConnectorScheduler,
+    KVWorkerOutput,
+    RemoteDecode,
+    RemotePrefill,
+    RequestState,
 )
-from kvbridge.transfer.connector import Decline, Expose, Pull
-from kvbridge.transfer.errors import AuthError
-from kvbridge.vllm.settings import ROLES, ConnectorSettings
+from kvbridge.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("vllm.kvbridge")
 
-#: kv_transfer_params key carrying the capability (base64 of its signed bytes)
 #: How long a worker may wait in an empty step (no token scheduled) for a transfer in
 #: flight to finish. vLLM keeps stepping while a request waits for its KV (decode) or
 #: its KV is exposed (prefill), and an empty step returns at once: its engine process
@@ -54,246 +57,153 @@ log = logging.getLogger("vllm.kvbridge")
 #: instead returns the moment a transfer finishes; a request that arrives meanwhile
 #: waits at most this long for its first step.
 EMPTY_STEP_WAIT_S = 0.02
+#: kv_transfer_params key carrying the capability (base64 of its signed bytes)
 CAPABILITY_KEY = "kvbridge_capability"
 #: kv_transfer_params key a proxy may set on the prefill request: the decode instance
 #: id that alone may pull it (without it, any holder of the token may)
 READER_KEY = "kvbridge_reader"
 
-
-@dataclass
-class PullOrder:
-    """A pull for the decode workers, with the vLLM request it loads."""
-
-    request_id: str  # vLLM's id on this (decode) instance
-    pull: Pull
-
-
-@dataclass
-class StepOrders:
-    """What the scheduler side tells every worker in one step."""
-
-    endpoints: list[str] = field(default_factory=list)  # producer side channels, rank order
-    #: consumer workers' `sibling`s (base64), rank order: in the first step only (the
-    #: workers meet each other once; the fan-out, `TransferConfig.fan_out`)
-    siblings: list[str] = field(default_factory=list)
-    exposes: list[Expose] = field(default_factory=list)
-    pulls: list[PullOrder] = field(default_factory=list)
-    declines: list[Decline] = field(default_factory=list)
-    #: a step with no token to compute: a worker with transfers in flight may wait up to
-    #: this long in `get_finished` for one to finish (see `EMPTY_STEP_WAIT_S`)
-    idle_wait_s: float = 0.0
+Orders = dict[ConnectorRole, ConnectorMetadata]
+Reports = dict[ConnectorRole, list[KVWorkerOutput]]
 
 
 class SchedulerSide:
-    """Decides what to expose, pull or decline; owned by the connector's scheduler
-    instance and called from vLLM's scheduler thread only."""
+    """The engine's hand-over contracts, one per role; called from vLLM's scheduler
+    thread only (`KVBridgeConnector`'s scheduler-role methods)."""
 
     def __init__(
         self,
         settings: ConnectorSettings,
         instance_id: str,
-        kv_role: str,
+        roles: tuple[ConnectorRole, ...],
         block_size: int,
+        world_size: int,
     ) -> None:
-        self.settings = settings
-        self.instance_id = instance_id
-        self.is_producer, self.is_consumer = ROLES[kv_role]
-        self.block_size = block_size
-        self.token = settings.transfer.token
-        self.endpoints: list[str] = []
-        self._siblings: list[str] = []  # until sent in a step's orders
-        self._orders = StepOrders()
-        self._caps: dict[str, Capability] = {}  # decode: checked capabilities by request
-        self._redeemed = Redeemed()  # decode: capabilities taken (each opens one pull)
+        self.sides = {
+            role: KVConnectorScheduler(
+                KVConnectorConfig(
+                    ConnectorSpec(role, instance_id, settings.transfer), claim_s=settings.claim_s
+                ),
+                block_size,
+                world_size,
+            )
+            for role in roles
+        }
 
-    # -- both ---------------------------------------------------------------------------
-    def set_endpoints(self, endpoints: list[str]) -> None:
-        self.endpoints = endpoints
+    @property
+    def producer(self) -> KVConnectorScheduler | None:
+        return self.sides.get(ConnectorRole.PRODUCER)
 
-    def set_siblings(self, siblings: list[str]) -> None:
-        self._siblings = siblings
+    @property
+    def consumer(self) -> KVConnectorScheduler | None:
+        return self.sides.get(ConnectorRole.CONSUMER)
 
-    def build_orders(self, num_scheduled_tokens: int) -> StepOrders:
-        """This step's orders; `num_scheduled_tokens` = 0 (nothing to compute) lets the
-        workers wait for their transfers (`StepOrders.idle_wait_s`)."""
-        out, self._orders = self._orders, StepOrders()
-        out.endpoints = list(self.endpoints)
-        out.siblings, self._siblings = self._siblings, []
-        if num_scheduled_tokens == 0:
-            out.idle_wait_s = EMPTY_STEP_WAIT_S
-        return out
+    def set_handshake(self, endpoints: list[str], siblings: list[str]) -> None:
+        """Every worker's producer endpoint and consumer sibling entry, rank order (a
+        list with a worker missing its entry is not handed out)."""
+        if self.producer is not None and all(endpoints):
+            self.producer.set_worker_endpoints(endpoints)
+        if self.consumer is not None and all(siblings):
+            self.consumer.set_worker_endpoints(siblings)
 
-    # -- decode -------------------------------------------------------------------------
-    def _capability(self, request: Any) -> Capability | None:
-        """The checked capability of a decode request (None: not a remote prefill)."""
+    # -- arrival -------------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """A request with a hand-over enters the contract; a decode request whose
+        capability is refused is computed here (vLLM answers it all the same)."""
         params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill") or CAPABILITY_KEY not in params:
-            return None
+        if not params:
+            return
         rid = request.request_id
-        if rid in self._caps:
-            return self._caps[rid]
-        try:
-            raw = base64.b64decode(params[CAPABILITY_KEY], validate=True)
-            cap = _check(raw, self.token, self.instance_id)
-        except (AuthError, ValueError) as exc:
-            log.warning("request %s: KV capability refused (%s); computing the prompt", rid, exc)
-            params["do_remote_prefill"] = False
-            return None
-        if cap.block_size <= 0:
-            log.warning(
-                "request %s: its capability does not say the prefill instance's block_size "
-                "(%d); computing the prompt (a KVBridgeConnector prefill instance says it)",
-                rid,
-                cap.block_size,
-            )
-            self._refuse(cap, params, "the capability names no block size")
-            return None
-        if cap.num_tokens != request.num_prompt_tokens:
-            log.warning(
-                "request %s: its capability covers %d tokens of block %d, the prompt has %d; "
-                "computing the prompt",
-                rid,
-                cap.num_tokens,
-                cap.block_size,
-                request.num_prompt_tokens,
-            )
-            self._refuse(cap, params, "prompt differs from the capability")
-            return None
-        if cap.prompt_digest != prompt_digest(request.prompt_token_ids):
-            log.warning(
-                "request %s: its capability covers another prompt of %d tokens; computing "
-                "the prompt",
-                rid,
-                cap.num_tokens,
-            )
-            self._refuse(cap, params, "prompt differs from the capability")
-            return None
-        try:
-            self._redeemed.redeem(cap)
-        except AuthError as exc:
-            log.warning("request %s: KV capability refused (%s); computing the prompt", rid, exc)
-            params["do_remote_prefill"] = False
-            return None
-        self._caps[rid] = cap
-        return cap
+        if params.get("do_remote_decode") and self.producer is not None:
+            reader = params.get(READER_KEY) or ""
+            self.producer.add_request(rid, list(request.prompt_token_ids), RemoteDecode(reader))
+        elif params.get("do_remote_prefill") and CAPABILITY_KEY in params and self.consumer:
+            try:
+                raw = base64.b64decode(params[CAPABILITY_KEY], validate=True)
+                handover = RemotePrefill(
+                    capability=raw,
+                    instance_id=str(params.get("remote_engine_id") or ""),
+                    request_id=str(params.get("remote_request_id") or ""),
+                )
+                self.consumer.add_request(rid, list(request.prompt_token_ids), handover)
+            except (CapabilityRefused, binascii.Error, ValueError) as exc:
+                log.warning("request %s: %s; computing the prompt", rid, exc)
+                params["do_remote_prefill"] = False
 
-    def _refuse(self, cap: Capability, params: dict[str, Any], why: str) -> None:
-        """Compute the prompt here; the producer releases its blocks now (Decline)."""
-        self._orders.declines.append(Decline(cap.request_id, cap.endpoint, why))
-        params["do_remote_prefill"] = False
-
+    # -- decode --------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        if not self.is_consumer:
+        """Tokens the prefill instance supplies past the local hit, loaded asynchronously;
+        (0, False) for a request with nothing to pull (any more)."""
+        rid = request.request_id
+        if self.consumer is None or rid not in self.consumer.requests:
             return 0, False
-        cap = self._capability(request)
-        if cap is None:
+        if self.consumer.requests[rid].remaining:  # pulling already (vLLM asked again)
             return 0, False
-        # the producer exposed tokens [cap.start_token, num_tokens); we hold
-        # [0, num_computed_tokens) (vLLM's prefix cache hit, whole local blocks)
-        if num_computed_tokens < cap.start_token or num_computed_tokens % self.block_size:
-            return 0, False
-        count = cap.num_tokens - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        count, is_async = self.consumer.get_num_new_matched_tokens(rid, num_computed_tokens)
+        if not is_async:
+            self._ended(request, self.consumer.pop_ended(rid).reason)
+        return count, is_async
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        cap = self._caps.pop(request.request_id, None)
-        if cap is None:
+        """vLLM allocated the request's blocks: pull into them (one pull per request)."""
+        rid = request.request_id
+        consumer = self.consumer
+        if consumer is None or rid not in consumer.requests or consumer.requests[rid].remaining:
             return
-        params = request.kv_transfer_params
-        params["do_remote_prefill"] = False  # one transfer per request
-        if num_external_tokens <= 0:
-            self._orders.declines.append(
-                Decline(cap.request_id, cap.endpoint, "the decode instance holds the prompt")
-            )
-            return
-        # tokens [start, num_tokens): the prompt's past our prefix cache hit (a whole
-        # number of local blocks; inside a prefill block when the block sizes differ).
-        # Both block lists start with the block holding token `start`; the plan cuts
-        # pages at both sides' boundaries, a channel-major K half by channel rows.
-        start = cap.num_tokens - num_external_tokens
-        bd, bp = self.block_size, cap.block_size
-        local = block_ids[start // bd : math.ceil(cap.num_tokens / bd)]
-        remote = cap.block_ids[start // bp - cap.start_token // bp :]
-        pull = Pull(
-            cap.request_id,
-            cap.endpoint,
-            list(remote),
-            list(local),
-            cap.num_tokens,
-            start,
-            cap.generation,
-        )
-        self._orders.pulls.append(PullOrder(request.request_id, pull))
+        consumer.update_state_after_alloc(rid, block_ids, num_external_tokens)
+        request.kv_transfer_params["do_remote_prefill"] = False
+        if rid not in consumer.requests:  # nothing to pull: declined
+            self._ended(request, consumer.pop_ended(rid).reason)
 
-    def finished_unscheduled(self, request: Any) -> None:
-        """A decode request ended before its pull began: let the producer go now."""
-        cap = self._caps.pop(request.request_id, None)
-        if cap is not None:
-            self._orders.declines.append(Decline(cap.request_id, cap.endpoint, "request aborted"))
+    def _ended(self, request: Any, reason: str) -> None:
+        log.info("request %s: computing the prompt here (%s)", request.request_id, reason)
+        request.kv_transfer_params["do_remote_prefill"] = False
 
-    # -- prefill ------------------------------------------------------------------------
+    # -- both ----------------------------------------------------------------------------
     def request_finished(
         self, request: Any, block_ids: list[int], finished_ok: bool
     ) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params
-        if not params:
-            return False, None
-        if params.get("do_remote_prefill"):  # a decode request aborted before its pull
-            self.finished_unscheduled(request)
-            params["do_remote_prefill"] = False
-            return False, None
-        if not (self.is_producer and params.get("do_remote_decode") and finished_ok):
-            return False, None
-        if not self.endpoints:
-            log.warning("request %s: no worker endpoints yet; not exposing", request.request_id)
-            return False, None
-        n = request.num_prompt_tokens
-        ids = list(block_ids[: math.ceil(n / self.block_size)])
-        if not ids or request.num_computed_tokens < n:
-            return False, None
-        reader = params.get(READER_KEY) or ""
+        """(delay_free_blocks, kv_transfer_params): a finished prefill is exposed and
+        its blocks kept until its workers release them; a decode request aborted
+        before its pull declines it (vLLM keeps the blocks of one aborted while
+        pulling until its workers report it)."""
         rid = request.request_id
-        generation = new_generation()
-        # the prompt's tokens, a partial last block included
-        self._orders.exposes.append(
-            Expose(
-                rid,
-                ids,
-                n,
-                reader=reader or None,
-                lease_s=self.settings.transfer.lease_s,
-                generation=generation,
-            )
-        )
-        cap = Capability(
-            rid,
-            self.instance_id,
-            self.endpoints[0],
-            ids,
-            n,
-            reader,
-            time.time() + self.settings.claim_s,
-            0,
-            self.block_size,
-            prompt_digest(request.prompt_token_ids),
-            generation,
-        )
-        out = {
+        if self.consumer is not None and rid in self.consumer.requests:
+            self.consumer.request_finished(rid, [], None, done=True)
+            request.kv_transfer_params["do_remote_prefill"] = False
+            return False, None
+        if self.producer is None or rid not in self.producer.requests:
+            return False, None
+        done = not finished_ok or request.num_computed_tokens < request.num_prompt_tokens
+        first = request.output_token_ids[0] if request.output_token_ids else None
+        delay, params = self.producer.request_finished(rid, block_ids, first, done)
+        if not isinstance(params, RemotePrefill):
+            return delay, None
+        return delay, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            CAPABILITY_KEY: base64.b64encode(issue(cap, self.token)).decode(),
-            "remote_engine_id": self.instance_id,
+            CAPABILITY_KEY: base64.b64encode(params.capability).decode(),
+            "remote_engine_id": params.instance_id,
             "remote_request_id": rid,
         }
-        return True, out
 
+    # -- every step ----------------------------------------------------------------------
+    def build_orders(self, num_scheduled_tokens: int) -> Orders:
+        """This step's orders per role; a step with no token to compute lets the
+        workers wait for their transfers (`EMPTY_STEP_WAIT_S`)."""
+        idle = EMPTY_STEP_WAIT_S if num_scheduled_tokens == 0 else 0.0
+        return {
+            role: side.build_connector_meta(idle_wait_s=idle) for role, side in self.sides.items()
+        }
 
-def _check(raw: bytes, token: bytes | None, me: str) -> Capability:
-    """A capability issued to this instance, or to any reader ("": the prefill request
-    named none); AuthError naming what is wrong otherwise."""
-    try:
-        return check(raw, token, me)
-    except AuthError as exc:
-        if "was issued to decode instance ''" not in str(exc):
-            raise
-    return check(raw, token, "")
+    def update(self, reports: Reports) -> None:
+        """Fold the workers' reports of one step (one per worker and role)."""
+        for role, outputs in reports.items():
+            side = self.sides.get(role)
+            if side is None or not outputs:
+                continue
+            for rec in side.update_connector_output(outputs):
+                if rec.state is not RequestState.RUNNING and rec.state is not RequestState.RELEASED:
+                    log.info("request %s: %s (%s)", rec.request_id, rec.state.name, rec.reason)
+            for error in side.errors:
+                log.warning("kvbridge %s worker: %s", role.value, error)

@@ -12,15 +12,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbridge.connector import ConnectorRole
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.config import TransferConfig, load_token
 from kvbridge.transfer.identity import Identity
 
-#: kv_role -> (runs a producer, runs a consumer)
+#: kv_role -> the hand-over roles the instance plays
 ROLES = {
-    "kv_producer": (True, False),
-    "kv_consumer": (False, True),
-    "kv_both": (True, True),
+    "kv_producer": (ConnectorRole.PRODUCER,),
+    "kv_consumer": (ConnectorRole.CONSUMER,),
+    "kv_both": (ConnectorRole.PRODUCER, ConnectorRole.CONSUMER),
 }
 
 

@@ -95,34 +95,30 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-        def per_engine(metric: Any) -> dict[int, Any]:
+        def histogram(name: str, doc: str, buckets: list[float]) -> dict[int, Any]:
+            metric = self._histogram_cls(
+                name=name, documentation=doc, buckets=buckets, labelnames=labelnames
+            )
             return create_metric_per_engine(metric, self.per_engine_labelvalues)
 
-        self.pull_time = per_engine(
-            self._histogram_cls(
-                name="vllm:kvbridge_pull_time_seconds",
-                documentation="One decode worker's KV pull with KVBridgeConnector, from "
-                "the order to every byte in place.",
-                buckets=_TIME_BUCKETS,
-                labelnames=labelnames,
-            )
+        self.pull_time = histogram(
+            "vllm:kvbridge_pull_time_seconds",
+            "One decode worker's KV pull with KVBridgeConnector, from the order to every "
+            "byte in place.",
+            _TIME_BUCKETS,
         )
-        self.pull_bytes = per_engine(
-            self._histogram_cls(
-                name="vllm:kvbridge_pull_bytes",
-                documentation="Bytes one decode worker pulled with KVBridgeConnector.",
-                buckets=_BYTE_BUCKETS,
-                labelnames=labelnames,
-            )
+        self.pull_bytes = histogram(
+            "vllm:kvbridge_pull_bytes",
+            "Bytes one decode worker pulled with KVBridgeConnector.",
+            _BYTE_BUCKETS,
         )
-        self.failed_pulls = per_engine(
-            self._counter_cls(
-                name="vllm:kvbridge_failed_pulls",
-                documentation="KV pulls with KVBridgeConnector that failed (reported to "
-                "vLLM as load errors).",
-                labelnames=labelnames,
-            )
+        failed = self._counter_cls(
+            name="vllm:kvbridge_failed_pulls",
+            documentation="KV pulls with KVBridgeConnector that failed (reported to vLLM as "
+            "load errors).",
+            labelnames=labelnames,
         )
+        self.failed_pulls = create_metric_per_engine(failed, self.per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for seconds in transfer_stats_data.get("pull_seconds", []):

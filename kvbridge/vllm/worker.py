@@ -1,41 +1,25 @@
-"""The connector's worker side: one per vLLM worker (TP rank), in the worker process.
+"""The connector's worker side in vLLM: one per worker (TP rank), in the worker process.
 
-It registers the worker's KV caches once (`cache.describe_kv_caches` names their
-layout), then runs kvbridge's transfer runtime over them: a `WorkerConnector` per role
-(producer and/or consumer, each with its own NIXL agent), driven with the orders the
-scheduler side sends each step. vLLM's worker thread calls `start_load_kv` and
-`get_finished` once per engine step, and a step on CPU may be long: each
-`WorkerConnector` progresses its transfers in its own thread meanwhile (the transfer
-layer's `ProgressThread`, as in kvbridge's own engine), so reads of a producer's memory
-and its notifications do not wait for the next step.
+It only translates. vLLM's registered caches (`cache.describe_kv_caches`) are handed to
+the hand-over contract's worker side (`kvbridge.connector.KVConnectorWorker`), one per
+role the instance plays, each with its own NIXL agent and progress thread; each step's
+orders go to them as they are, and their reports come back three ways: vLLM's finished
+sets and load-error blocks (which vLLM acts on), the reports themselves (for the
+scheduler side's request states, through vLLM's connector worker metadata), and one
+observation per pull for vLLM's metrics (`stats.py`). Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from kvbridge.errors import ConfigError
+from kvbridge.connector import ConnectorMetadata, ConnectorRole, ConnectorSpec, KVWorkerOutput
+from kvbridge.connector.worker import KVConnectorWorker
 from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.transfer.config import KVExport, TransferConfig
-from kvbridge.transfer.connector import (
-    ConnectorRole,
-    ConnectorSpec,
-    GetEndpoint,
-    Poll,
-    SetEndpoints,
-    SetSiblings,
-    WorkerConnector,
-)
+from kvbridge.transfer.connector import Pull
 from kvbridge.vllm.cache import RegisteredCache
-from kvbridge.vllm.scheduler import StepOrders
-from kvbridge.vllm.settings import ROLES, ConnectorSettings
-
-if TYPE_CHECKING:
-    from kvbridge.transfer.export import SharedSegment
+from kvbridge.vllm.settings import ConnectorSettings
 
 #: under vLLM's "vllm" logger, so vLLM's handlers print it
 log = logging.getLogger("vllm.kvbridge")
@@ -44,164 +28,85 @@ log = logging.getLogger("vllm.kvbridge")
 OBSERVATION_KEYS = ("pull_seconds", "pull_bytes", "failed_pulls")
 
 
-def export_segment(cache: RegisteredCache, transfer: TransferConfig) -> SharedSegment | None:
-    """vLLM's KV buffer moved into shared memory in place, for a prefill worker whose
-    peers read from an export process (`TransferConfig.kv_export`); None where they read
-    from its own agent: inline, auto without a token, or a cache this cannot move (auto:
-    logged; process: ConfigError naming why)."""
-    from kvbridge.transfer.errors import TransferError
-    from kvbridge.transfer.export import SharedSegment
-
-    if not transfer.wants_export_process:
-        return None
-    spans = sorted(zip(cache.regions.addresses, cache.regions.lengths, strict=True))
-    gaps = [a for (a, n), (b, _) in itertools.pairwise(spans) if a + n != b]
-    try:
-        if gaps:
-            raise TransferError(
-                f"its {len(spans)} layer regions are not one contiguous buffer (a gap after "
-                f"{gaps[0]:#x})"
-            )
-        lo, (last, n) = spans[0][0], spans[-1]
-        return SharedSegment.adopt(lo, last + n - lo)
-    except TransferError as exc:
-        if transfer.kv_export is KVExport.PROCESS:
-            raise ConfigError(
-                f"kv_connector_extra_config.kv_export='process' cannot export vLLM's KV "
-                f"cache: {exc}; use 'inline' or 'auto'"
-            ) from None
-        log.warning(
-            "kvbridge: peers read this prefill worker's KV from its own NIXL agent "
-            "(kv_export auto could not move vLLM's KV cache into shared memory: %s)",
-            exc,
-        )
-        return None
-
-
-@dataclass
-class _PullState:
-    request_id: str  # vLLM's id
-    local_block_ids: list[int]
-    num_tokens: int
-    start_token: int
-    started: float = field(default_factory=time.perf_counter)
-
-
 @dataclass
 class StepResults:
+    """One step's report to vLLM: its finished sets, and every role's worker report."""
+
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
-    failed_block_ids: set[int] = field(default_factory=set)
+    reports: dict[ConnectorRole, KVWorkerOutput] = field(default_factory=dict)
 
 
 class WorkerSide:
-    """One TP rank's transfer runtime; built by `register_kv_caches`, closed by
-    `close` (the connector's `shutdown`). Methods are called from vLLM's worker thread;
-    each `WorkerConnector` serialises them with its own progress thread."""
+    """One TP rank's hand-over workers; built by `register_kv_caches`, closed by `close`
+    (the connector's `shutdown`). Called from vLLM's worker thread only."""
 
     def __init__(
         self,
         settings: ConnectorSettings,
         instance_id: str,
-        kv_role: str,
+        roles: tuple[ConnectorRole, ...],
         model: ModelKVSpec,
         cache: RegisteredCache,
         rank: int,
     ) -> None:
         self.rank = rank
-        self.cache = cache
-        is_producer, is_consumer = ROLES[kv_role]
-        transfer = settings.transfer
-        self.producer: WorkerConnector | None = None
-        self.consumer: WorkerConnector | None = None
-        self.segment = export_segment(cache, transfer) if is_producer else None
+        secret = settings.identity.secret.decode() if settings.identity else ""
+        self.sides: dict[ConnectorRole, KVConnectorWorker] = {}
         try:
-            for role, wanted in (
-                (ConnectorRole.PRODUCER, is_producer),
-                (ConnectorRole.CONSUMER, is_consumer),
-            ):
-                if not wanted:
-                    continue
-                identity = settings.identity
-                secret = (
-                    identity.secret.decode() if identity and role is ConnectorRole.CONSUMER else ""
-                )
-                wc = WorkerConnector(
-                    ConnectorSpec(role, instance_id, transfer, identity=secret),
-                    model,
-                    cache.layout,
-                    rank,
-                    cache.regions,
-                    cache.num_blocks,
-                    segment=self.segment if role is ConnectorRole.PRODUCER else None,
-                )
-                if role is ConnectorRole.PRODUCER:
-                    self.producer = wc
-                else:
-                    self.consumer = wc
+            for role in roles:
+                identity = secret if role is ConnectorRole.CONSUMER else ""
+                spec = ConnectorSpec(role, instance_id, settings.transfer, identity=identity)
+                self.sides[role] = KVConnectorWorker(spec, model, cache.layout, rank)
+                self.sides[role].register_regions(cache.regions, cache.num_blocks, adopt=True)
         except BaseException:
-            self._close_runtime()
+            self.close()
             raise
-        self.endpoint = self.producer.handle(GetEndpoint()).endpoint if self.producer else ""
-        #: what the other decode workers of this instance need (the fan-out), base64
-        self.sibling = self.consumer.handle(GetEndpoint()).sibling if self.consumer else ""
-        self._endpoints_set = False
-        self._pulls: dict[str, _PullState] = {}  # by the producer's request id
-        self._sending: set[str] = set()  # exposed request ids (vLLM's own on a prefill)
-        self._pending = StepResults()
-        self.num_bytes_pulled = 0
+        #: the handshake metadata: a producer's side channel, a consumer's sibling entry
+        self.endpoint, self.sibling = (
+            self.sides[role].get_handshake_metadata() if role in self.sides else ""
+            for role in (ConnectorRole.PRODUCER, ConnectorRole.CONSUMER)
+        )
+        self._pulls: dict[str, Pull] = {}  # in flight, by vLLM's id (for the log line)
         self._observed: dict[str, list[float]] = {key: [] for key in OBSERVATION_KEYS}
 
-    # -- vLLM's worker thread ------------------------------------------------------------
-    def apply(self, orders: StepOrders) -> None:
-        """Carry out one step's orders (start_load_kv)."""
-        if self.producer is not None and not self._endpoints_set and orders.endpoints:
-            self.producer.handle(SetEndpoints(orders.endpoints))
-            self._endpoints_set = True
-        if self.consumer is not None and orders.siblings:
-            try:
-                self.consumer.handle(SetSiblings(orders.siblings))
-            except Exception as exc:  # the same list fails on every worker, as a rule
-                log.warning(
-                    "decode worker %d: meeting the instance's other workers failed (%s); "
-                    "it reads its own bytes, and pulls its siblings fan out fail and are "
-                    "recomputed",
-                    self.rank,
-                    exc,
-                )
-        for expose in orders.exposes:
-            assert self.producer is not None
-            self.producer.handle(expose)
-            self._sending.add(expose.request_id)
-        for order in orders.pulls:
-            assert self.consumer is not None
-            p = order.pull
-            self._pulls[p.request_id] = _PullState(
-                order.request_id, list(p.local_block_ids), p.num_tokens, p.start_token
-            )
-            try:
-                self.consumer.handle(p)
-            except Exception as exc:  # refused at once: report it as a failed load
-                log.warning("decode worker %d: pull of %s refused: %s", self.rank, p, exc)
-                state = self._pulls.pop(p.request_id)
-                self._pending.finished_recving.add(state.request_id)
-                self._pending.failed_block_ids.update(state.local_block_ids)
-                self._observed["failed_pulls"].append(1.0)
-        for decline in orders.declines:
-            if self.consumer is not None:
-                self.consumer.handle(decline)
+    def start(self, orders: dict[ConnectorRole, ConnectorMetadata]) -> None:
+        """Bind one step's orders and start them: pulls, declines, introductions, the
+        instance's endpoints and siblings (vLLM's start_load_kv)."""
+        for role, worker in self.sides.items():
+            meta = orders.get(role, ConnectorMetadata())
+            worker.bind_connector_metadata(meta)
+            worker.start_load_kv()
+            ids = meta.recv_request_ids or [p.request_id for p in meta.reqs_to_recv]
+            self._pulls.update(zip(ids, meta.reqs_to_recv, strict=True))
 
-    def collect(self, wait_s: float = 0.0) -> StepResults:
-        """Requests whose transfers finished since the last call (get_finished). With
-        `wait_s` (an empty step) and transfers in flight but none finished, first wait
-        up to that long for one to finish, on the runtime's event: no spinning."""
-        self._drain()
-        if wait_s > 0 and self._is_empty(self._pending) and (self._pulls or self._sending):
-            side = self.consumer if self._pulls else self.producer
-            if side is not None and side.wait_for_events(wait_s):
-                self._drain()
-        out, self._pending = self._pending, StepResults()
+    def save(self) -> None:
+        """Expose the finished prefills, release the cancelled (vLLM's wait_for_save)."""
+        for worker in self.sides.values():
+            worker.wait_for_save()
+
+    def collect(self) -> StepResults:
+        """What finished since the last call (vLLM's get_finished); the orders' idle
+        wait applies (`ConnectorMetadata.idle_wait_s`)."""
+        out = StepResults()
+        for role, worker in self.sides.items():
+            report = worker.get_finished()
+            worker.clear_connector_metadata()
+            out.reports[role] = report
+            out.finished_sending |= {ev.request_id for ev in report.finished_sending}
+            out.finished_recving |= {ev.request_id for ev in report.finished_recving}
+            if report.error:
+                log.warning("kvbridge %s worker %d: %s", role.value, self.rank, report.error)
+            for ev in report.finished_recving:
+                self._observe(
+                    ev.request_id, ev.ok, ev.nbytes, ev.local_nbytes, ev.elapsed_ms, ev.reason
+                )
         return out
+
+    def load_errors(self) -> set[int]:
+        """Blocks of pulls that failed since the last call (vLLM recomputes or fails)."""
+        worker = self.sides.get(ConnectorRole.CONSUMER)
+        return worker.get_block_ids_with_load_errors() if worker is not None else set()
 
     def take_observations(self) -> dict[str, list[float]] | None:
         """The pulls finished since the last call, for vLLM's metrics (None if none)."""
@@ -211,56 +116,30 @@ class WorkerSide:
         return out
 
     def close(self) -> None:
-        self._close_runtime()
+        for role, worker in self.sides.items():
+            try:
+                worker.shutdown()
+            except Exception as exc:
+                log.warning("kvbridge %s worker %d: close: %s", role.value, self.rank, exc)
+        self.sides = {}
 
-    # -- internals -----------------------------------------------------------------------
-    @staticmethod
-    def _is_empty(res: StepResults) -> bool:
-        return not (res.finished_sending or res.finished_recving or res.failed_block_ids)
-
-    def _drain(self) -> None:
-        if self.producer is not None:
-            for ev in self.producer.handle(Poll()).events:
-                if ev.request_id in self._sending:
-                    self._sending.discard(ev.request_id)
-                    self._pending.finished_sending.add(ev.request_id)
-        if self.consumer is not None:
-            for ev in self.consumer.handle(Poll()).events:
-                state = self._pulls.pop(ev.request_id, None)
-                if state is None:
-                    continue
-                self._pending.finished_recving.add(state.request_id)
-                ms = (time.perf_counter() - state.started) * 1e3
-                if ev.ok:
-                    self.num_bytes_pulled += ev.nbytes
-                    self._observed["pull_seconds"].append(ev.elapsed_ms / 1e3)
-                    self._observed["pull_bytes"].append(float(ev.nbytes))
-                    log.info(
-                        "kvbridge decode worker %d pulled %s: tokens [%d, %d), %d bytes "
-                        "(+%d copied from a sibling) in %.1f ms",
-                        self.rank,
-                        state.request_id,
-                        state.start_token,
-                        state.num_tokens,
-                        ev.nbytes,
-                        ev.local_nbytes,
-                        ms,
-                    )
-                else:
-                    self._pending.failed_block_ids.update(state.local_block_ids)
-                    self._observed["failed_pulls"].append(1.0)
-                    log.warning(
-                        "kvbridge decode worker %d failed to pull %s: %s",
-                        self.rank,
-                        state.request_id,
-                        ev.reason,
-                    )
-
-    def _close_runtime(self) -> None:
-        for wc in (self.producer, self.consumer):
-            if wc is not None:
-                try:
-                    wc.close()
-                except Exception as exc:
-                    log.warning("kvbridge worker %d: close: %s", self.rank, exc)
-        self.producer = self.consumer = None
+    def _observe(self, rid: str, ok: bool, nbytes: int, local: int, ms: float, reason: str) -> None:
+        pull = self._pulls.pop(rid, None)
+        if not ok:
+            self._observed["failed_pulls"].append(1.0)
+            log.warning("kvbridge decode worker %d failed to pull %s: %s", self.rank, rid, reason)
+            return
+        self._observed["pull_seconds"].append(ms / 1e3)
+        self._observed["pull_bytes"].append(float(nbytes))
+        start, end = (pull.start_token, pull.num_tokens) if pull is not None else (0, 0)
+        log.info(
+            "kvbridge decode worker %d pulled %s: tokens [%d, %d), %d bytes "
+            "(+%d copied from a sibling) in %.1f ms",
+            self.rank,
+            rid,
+            start,
+            end,
+            nbytes,
+            local,
+            ms,
+        )

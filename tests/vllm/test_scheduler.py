@@ -1,7 +1,9 @@
-"""The connector's scheduler side between instances of different block sizes (no vLLM
-needed: requests are the few fields it reads). A prefill instance of block 64 exposes
-exactly the prompt's tokens; a decode instance of block 32 pulls them, or only the
-tokens past its prefix cache hit, from the prefill block that holds the first of them."""
+"""The connector's scheduler side in vLLM between instances of different block sizes (no
+vLLM needed: requests are the few fields it reads). A prefill instance of block 64
+exposes exactly the prompt's tokens; a decode instance of block 32 pulls them, or only
+the tokens past its prefix cache hit, from the prefill block that holds the first of
+them. The request states themselves are the hand-over contract's
+(tests/connector/test_hosts.py drives both hosts through them)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from types import SimpleNamespace
 import msgspec
 import pytest
 
+from kvbridge.connector import ConnectorRole
 from kvbridge.transfer.connector import Pull
-from kvbridge.vllm.scheduler import EMPTY_STEP_WAIT_S, SchedulerSide
-from kvbridge.vllm.settings import ConnectorSettings
+from kvbridge.vllm.scheduler import CAPABILITY_KEY, EMPTY_STEP_WAIT_S, SchedulerSide
+from kvbridge.vllm.settings import ROLES, ConnectorSettings
 
 PROMPT = list(range(100, 187))  # 87 tokens: 2 prefill blocks of 64, 3 decode blocks of 32
+P, C = ConnectorRole.PRODUCER, ConnectorRole.CONSUMER
 
 
 def request(rid: str, params: dict | None) -> SimpleNamespace:
@@ -24,19 +28,25 @@ def request(rid: str, params: dict | None) -> SimpleNamespace:
         num_prompt_tokens=len(PROMPT),
         prompt_token_ids=PROMPT,
         num_computed_tokens=len(PROMPT),
+        output_token_ids=[7],
     )
+
+
+def side(name: str, block_size: int) -> SchedulerSide:
+    out = SchedulerSide(ConnectorSettings(), name, ROLES["kv_both"], block_size, 1)
+    out.set_handshake(["tcp://127.0.0.1:5000"], ["c2libGluZyAw"])
+    return out
 
 
 def prefilled() -> tuple[dict, int]:
     """kv_transfer_params a block-64 prefill instance returns for PROMPT in blocks 7, 3,
     and the generation of that exposure."""
-    prefill = SchedulerSide(ConnectorSettings(), "p", "kv_both", 64)
-    prefill.set_endpoints(["tcp://127.0.0.1:5000"])
-    delay, params = prefill.request_finished(
-        request("p-1", {"do_remote_decode": True}), [7, 3], finished_ok=True
-    )
-    assert delay and params is not None
-    (expose,) = prefill.build_orders(1).exposes
+    prefill = side("p", 64)
+    req = request("p-1", {"do_remote_decode": True})
+    prefill.on_new_request(req)
+    delay, params = prefill.request_finished(req, [7, 3, 11], finished_ok=True)
+    assert delay and params is not None and params["remote_request_id"] == "p-1"
+    (expose,) = prefill.build_orders(1)[P].reqs_to_send
     assert (expose.block_ids, expose.num_tokens) == ([7, 3], len(PROMPT))  # not 128
     return params, expose.generation
 
@@ -50,34 +60,52 @@ def prefilled() -> tuple[dict, int]:
     ],
 )
 def test_a_smaller_decode_block_pulls_the_prompt_past_its_hit(hit, remote, local) -> None:
-    decode = SchedulerSide(ConnectorSettings(), "d", "kv_both", 32)
+    decode = side("d", 32)
     params, generation = prefilled()
     req = request("d-1", params)
+    decode.on_new_request(req)
     count, is_async = decode.num_new_matched_tokens(req, hit)
     assert (count, is_async) == (len(PROMPT) - hit, True)
-    decode.after_alloc(req, [5, 9, 2], count)
-    orders = decode.build_orders(1)
-    assert not orders.declines
-    (order,) = orders.pulls
+    decode.after_alloc(req, [5, 9, 2, 4], count)  # a block past the prompt is not read
+    orders = decode.build_orders(1)[C]
+    assert not orders.reqs_to_decline
+    (pull,) = orders.reqs_to_recv
+    # the pull names the prefill's request; the workers report it under vLLM's id here
+    assert orders.recv_request_ids == ["d-1"]
     want = Pull("p-1", "tcp://127.0.0.1:5000", remote, local, len(PROMPT), hit)
     # the exposure's generation, carried by the capability: the prefill confirms it
-    assert order.pull == msgspec.structs.replace(want, generation=generation)
+    assert pull == msgspec.structs.replace(want, generation=generation)
+    assert req.kv_transfer_params["do_remote_prefill"] is False  # one pull per request
+
+
+def test_a_refused_capability_is_computed_here() -> None:
+    """A forged capability pulls nothing and holds nothing: vLLM computes the prompt."""
+    decode = side("d", 32)
+    params, _ = prefilled()
+    params[CAPABILITY_KEY] = params[CAPABILITY_KEY][:-8] + "AAAAAAA="
+    req = request("d-1", params)
+    decode.on_new_request(req)
+    assert decode.num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params["do_remote_prefill"] is False
+    assert not decode.consumer.requests and not decode.build_orders(1)[C].reqs_to_recv
 
 
 def test_only_a_step_with_nothing_to_compute_lets_the_workers_wait() -> None:
     """vLLM keeps stepping while a KV transfer is in flight; in a step with no token to
     compute the workers may sleep on their transfers (up to EMPTY_STEP_WAIT_S) instead
     of returning at once, and in any other step they never wait."""
-    side = SchedulerSide(ConnectorSettings(), "d", "kv_both", 32)
-    assert side.build_orders(0).idle_wait_s == EMPTY_STEP_WAIT_S > 0
-    assert side.build_orders(1).idle_wait_s == 0
+    decode = side("d", 32)
+    assert decode.build_orders(0)[C].idle_wait_s == EMPTY_STEP_WAIT_S > 0
+    assert decode.build_orders(1)[C].idle_wait_s == 0
 
 
-def test_the_decode_workers_meet_each_other_in_the_first_step_only() -> None:
+def test_the_instance_workers_meet_each_other_in_the_first_step_only() -> None:
     """The fan-out: every decode worker's sibling entry (from vLLM's handshake metadata)
-    goes to all workers once, in the next step's orders, not in every step's."""
-    decode = SchedulerSide(ConnectorSettings(), "d", "kv_both", 32)
-    assert decode.build_orders(1).siblings == []
-    decode.set_siblings(["c2libGluZyAw", "c2libGluZyAx"])
-    assert decode.build_orders(1).siblings == ["c2libGluZyAw", "c2libGluZyAx"]
-    assert decode.build_orders(1).siblings == []
+    goes to all workers once, in the next step's orders, and so do the prefill workers'
+    endpoints."""
+    decode = side("d", 32)
+    first = decode.build_orders(1)
+    assert first[C].siblings == ["c2libGluZyAw"]
+    assert first[P].worker_endpoints == ["tcp://127.0.0.1:5000"]
+    second = decode.build_orders(1)
+    assert second[C].siblings is None and second[P].worker_endpoints is None
