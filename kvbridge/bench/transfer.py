@@ -224,6 +224,37 @@ def _burst(rate: str) -> str:
 
 
 def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> int:
+    figures = _measure(args, hosts)
+    if args.json:
+        print(json.dumps(_json(args, figures)))
+    else:
+        _print_figures(args, figures)
+    return 0
+
+
+@dataclass(frozen=True)
+class _Figures:
+    """What one `kvbridge bench transfer` run measured, for the table or the JSON."""
+
+    rows: list[Row]
+    modes: list[str]  # kv_export modes measured (two: rows alternate inline, process)
+    total: int  # bytes per request into the decode workers
+    link_total: int  # bytes per request read from the prefill
+    local_total: int  # bytes per request copied on the decode host (a fan-out)
+    distinct: int  # the request's distinct KV bytes
+    fans_out: bool
+    t_mem: float  # (b): seconds
+    floor: cma_floor.CmaFloor | None
+    streams: int  # decode workers reading over the link
+    tcp_s: float | None  # --hosts: (c) one stream, (d) `streams` at once: seconds
+    tcp_multi_s: float | None
+    link_ratio: float | None
+    link_bytes: int  # --hosts: what the prefill host's link carried in all
+    export_cost: list[tuple[str, float]]  # pair -> kv_export process / inline
+    hosts: bool
+
+
+def _measure(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> _Figures:
     if not 1 <= args.kv_heads <= 32 or 32 % args.kv_heads:
         raise ConfigError(f"--kv-heads={args.kv_heads} must divide the 32 query heads")
     model = ModelKVSpec(32, 32, args.kv_heads, 128, "bfloat16", AttentionKind.GQA, "32-layer GQA")
@@ -307,28 +338,56 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
         )
     # the link's best raw figure against the plan: 1.0 moves the KV as fast as TCP can
     link_ratio = min(tcp_s, tcp_multi_s) * 1e3 / rows[0].plan_ms if tcp_s and tcp_multi_s else None
-    if args.json:
-        out: dict[str, Any] = asdict(rows[0])
-        out["rows"] = [asdict(r) for r in rows]
-        out["floor_ratio"] = floor.ratio if floor else None
-        out["tcp_ms"] = tcp_s * 1e3 if tcp_s else None
-        out["tcp_multi_ms"] = tcp_multi_s * 1e3 if tcp_multi_s else None
-        out["tcp_streams"] = streams if hosts else None
-        out["link_ratio"] = link_ratio
-        out["link_bytes"] = link_bytes if hosts else None
-        out["distinct_bytes_per_request"] = distinct
-        out["link_bytes_per_request"] = link_total
-        out["local_bytes_per_request"] = link_plan.local_bytes_per_token * args.tokens
-        out["fan_out"] = fans_out
-        out["link_rate"] = args.link_rate
-        out["export_cost"] = export_cost[0][1] if export_cost else None
-        print(json.dumps(out))
-        return 0
+    return _Figures(
+        rows=rows,
+        modes=modes,
+        total=total,
+        link_total=link_total,
+        local_total=link_plan.local_bytes_per_token * args.tokens,
+        distinct=distinct,
+        fans_out=fans_out,
+        t_mem=t_mem,
+        floor=floor,
+        streams=streams,
+        tcp_s=tcp_s,
+        tcp_multi_s=tcp_multi_s,
+        link_ratio=link_ratio,
+        link_bytes=link_bytes,
+        export_cost=export_cost,
+        hosts=bool(hosts),
+    )
+
+
+def _json(args: argparse.Namespace, f: _Figures) -> dict[str, Any]:
+    """The `--json` object: the first row's fields, then every row and the run's figures."""
+    floor, tcp_s, tcp_multi_s = f.floor, f.tcp_s, f.tcp_multi_s
+    out: dict[str, Any] = asdict(f.rows[0])
+    out["rows"] = [asdict(r) for r in f.rows]
+    out["floor_ratio"] = floor.ratio if floor else None
+    out["tcp_ms"] = tcp_s * 1e3 if tcp_s else None
+    out["tcp_multi_ms"] = tcp_multi_s * 1e3 if tcp_multi_s else None
+    out["tcp_streams"] = f.streams if f.hosts else None
+    out["link_ratio"] = f.link_ratio
+    out["link_bytes"] = f.link_bytes if f.hosts else None
+    out["distinct_bytes_per_request"] = f.distinct
+    out["link_bytes_per_request"] = f.link_total
+    out["local_bytes_per_request"] = f.local_total
+    out["fan_out"] = f.fans_out
+    out["link_rate"] = args.link_rate
+    out["export_cost"] = f.export_cost[0][1] if f.export_cost else None
+    return out
+
+
+def _print_figures(args: argparse.Namespace, f: _Figures) -> None:
+    """The table: each pair against (a) and (b), then the link's and the floor's figures."""
+    rows, total, t_mem = f.rows, f.total, f.t_mem
+    link_total, distinct, streams = f.link_total, f.distinct, f.streams
+    tcp_s, tcp_multi_s, link_ratio, link_bytes = f.tcp_s, f.tcp_multi_s, f.link_ratio, f.link_bytes
     print(f"{'':44} {'ms':>8} {'GB/s':>7} {'vs (a)':>7} {'vs (b)':>7} {'descriptors':>12}")
     for r in rows:
         t_raw, t_plan = r.single_read_ms, r.plan_ms
         label = f"plan, {r.prefill_layout} -> {r.decode_layout}"
-        label += f" ({r.kv_export})" if len(modes) == 2 else ""
+        label += f" ({r.kv_export})" if len(f.modes) == 2 else ""
         print(
             f"{label:44} {t_plan:8.1f} "
             f"{_gbps(total, t_plan / 1e3):7.2f} {t_raw / t_plan:7.2f} {t_mem * 1e3 / t_plan:7.2f} "
@@ -372,7 +431,7 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
             f"indices; NIXL joins consecutive ones), {r.run_bytes} B per descriptor; "
             f"plan / (a) = {r.ratio:.2f}"
         )
-    for pair_name, cost in export_cost:
+    for pair_name, cost in f.export_cost:
         print(f"{pair_name}: the KV read from an export process takes {cost:.2f}x the plan "
               "from the prefill worker's own agent (kv_export process / inline)")  # fmt: skip
     r = rows[0]
@@ -380,9 +439,8 @@ def _run(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) -> i
         f"target plan / (a) >= 0.8 for {r.prefill_layout} -> {r.decode_layout}: "
         f"{'met' if r.ratio >= 0.8 else 'NOT met'} ({r.ratio:.2f})"
     )
-    if args.floor and hosts is None:
-        _print_floor(floor, r.run_bytes, r.descriptors)
-    return 0
+    if args.floor and not f.hosts:
+        _print_floor(f.floor, r.run_bytes, r.descriptors)
 
 
 def _layout(args: argparse.Namespace, tp: int, name: str) -> InstanceLayout:

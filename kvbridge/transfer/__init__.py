@@ -40,9 +40,10 @@ if TYPE_CHECKING:
         TransferTracker,
         WorkerConnector,
     )
-    from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
+    from kvbridge.transfer.consumer import KVConsumer
     from kvbridge.transfer.errors import AuthError, HandshakeError, ProtocolError, TransferError
     from kvbridge.transfer.producer import KVProducer, Release, ReleaseCause
+    from kvbridge.transfer.pull import TransferResult, TransferState
     from kvbridge.transfer.regions import CacheRegions, MemType
 
 _EXPORTS = {
@@ -69,8 +70,6 @@ _EXPORTS = {
     "TransferConfig": "config",
     "load_token": "config",
     "KVConsumer": "consumer",
-    "TransferResult": "consumer",
-    "TransferState": "consumer",
     "AuthError": "errors",
     "HandshakeError": "errors",
     "ProtocolError": "errors",
@@ -78,6 +77,8 @@ _EXPORTS = {
     "KVProducer": "producer",
     "Release": "producer",
     "ReleaseCause": "producer",
+    "TransferResult": "pull",
+    "TransferState": "pull",
     "CacheRegions": "regions",
     "MemType": "regions",
 }

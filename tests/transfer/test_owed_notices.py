@@ -12,10 +12,11 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kvbridge.transfer.consumer import RELEASE_RETRY_S, KVConsumer, TransferResult, TransferState
+from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
 from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.owed import OwedNotices
 from kvbridge.transfer.producer import KVProducer, ReleaseCause
+from kvbridge.transfer.pull import RELEASE_RETRY_S
 from kvbridge.transfer.side_channel import SideChannelServer
 
 from .fakes import Clock, FakeTransport, deliver

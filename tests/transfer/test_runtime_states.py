@@ -12,16 +12,12 @@ import pytest
 
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.transfer.agent import XferState
-from kvbridge.transfer.consumer import (
-    CONNECT_SETTLE_S,
-    RELEASE_RETRY_S,
-    KVConsumer,
-    PullFailure,
-    TransferState,
-)
+from kvbridge.transfer.consumer import KVConsumer, PullFailure, TransferState
+from kvbridge.transfer.introductions import CONNECT_SETTLE_S
 from kvbridge.transfer.messages import ReadDone, encode
 from kvbridge.transfer.netdev import free_port
 from kvbridge.transfer.producer import KVProducer, ReleaseCause
+from kvbridge.transfer.pull import RELEASE_RETRY_S
 
 from .fakes import (
     Clock,
