@@ -20,12 +20,9 @@ a request's hand-over is given as its `kv_transfer_params` and lives in the engi
   The connector's orders go to the workers in `step()` and `poll_kv()` (call it every
   `kv_poll_interval()` seconds when that is not None), which also collect the ended
   hand-overs; the workers' progress threads move the transfers in between. A decode
-  step that starts pulls while others decode may wait for them (`JOIN_WAIT_OF_STEP`).
-Without a connector, the seams a test or another transport uses by hand:
-`add_request(..., prefill_only=True)` (or `prefill()`) keeps a prefill's blocks
-(`Completion.block_ids`) until `release_blocks`; `allocate_blocks` /
-`allocate_for_prompt` reserve blocks for an incoming prompt KV and
-`add_prefilled_request` decodes from them.
+  step that starts pulls while others decode may wait for them (`kv_host.py`).
+Without a connector, `add_request(..., prefill_only=True)` computes the prompt and its
+first token only (FinishReason.PREFILLED; its blocks are freed, nothing is exposed).
 
 Prefix caching (`EngineConfig.enable_prefix_caching`, on by default): the full blocks of
 every prompt and output are registered in the block manager's prefix cache as they are
@@ -37,18 +34,13 @@ with the same salt share them (`BlockManager.root`).
 
 from __future__ import annotations
 
-import collections
 import itertools
-import logging
-import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvbridge.connector import (
-    BUSY_POLL_S,
-    IDLE_POLL_S,
-    ConnectorRole,
     KVConnectorConfig,
     KVConnectorScheduler,
     KVRequest,
@@ -58,9 +50,10 @@ from kvbridge.connector import (
     RequestState,
 )
 from kvbridge.engine.block_manager import BlockManager
-from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.config import EngineConfig, ModelConfig
 from kvbridge.engine.errors import EngineError, OutOfBlocksError, RequestError
 from kvbridge.engine.executor import Executor, InProcessExecutor
+from kvbridge.engine.kv_host import KVHost
 from kvbridge.engine.sampling import make_generator, sample
 from kvbridge.engine.sampling_params import SamplingParams
 from kvbridge.engine.scheduler import Scheduler
@@ -69,18 +62,6 @@ from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvbridge.engine.weights import Progress, open_weights, read_model_config, resolve_model
 
 ExecutorFactory = Callable[..., Executor]
-#: A decode step about to start waits up to this share of the last decode step's time for
-#: the pulls it starts (`LLMEngine._join_wait_s`). A request can only join a batch between
-#: steps, so without the wait a pull that ends 40 ms into a step of 300 ms joins the step
-#: after it: its second token comes a whole step later. The running requests pay the wait
-#: (one pull's time, once per pulled request); the pulled one gains up to a step. When
-#: the recent pulls (median of the last `RECENT_PULLS`) took longer than the wait allows
-#: (a slow link, a prefill gone), a step does not wait: it would only delay the others.
-JOIN_WAIT_OF_STEP = 0.5
-RECENT_PULLS = 8
-#: The longest such wait: the engine loop serves its other calls between steps.
-JOIN_WAIT_MAX_S = 1.0
-log = logging.getLogger("kvbridge.engine")
 
 
 @dataclass(frozen=True)
@@ -117,7 +98,6 @@ class Completion:
     finish_reason: FinishReason
     ttft_s: float
     total_s: float
-    block_ids: list[int]  # non-empty only for a prefill-only request without a connector
     num_cached_tokens: int = 0  # prompt tokens taken from the prefix cache
     #: a prefill exposed for its reader: what the decode instance is given (RemotePrefill)
     kv_transfer_params: KVTransferParams | None = None
@@ -166,13 +146,15 @@ class LLMEngine:
             self.executor.info.num_blocks,
             self.config.block_size,
             enable_prefix_caching=self.config.enable_prefix_caching,
-            salt=self._cache_salt(),
+            salt=_cache_salt(self.model_path, self.config),
         )
-        self.kv: KVConnectorScheduler | None = None
+        self.kv: KVConnectorScheduler | None = None  # the connector's scheduler side
+        self._kv_host: KVHost | None = None
         if connector is not None:
             endpoints = self.executor.kv_handshake_metadata()  # one per worker, rank order
             self.kv = KVConnectorScheduler(connector, self.config.block_size, len(endpoints))
             self.kv.set_worker_endpoints(endpoints)
+            self._kv_host = KVHost(self.kv, self.executor)
         self.scheduler = Scheduler(
             self.block_manager,
             self.config.max_num_seqs,
@@ -183,23 +165,11 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self._pending_outputs: list[RequestOutput] = []  # from calls between steps
-        self._decode_step_s = 0.0  # the last decode step's forward (`_join_wait_s`)
-        #: the workers' own time of the last pulls that ended (seconds; `_join_wait_s`)
-        self._pull_s: collections.deque[float] = collections.deque(maxlen=RECENT_PULLS)
         # the workers learn their instance's endpoints now, before anyone can reach this
         # engine: a producer worker refuses handshakes until it knows them, and an idle
         # engine sends the connector's orders only at its first step or poll (a decode
         # instance introduced at start-up was refused, once per decode worker, until then)
-        self._kv_flush(poll=False)
-
-    def _cache_salt(self) -> bytes:
-        """What besides the tokens makes a block's bytes: the model file, the layout
-        (tp, block size, axis order) and the dtype."""
-        c = self.config
-        return (
-            f"{self.model_path.name}|{self.model_path.stat().st_size}|{c.layout().describe()}"
-            f"|{c.kv_dtype}"
-        ).encode()
+        self._kv_flush()
 
     # ---- requests ----
     def add_request(
@@ -218,85 +188,55 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if kv_transfer_params is not None and self.kv is None:
             raise RequestError("kv_transfer_params given, but this engine has no KV connector")
-        remote_decode = isinstance(kv_transfer_params, RemoteDecode)
-        seq = self._new_seq(ids, params, request_id, prefill_only or remote_decode)
+        _check_prompt(ids, params, self.max_model_len, self.block_manager, self.model_config)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs and not self._seqs[rid].is_finished:
+            raise RequestError(f"request_id={rid!r} is already running; use a fresh id")
+        if rid in self.scheduler.held:
+            raise RequestError(
+                f"request_id={rid!r} still holds KV blocks (exposed, or its pull ending); "
+                "use a fresh id"
+            )
+        prefill_only = prefill_only or isinstance(kv_transfer_params, RemoteDecode)
+        seq = Sequence(rid, ids, params, self.max_model_len, make_generator(params), prefill_only)
         seq.cache_salt = cache_salt  # its blocks are shared only with the same salt
+        self._seqs[rid] = seq
+        self._detok[rid] = IncrementalDetokenizer(self.tokenizer)
         if self.kv is not None and kv_transfer_params is not None:
             try:
-                self.kv.add_request(seq.request_id, ids, kv_transfer_params)
+                self.kv.add_request(rid, ids, kv_transfer_params)
             except BaseException:
-                self._forget(seq.request_id)
+                self._forget(rid)
                 raise
             seq.kv_params = kv_transfer_params
             if isinstance(kv_transfer_params, RemotePrefill):
                 seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
         self.scheduler.add(seq)
-        return seq.request_id
+        return rid
 
-    def add_prefilled_request(
-        self,
-        prompt_ids: list[int],
-        first_token: int,
-        block_ids: list[int],
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        num_cached_tokens: int = 0,
-        cache_salt: str | None = None,
-    ) -> str:
-        """Decode a request whose prompt K/V already sits in `block_ids` (from
-        `allocate_blocks` or `allocate_for_prompt`, whose cached tokens `num_cached_tokens`
-        reports); its first token was sampled by the prefill instance. Its blocks join
-        the prefix cache under `cache_salt` (the one `allocate_for_prompt` was given)."""
-        params = params or SamplingParams()
-        need = self.block_manager.blocks_for(len(prompt_ids))
-        if len(block_ids) != need:
-            raise RequestError(
-                f"block_ids has {len(block_ids)} blocks but a prompt of "
-                f"{len(prompt_ids)} tokens needs {need}"
-            )
-        seq = self._new_seq(list(prompt_ids), params, request_id, False)
-        seq.block_ids = list(block_ids)
-        seq.num_computed = len(prompt_ids)
-        seq.num_cached_tokens = num_cached_tokens
-        seq.cache_salt = cache_salt
-        self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids, cache_salt)
-        seq.status = SequenceStatus.RUNNING
-        seq.first_token_time = time.perf_counter()
-        self._append_token(seq, first_token)
-        if not seq.is_finished:
-            self.scheduler.add(seq)
-        return seq.request_id
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is not None and not seq.is_finished:
+            self._finish(seq, FinishReason.ABORT)
 
-    def allocate_blocks(self, num_tokens: int) -> list[int]:
-        """Blocks to receive a `num_tokens`-token prompt's K/V (OutOfBlocksError if full)."""
-        return self.block_manager.allocate(self.block_manager.blocks_for(num_tokens))
+    def is_finished(self, request_id: str) -> bool:
+        """Whether the request has finished (its completion waits for `pop`)."""
+        return self._seqs[request_id].is_finished
 
-    def allocate_for_prompt(
-        self, prompt_ids: list[int], max_cached: int | None = None, cache_salt: str | None = None
-    ) -> tuple[list[int], int]:
-        """Blocks to receive a prompt's K/V, the first ones taken from the prefix cache
-        under `cache_salt`: (block ids, number of leading tokens they hold already: a
-        multiple of block_size, at most `max_cached`). OutOfBlocksError (nothing taken)
-        if full."""
-        bm = self.block_manager
-        hit = bm.match_prefix(prompt_ids, max_cached, cache_salt)
-        bm.acquire(hit)  # held first: the allocation below cannot evict them
-        try:
-            fresh = bm.allocate(bm.blocks_for(len(prompt_ids)) - len(hit))
-        except OutOfBlocksError:
-            bm.free(hit)
-            raise
-        return hit + fresh, len(hit) * bm.block_size
+    def lookup(self, prompt_ids: list[int], cache_salt: str | None = None) -> PrefixHit:
+        """What this engine's prefix cache holds of a prompt now under `cache_salt`, and
+        where a pull of it would start (see PrefixHit)."""
+        bs = self.block_manager.block_size
+        n = len(prompt_ids)
+        # whole blocks; a hint for routing, nothing is held
+        cached = len(self.block_manager.match_prefix(prompt_ids, cache_salt=cache_salt)) * bs
+        start = min(cached, (n - 1) // bs * bs) if n else 0
+        return PrefixHit(n, cached, start, 0 < cached == n // bs * bs)
 
-    def cached_prefix_len(self, prompt_ids: list[int], cache_salt: str | None = None) -> int:
-        """How many leading tokens of `prompt_ids` the prefix cache holds now under
-        `cache_salt` (whole blocks); a hint for routing, nothing is held."""
-        hit = self.block_manager.match_prefix(prompt_ids, cache_salt=cache_salt)
-        return len(hit) * self.block_manager.block_size
-
-    def release_blocks(self, block_ids: list[int]) -> None:
-        """Give back blocks kept by a prefill-only request or from `allocate_blocks`."""
-        self.block_manager.free(block_ids)
+    def has_request(self, request_id: str) -> bool:
+        """Whether the id is in use: queued, running, finished but not popped, or its
+        blocks still held by the connector (exposed, or a pull ending)."""
+        return request_id in self._seqs or request_id in self.scheduler.held
 
     # ---- the KV connector ----
     def poll_kv(self) -> list[RequestOutput]:
@@ -305,20 +245,9 @@ class LLMEngine:
         return self._kv_flush(poll=True)
 
     def kv_poll_interval(self) -> float | None:
-        """How soon `poll_kv` is due: often while a transfer is in flight (to collect
-        its outcome); for workers that do not progress their connectors on their own,
-        also just after an introduction or a decline (the handshakes advance only in
-        those polls) and now and then as an idle producer (it answers handshakes and
-        runs leases in them); None when nothing needs it."""
-        if self.kv is None:
-            return None
-        if self.kv.has_transfers:
-            return BUSY_POLL_S
-        if self.executor.connector_polls_itself:
-            return None
-        if time.monotonic() < self.kv.busy_until:
-            return BUSY_POLL_S
-        return IDLE_POLL_S if self.kv.role is ConnectorRole.PRODUCER else None
+        """How soon `poll_kv` is due (`KVHost.poll_interval`); None when nothing needs
+        it, or without a connector."""
+        return self._kv_host.poll_interval() if self._kv_host is not None else None
 
     @property
     def kv_endpoint(self) -> str:
@@ -345,153 +274,81 @@ class LLMEngine:
         self._pending_outputs += self._kv_flush(poll=False)
         return [e for e in endpoints if e in self.kv.connected]
 
-    def lookup(self, prompt_ids: list[int], cache_salt: str | None = None) -> PrefixHit:
-        """What this engine's prefix cache holds of a prompt now under `cache_salt`, and
-        where a pull of it would start (see PrefixHit)."""
-        bs = self.block_manager.block_size
-        n = len(prompt_ids)
-        cached = self.cached_prefix_len(prompt_ids, cache_salt)
-        start = min(cached, (n - 1) // bs * bs) if n else 0
-        return PrefixHit(n, cached, start, 0 < cached == n // bs * bs)
-
-    def has_request(self, request_id: str) -> bool:
-        """Whether the id is in use: queued, running, finished but not popped, or its
-        blocks still held by the connector (exposed, or a pull ending)."""
-        return request_id in self._seqs or request_id in self.scheduler.held
-
-    def _kv_flush(self, poll: bool, recv_wait_s: float = 0.0) -> list[RequestOutput]:
-        kv = self.kv
-        if kv is None:
-            return []
-        meta = kv.build_connector_meta(recv_wait_s)
-        if meta.is_empty and not poll:
-            return []
-        ended = kv.update_connector_output(self.executor.kv_step(meta))
-        for error in kv.errors:
-            log.warning("KV connector: %s", error)
-        outputs = []
-        for rec in ended:
-            out = self._kv_ended(rec)
-            if out is not None:
-                outputs.append(out)
+    def _kv_flush(
+        self,
+        poll: bool = False,
+        recv_wait_s: float = 0.0,
+        refused: Iterable[tuple[Sequence, KVRequest]] = (),
+    ) -> list[RequestOutput]:
+        """Act on the loads `start_remote_loads` ended at once (`refused`), then send
+        the connector's orders to the workers and act on the hand-overs they ended
+        (`KVHost.flush`); the outputs of the requests that finished."""
+        outputs = [out for seq, rec in refused if (out := self._kv_ended(rec, seq)) is not None]
+        if self._kv_host is not None:
+            records = self._kv_host.flush(poll, recv_wait_s)
+            outputs += [out for rec in records if (out := self._kv_ended(rec)) is not None]
         return outputs
 
     def _kv_ended(self, rec: KVRequest, seq: Sequence | None = None) -> RequestOutput | None:
-        """A request's hand-over ended: give back, or use, its blocks."""
-        rid = rec.request_id
-        if rec.state is RequestState.RELEASED or rec.aborted:
-            self.scheduler.release_held(rid)  # exposed blocks, or a pull's aborted request
+        """A request's hand-over ended: the scheduler frees or uses its blocks
+        (`Scheduler.load_ended`); a decode request continues from the prefill's first
+        token, or ends."""
+        seq = self.scheduler.load_ended(rec, seq)
+        if seq is None:
             return None
-        seq = seq or self.scheduler.waiting_for_kv.pop(rid, None)
-        if seq is None or seq.is_finished:
-            return None
+        assert self._kv_host is not None  # (a record comes from the connector)
         seq.kv_nbytes, seq.kv_transfer_ms = rec.nbytes, rec.transfer_ms
         seq.kv_local_nbytes = rec.local_nbytes
         seq.kv_ready_ms = rec.worker_ms
-        if rec.worker_ms:  # (0: refused before any worker began)
-            self._pull_s.append(rec.worker_ms / 1e3)
+        self._kv_host.pulled(rec)
         first = rec.first_token_id
         assert first is not None
         if rec.state is RequestState.FAILED:
             seq.kv_load_error = rec.reason
             seq.error = f"KV cache load failed: {rec.reason}"
             self._finish(seq, FinishReason.ERROR)
-            return RequestOutput(rid, [], "", True, FinishReason.ERROR, seq.error)
+            return RequestOutput(rec.request_id, [], "", True, FinishReason.ERROR, seq.error)
         if rec.state is RequestState.RECOMPUTE:  # the prompt and first token, computed here
             seq.kv_load_error = rec.reason
-            self.scheduler.free(seq)
-            seq.status = SequenceStatus.WAITING
         else:  # RUNNING: the prompt's KV is in its blocks
-            seq.num_computed = len(seq.prompt_ids)
-            self.block_manager.cache_blocks(seq.block_ids, seq.prompt_ids, seq.cache_salt)
-            seq.status = SequenceStatus.RUNNING
             seq.first_token_time = time.perf_counter()
         self._append_token(seq, first)  # sampled by the prefill instance (already sent)
         if seq.is_finished:  # the first token filled the context: no step will come
-            return RequestOutput(rid, [], "", True, seq.finish_reason)
+            return RequestOutput(rec.request_id, [], "", True, seq.finish_reason)
         self.scheduler.add(seq)
         return None
-
-    @property
-    def connector_polls_itself(self) -> bool:
-        """Whether the workers progress their KV connector without `poll_kv` calls."""
-        return self.executor.connector_polls_itself
-
-    def is_finished(self, request_id: str) -> bool:
-        """Whether the request has finished (its completion waits for `pop`)."""
-        return self._seqs[request_id].is_finished
-
-    def check_workers(self) -> None:
-        """Raise WorkerError naming a worker process that has died, without waiting
-        (a no-op for tp 1). Lets an idle server notice a dead worker."""
-        self.executor.check_workers()
-
-    def abort(self, request_id: str) -> None:
-        seq = self._seqs.get(request_id)
-        if seq is not None and not seq.is_finished:
-            self._finish(seq, FinishReason.ABORT)
-
-    def _new_seq(
-        self, ids: list[int], params: SamplingParams, request_id: str | None, prefill_only: bool
-    ) -> Sequence:
-        if not ids:
-            raise RequestError("prompt is empty; give at least one token of text")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens but max_model_len={self.max_model_len}; "
-                f"shorten it to at most {self.max_model_len - 1} tokens"
-            )
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: together "
-                f"{len(ids) + params.max_tokens} exceed the model's context of "
-                f"max_model_len={self.max_model_len} tokens; ask for at most "
-                f"max_tokens={self.max_model_len - len(ids)} or shorten the prompt"
-            )
-        blocks = self.block_manager.blocks_for(len(ids) + 1)
-        if blocks > self.block_manager.num_blocks:
-            raise RequestError(
-                f"prompt of {len(ids)} tokens needs {blocks} KV blocks but the cache has "
-                f"num_blocks={self.block_manager.num_blocks}; start with more blocks"
-            )
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise RequestError(f"token id {bad[0]} is outside [0, {self.model_config.vocab_size})")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._seqs and not self._seqs[rid].is_finished:
-            raise RequestError(f"request_id={rid!r} is already running; use a fresh id")
-        if rid in self.scheduler.held:
-            raise RequestError(
-                f"request_id={rid!r} still holds KV blocks (exposed, or its pull ending); "
-                "use a fresh id"
-            )
-        seq = Sequence(rid, ids, params, self.max_model_len, make_generator(params), prefill_only)
-        self._seqs[rid] = seq
-        self._detok[rid] = IncrementalDetokenizer(self.tokenizer)
-        return seq
 
     # ---- the loop ----
     def has_unfinished(self) -> bool:
         """Whether `step()` has work (requests waiting for their KV wait in `poll_kv`)."""
         return self.scheduler.has_unfinished() or bool(self._pending_outputs)
 
+    def check_workers(self) -> None:
+        """Raise WorkerError naming a worker process that has died, without waiting
+        (a no-op for tp 1). Lets an idle server notice a dead worker."""
+        self.executor.check_workers()
+
     def step(self) -> list[RequestOutput]:
-        """Run one forward step; the outputs of every request that got a token or finished."""
+        """Run one forward step; the outputs of every request that got a token or finished.
+
+        The connector's orders go out twice at most: before the forward (the pulls
+        allocated for it) and after it (the prefills it finished, exposed)."""
         outputs, self._pending_outputs = self._pending_outputs, []
-        wait = self._join_wait_s()
+        host = self._kv_host
+        wait = host.join_wait_s(self.scheduler) if host is not None else 0.0
+        refused = self.scheduler.start_remote_loads()
         if wait:  # pulls that end within `wait` join this step's decodes, not the next
-            self.scheduler.start_remote_loads()
-            outputs += self._take_ended_loads()
-            outputs += self._kv_flush(poll=False, recv_wait_s=wait)
-        step = self.scheduler.schedule()
-        outputs += self._take_ended_loads()
-        outputs += self._kv_flush(poll=False)  # start the pulls allocated just now
+            outputs += self._kv_flush(recv_wait_s=wait, refused=refused)
+            step = self.scheduler.schedule()
+        else:  # the requests a flush brings back join the next step
+            step = self.scheduler.schedule()
+            outputs += self._kv_flush(refused=refused)  # start the pulls allocated just now
         if step is None:
             return outputs
         began = time.perf_counter()
         logits = self.executor.execute(step.to_batch(self.config.block_size))
-        if not step.is_prefill:
-            self._decode_step_s = time.perf_counter() - began
+        if host is not None and not step.is_prefill:
+            host.decode_step_s = time.perf_counter() - began
         self.scheduler.after_step(step)
         row = 0
         for seq in step.seqs:
@@ -508,39 +365,8 @@ class LLMEngine:
                     seq.request_id, [token], seq.text[before:], seq.is_finished, seq.finish_reason
                 )
             )
-        outputs += self._kv_flush(poll=False)  # expose the prefills that finished now
+        outputs += self._kv_flush()  # expose the prefills that finished now
         return outputs
-
-    def _take_ended_loads(self) -> list[RequestOutput]:
-        """Requests whose pull was refused before it began (no blocks, no KV to come)."""
-        outputs = []
-        for seq, rec in self.scheduler.take_ended_loads():
-            out = self._kv_ended(rec, seq)
-            if out is not None:
-                outputs.append(out)
-        return outputs
-
-    def _join_wait_s(self) -> float:
-        """How long this step waits for the pulls it is about to start: with decodes
-        running and only pulled requests waiting, up to `JOIN_WAIT_OF_STEP` of the last
-        decode step (at most `JOIN_WAIT_MAX_S`), so a pull that ends by then joins this
-        step instead of the next one; 0 when there is nothing to join, when the workers
-        do not progress their pulls by themselves (nothing would move while we wait) or
-        when recent pulls took longer than the wait."""
-        sched = self.scheduler
-        if (
-            self.kv is None
-            or not self._decode_step_s
-            or not sched.running
-            or not sched.waiting
-            or not self.executor.connector_polls_itself
-            or any(s.status is not SequenceStatus.WAITING_FOR_REMOTE_KV for s in sched.waiting)
-        ):
-            return 0.0
-        wait = min(JOIN_WAIT_OF_STEP * self._decode_step_s, JOIN_WAIT_MAX_S)
-        if self._pull_s and statistics.median(self._pull_s) > wait:
-            return 0.0
-        return wait
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
@@ -548,18 +374,12 @@ class LLMEngine:
         if not is_eos:
             seq.text += self._detok[seq.request_id].update(seq.output_ids)
         # a prefill's first token is judged like any other: it may finish the request
-        if is_eos or self._cut_at_stop(seq):
+        if is_eos or seq.cut_at_stop():
             self._finish(seq, FinishReason.STOP)
         elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= seq.max_len:
             self._finish(seq, FinishReason.LENGTH)
         elif seq.prefill_only:
             self._finish(seq, FinishReason.PREFILLED)
-
-    def _cut_at_stop(self, seq: Sequence) -> bool:
-        hits = [i for i in (seq.text.find(s) for s in seq.params.stop) if i >= 0]
-        if hits:
-            seq.text = seq.text[: min(hits)]
-        return bool(hits)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
@@ -571,8 +391,7 @@ class LLMEngine:
             hold, seq.kv_transfer_params = self.kv.request_finished(
                 seq.request_id, seq.block_ids, first, done
             )
-        keep = reason is FinishReason.PREFILLED and seq.kv_params is None
-        self.scheduler.finish(seq, keep_blocks=keep, hold=hold)
+        self.scheduler.finish(seq, hold=hold)
 
     # ---- conveniences ----
     def completion(self, request_id: str) -> Completion:
@@ -581,8 +400,6 @@ class LLMEngine:
             raise EngineError(f"request {request_id} has not finished")
         end = seq.finish_time or time.perf_counter()
         first = seq.first_token_time or end
-        prefilled = seq.finish_reason is FinishReason.PREFILLED and seq.kv_params is None
-        kept = seq.block_ids if prefilled else []
         return Completion(
             seq.request_id,
             seq.prompt_ids,
@@ -591,7 +408,6 @@ class LLMEngine:
             seq.finish_reason,
             first - seq.arrival_time,
             end - seq.arrival_time,
-            list(kept),
             seq.num_cached_tokens,
             seq.kv_transfer_params,
             seq.kv_nbytes,
@@ -624,17 +440,11 @@ class LLMEngine:
             bm = self.block_manager
             raise OutOfBlocksError(
                 f"the next waiting request needs more KV blocks than the {bm.num_free_blocks} "
-                f"free of {bm.num_blocks}, and nothing running will free any; release blocks "
-                "kept by prefill-only requests or allocate_blocks (release_blocks)"
+                f"free of {bm.num_blocks}, and nothing running will free any; blocks the KV "
+                "connector holds come back when it releases them (poll_kv), else start the "
+                "engine with more blocks (num_blocks / kv_cache_mb)"
             )
         return self.step()
-
-    def prefill(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
-        """Prefill-only, synchronously: first token in token_ids, kept blocks in block_ids."""
-        rid = self.add_request(prompt, params, prefill_only=True)
-        while not self._seqs[rid].is_finished:
-            self._step_or_raise()
-        return self.pop(rid)
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None
@@ -678,3 +488,45 @@ class LLMEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _cache_salt(model_path: Path, config: EngineConfig) -> bytes:
+    """What besides the tokens makes a block's bytes: the model file, the layout (tp,
+    block size, axis order) and the dtype."""
+    return (
+        f"{model_path.name}|{model_path.stat().st_size}|{config.layout().describe()}"
+        f"|{config.kv_dtype}"
+    ).encode()
+
+
+def _check_prompt(
+    ids: list[int],
+    params: SamplingParams,
+    max_model_len: int,
+    bm: BlockManager,
+    model_config: ModelConfig,
+) -> None:
+    """Refuse (RequestError) a prompt this engine cannot run, naming what would fit."""
+    if not ids:
+        raise RequestError("prompt is empty; give at least one token of text")
+    if len(ids) >= max_model_len:
+        raise RequestError(
+            f"prompt has {len(ids)} tokens but max_model_len={max_model_len}; "
+            f"shorten it to at most {max_model_len - 1} tokens"
+        )
+    if len(ids) + params.max_tokens > max_model_len:
+        raise RequestError(
+            f"prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: together "
+            f"{len(ids) + params.max_tokens} exceed the model's context of "
+            f"max_model_len={max_model_len} tokens; ask for at most "
+            f"max_tokens={max_model_len - len(ids)} or shorten the prompt"
+        )
+    blocks = bm.blocks_for(len(ids) + 1)
+    if blocks > bm.num_blocks:
+        raise RequestError(
+            f"prompt of {len(ids)} tokens needs {blocks} KV blocks but the cache has "
+            f"num_blocks={bm.num_blocks}; start with more blocks"
+        )
+    bad = [t for t in ids if not 0 <= t < model_config.vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside [0, {model_config.vocab_size})")

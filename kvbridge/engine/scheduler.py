@@ -8,13 +8,31 @@ Policy (one step is either kind, like nano-vllm):
     when none is free preempts the newest running sequence (its blocks are freed and it
     goes back to the front of the queue, to be recomputed).
 
-With a KV connector (kvbridge.connector), at the start of each `schedule` a waiting
-request whose prompt KV comes from another instance takes its local prefix-cache hit,
-asks the connector how many tokens will come (`get_num_new_matched_tokens`), gets blocks
-for them and hands them over (`update_state_after_alloc`); it then waits in
-`waiting_for_kv` until the connector reports its pull ended. Blocks are given back in
-one place, `free`: at a finish, a preemption, a failed load, or when the connector
-releases the blocks it held (`held`: an exposed prefill, a decode aborted mid-pull).
+Every sequence the scheduler holds is in exactly one queue (a sequence that finished
+without being held is in none):
+
+    queue            status                 what waits there            blocks
+    ---------------  ---------------------  --------------------------  -------------------------
+    waiting          WAITING                a prompt (or a preempted    its chunks' so far, each
+                                            sequence) to compute        taken at `schedule`
+    waiting          WAITING_FOR_REMOTE_KV  a decode request whose      none yet
+                                            prompt KV comes from
+                                            another instance
+    waiting_for_kv   WAITING_FOR_REMOTE_KV  the same, its pull in       the cached prefix and the
+                                            flight (the connector's)    rest, being written
+    running          RUNNING                decoding, one token a step  its context's
+    held             FINISHED               a prefill exposed and held  held for the connector
+                                            for its reader, a decode    until `release_held`
+                                            aborted mid-pull
+
+With a KV connector (kvbridge.connector) the engine calls `start_remote_loads` before
+each `schedule`: a waiting request whose prompt KV comes from elsewhere takes its local
+prefix-cache hit, asks the connector how many tokens will come
+(`get_num_new_matched_tokens`), gets blocks for them and hands them over
+(`update_state_after_alloc`), then waits in `waiting_for_kv` until the connector reports
+the pull ended (`load_ended`). Blocks go back to the block manager in one place, `free`:
+at a finish, a preemption, a failed or refused load, or when the connector releases the
+blocks it held (`release_held`).
 """
 
 from __future__ import annotations
@@ -22,7 +40,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvbridge.connector import KVConnectorScheduler, KVRequest
+from kvbridge.connector import KVConnectorScheduler, KVRequest, RequestState
 from kvbridge.engine.block_manager import BlockManager
 from kvbridge.engine.errors import OutOfBlocksError
 from kvbridge.engine.sequence import Sequence, SequenceStatus
@@ -64,7 +82,9 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """Owned by the LLMEngine; holds every unfinished sequence."""
+    """Owned by the LLMEngine, called from its thread only; holds every unfinished
+    sequence and the finished ones whose blocks the connector holds, each in one queue
+    (the module docstring), and is the only one that frees their blocks."""
 
     def __init__(
         self,
@@ -77,13 +97,11 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.chunk = prefill_chunk_size
         self.connector = connector
+        # the queues of the module docstring
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.waiting_for_kv: dict[str, Sequence] = {}  # blocks allocated, pull in flight
-        self.held: dict[str, Sequence] = {}  # finished; the connector holds their blocks
-        #: hand-overs that ended inside `schedule` (refused before pulling); the engine
-        #: takes them (`take_ended_loads`)
-        self._ended: list[tuple[Sequence, KVRequest]] = []
+        self.waiting_for_kv: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}
 
     def add(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.RUNNING:
@@ -96,10 +114,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledStep | None:
-        """The next step, or None if nothing can run (nothing queued)."""
-        self.start_remote_loads()
+        """The next step, or None if nothing can run (nothing queued). With a connector,
+        `start_remote_loads` comes first (the requests it hands over are not prefilled)."""
         if self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            assert seq.status is not SequenceStatus.WAITING_FOR_REMOTE_KV, "start_remote_loads"
             hit, start, qlen, need = self._next_chunk(seq)
             if self.blocks.can_allocate(need + self.blocks.num_to_acquire(hit)):
                 if hit:
@@ -110,8 +129,8 @@ class Scheduler:
                         seq.num_cached_tokens = start
                 seq.block_ids += self.blocks.allocate(need)
                 return ScheduledStep([seq], [qlen], is_prefill=True)
-            # Otherwise it waits: decodes below may finish, or blocks kept for prefill-only
-            # requests / reserved by allocate_blocks may be released by their owner.
+            # Otherwise it waits: decodes below may finish, or the connector may release
+            # the blocks it holds.
         if not self.running:
             return None
         scheduled: list[Sequence] = []
@@ -132,40 +151,60 @@ class Scheduler:
             return self.schedule() if self.waiting else None
         return ScheduledStep(scheduled, [1] * len(scheduled), is_prefill=False)
 
-    def start_remote_loads(self) -> None:
+    def start_remote_loads(self) -> list[tuple[Sequence, KVRequest]]:
         """Waiting requests whose prompt KV comes from elsewhere: their cached prefix
         stays, blocks are allocated for the rest and the connector pulls into them (at
-        least the last token: a prompt held whole is computed here, not pulled).
-        `schedule` calls it first; the engine may call it earlier (a step that waits
-        for the pulls it starts)."""
+        least the last token: a prompt held whole is computed here, not pulled). Returns
+        the hand-overs that ended at once (nothing to pull, no free blocks: recompute or
+        fail, the connector's state), for the engine to act on (`load_ended`)."""
         kv = self.connector
         if kv is None:
-            return
-        bm = self.blocks
+            return []
+        bm, ended = self.blocks, []
         for seq in [s for s in self.waiting if s.status is SequenceStatus.WAITING_FOR_REMOTE_KV]:
             self.waiting.remove(seq)
             rid, prompt = seq.request_id, seq.prompt_ids
             hit = bm.match_prefix(prompt, len(prompt) - 1, seq.cache_salt)
             num_external, load = kv.get_num_new_matched_tokens(rid, len(hit) * bm.block_size)
             if not load:  # nothing will come: recompute or fail (the connector's state)
-                self._ended.append((seq, kv.pop_ended(rid)))
+                ended.append((seq, kv.pop_ended(rid)))
                 continue
             bm.acquire(hit)  # held first: the allocation below cannot evict them
+            seq.block_ids = list(hit)
             try:
-                fresh = bm.allocate(bm.blocks_for(len(prompt)) - len(hit))
+                seq.block_ids += bm.allocate(bm.blocks_for(len(prompt)) - len(hit))
             except OutOfBlocksError as exc:
-                bm.free(hit)
+                self.free(seq)
                 rec = kv.load_refused(rid, f"no free blocks to receive the KV: {exc}")
-                self._ended.append((seq, rec))
+                ended.append((seq, rec))
                 continue
-            seq.block_ids = hit + fresh
             seq.num_cached_tokens = len(hit) * bm.block_size
             kv.update_state_after_alloc(rid, seq.block_ids, num_external)
             self.waiting_for_kv[rid] = seq
+        return ended
 
-    def take_ended_loads(self) -> list[tuple[Sequence, KVRequest]]:
-        out, self._ended = self._ended, []
-        return out
+    def load_ended(self, rec: KVRequest, seq: Sequence | None = None) -> Sequence | None:
+        """A hand-over ended (`rec`, the connector's record; `seq`, a load
+        `start_remote_loads` ended at once): free or use its blocks. Returns the decode
+        request whose load ended, for the engine to continue from the prefill's first
+        token (RUNNING: its prompt KV is in place; RECOMPUTE: back to the queue, its
+        blocks freed) or to end (FAILED); None when there is none to continue (a release
+        of held blocks, a request finished meanwhile)."""
+        rid = rec.request_id
+        if rec.state is RequestState.RELEASED or rec.aborted:
+            self.release_held(rid)  # exposed blocks, or a pull's aborted request
+            return None
+        seq = seq or self.waiting_for_kv.pop(rid, None)
+        if seq is None or seq.is_finished:
+            return None
+        if rec.state is RequestState.RECOMPUTE:  # the prompt and first token, computed here
+            self.free(seq)
+            seq.status = SequenceStatus.WAITING
+        elif rec.state is RequestState.RUNNING:  # the prompt's KV is in its blocks
+            seq.num_computed = len(seq.prompt_ids)
+            self.blocks.cache_blocks(seq.block_ids, seq.prompt_ids, seq.cache_salt)
+            seq.status = SequenceStatus.RUNNING
+        return seq
 
     def _next_chunk(self, seq: Sequence) -> tuple[list[int], int, int, int]:
         """A waiting sequence's next prefill chunk: (cached blocks it starts with, first
@@ -211,10 +250,9 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
 
-    def finish(self, seq: Sequence, keep_blocks: bool = False, hold: bool = False) -> None:
-        """Remove a finished or aborted sequence; free its blocks unless they are kept
-        for the caller (`keep_blocks`: a prefill-only request without a connector) or
-        the connector holds them (`hold`: until it releases them, `release_held`)."""
+    def finish(self, seq: Sequence, hold: bool = False) -> None:
+        """Remove a finished or aborted sequence; free its blocks unless the connector
+        holds them (`hold`: until it releases them, `release_held`)."""
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
@@ -222,7 +260,7 @@ class Scheduler:
         self.waiting_for_kv.pop(seq.request_id, None)
         if hold:
             self.held[seq.request_id] = seq
-        elif not keep_blocks:
+        else:
             self.free(seq)
         seq.status = SequenceStatus.FINISHED
 

@@ -22,7 +22,7 @@ class SequenceStatus(enum.Enum):
 class FinishReason(enum.Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the context is full
-    PREFILLED = "prefilled"  # prefill-only request: first token out, blocks kept
+    PREFILLED = "prefilled"  # prefill-only request: first token out (its KV exposed, if any)
     ABORT = "abort"
     ERROR = "error"  # `Sequence.error` says why (a KV load failed and the policy is fail)
 
@@ -64,13 +64,16 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
-
     def tokens(self, start: int, end: int) -> list[int]:
         return (self.prompt_ids + self.output_ids)[start:end]
 
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def cut_at_stop(self) -> bool:
+        """Whether the text holds a stop string; if so the text ends before the first."""
+        hits = [i for i in (self.text.find(s) for s in self.params.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+        return bool(hits)

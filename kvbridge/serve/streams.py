@@ -120,8 +120,6 @@ class PendingPrefill:
         if self.on_finish is not None:
             self.on_finish(comp)
         kv = comp.kv_transfer_params if isinstance(comp.kv_transfer_params, RemotePrefill) else None
-        if comp.block_ids:  # kept by an engine without a connector: nothing to expose
-            engine.release_blocks(comp.block_ids)
         if self.future.cancelled():  # the caller gave up waiting: nobody will pull this KV
             if kv is not None:
                 engine.cancel_kv(out.request_id, "the caller went away")

@@ -1,14 +1,13 @@
-"""LLMEngine behaviour users rely on: batching, paging, stopping, sampling, seams, errors."""
+"""LLMEngine behaviour users rely on: batching, paging, stopping, sampling, errors."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import pytest
-import torch
 
 from kvbridge.engine.config import EngineConfig
-from kvbridge.engine.errors import ModelLoadError, OutOfBlocksError, RequestError
+from kvbridge.engine.errors import ModelLoadError, RequestError
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import FinishReason
@@ -102,31 +101,19 @@ def test_stream_deltas_add_up_to_the_completion(engine_tp1: LLMEngine) -> None:
 
 
 @pytest.mark.slow
-def test_prefill_then_continue_from_blocks_in_another_engine(
-    engine_tp1: LLMEngine, engine_factory: Callable[..., LLMEngine], oracle: Oracle
+def test_a_prefill_only_request_ends_at_its_first_token_and_keeps_no_block(
+    engine_tp1: LLMEngine, oracle: Oracle
 ) -> None:
-    # The disaggregation seam without the transport: prefill on one engine, copy the
-    # prompt's blocks into another engine's cache by hand, decode there.
+    # Without a KV connector nothing is exposed (the hand-over itself, the KV decoded on
+    # another engine, is test_kv_connector.py's): the first token, then every block free.
     prompt_ids = oracle.encode("The quick brown fox jumps over")
-    pre = engine_tp1.prefill(prompt_ids)
-    assert pre.finish_reason is FinishReason.PREFILLED and len(pre.token_ids) == 1
-    assert len(pre.block_ids) == engine_tp1.block_manager.blocks_for(len(prompt_ids))
-    decode = engine_factory(tp_size=1, num_blocks=40)
-    dst = decode.allocate_blocks(len(prompt_ids))
-    src_cache = engine_tp1.executor.kv_cache  # axes in the layout's order (BHLNC)
-    dst_cache = decode.executor.kv_cache
-    b = engine_tp1.config.cache_layout.order.index("B")
-    assert decode.config.cache_layout == engine_tp1.config.cache_layout
-    blocks = src_cache.index_select(b, torch.tensor(pre.block_ids))
-    dst_cache.index_copy_(b, torch.tensor(dst), blocks)
-    engine_tp1.release_blocks(pre.block_ids)
+    rid = engine_tp1.add_request(prompt_ids, GREEDY8, prefill_only=True)
+    while engine_tp1.has_unfinished():
+        engine_tp1.step()
+    pre = engine_tp1.pop(rid)
+    assert pre.finish_reason is FinishReason.PREFILLED
+    assert pre.token_ids == oracle.greedy(prompt_ids, 16)[:1]
     assert engine_tp1.block_manager.num_free_blocks == engine_tp1.block_manager.num_blocks
-    rid = decode.add_prefilled_request(prompt_ids, pre.token_ids[0], dst, GREEDY8)
-    while decode.has_unfinished():
-        decode.step()
-    out = decode.pop(rid)
-    assert out.token_ids == oracle.greedy(prompt_ids, 16)[:8]
-    assert decode.block_manager.num_free_blocks == 40
 
 
 @pytest.mark.slow
@@ -184,20 +171,3 @@ def test_a_channel_major_cache_layout_is_refused_with_the_token_major_one() -> N
 def test_bad_sampling_params_are_refused(kwargs: dict[str, float], words: str) -> None:
     with pytest.raises(KVBridgeError, match=words):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
-
-
-@pytest.mark.slow
-def test_reserved_blocks_block_new_requests_until_released(
-    engine_factory: Callable[..., LLMEngine],
-) -> None:
-    engine = engine_factory(tp_size=1, num_blocks=40)
-    reserved = engine.allocate_blocks(16 * 40)  # every block, as a decode instance would
-    with pytest.raises(OutOfBlocksError, match="need 1 KV-cache blocks but only 0 of 40"):
-        engine.allocate_blocks(1)
-    with pytest.raises(OutOfBlocksError, match="release blocks kept by prefill-only"):
-        engine.generate(["Once upon a time"], GREEDY8)
-    assert not engine.has_unfinished()  # the refused request was withdrawn, not left queued
-    engine.release_blocks(reserved)
-    out = engine.generate(["I like to eat"], SamplingParams(max_tokens=2))[0]
-    assert len(out.token_ids) == 2
-    assert engine.block_manager.num_free_blocks == 40

@@ -23,17 +23,24 @@ from kvbridge.connector import (
     RequestState,
     TransferConfig,
 )
-from kvbridge.engine import llm_engine
+from kvbridge.engine import kv_host
 from kvbridge.engine.config import EngineConfig
+from kvbridge.engine.errors import OutOfBlocksError
 from kvbridge.engine.llm_engine import Completion, LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import FinishReason
+from kvbridge.engine.weights import resolve_model
+from kvbridge.plan.geometry import load_model_spec
 from kvbridge.transfer.capability import check, issue
 from kvbridge.transfer.netdev import free_port
 
 S = RequestState
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # 3+ blocks of 16
 PARAMS = SamplingParams(max_tokens=6)
+SYSTEM = (
+    "You are a helpful assistant. The user asks about the geography of Europe and "
+    "wants short, precise answers. Question: What is the capital of France?"
+)
 
 
 def make(role: ConnectorRole, instance_id: str, **kwargs: object) -> LLMEngine:
@@ -109,7 +116,7 @@ def reference(engine: LLMEngine, params: SamplingParams = PARAMS) -> list[int]:
 def test_prefilled_exposed_pulled_released_and_decoded(pair: tuple[LLMEngine, LLMEngine]) -> None:
     prefill, decode = pair
     pre = prefill_one(prefill, "ok")
-    assert pre.finish_reason is FinishReason.PREFILLED and pre.block_ids == []
+    assert pre.finish_reason is FinishReason.PREFILLED
     assert isinstance(pre.kv_transfer_params, RemotePrefill)
     assert prefill.kv_state("ok") is S.EXPOSED and prefill.has_request("ok")
     decode.add_request(pre.prompt_ids, PARAMS, "ok", kv_transfer_params=pre.kv_transfer_params)
@@ -196,16 +203,19 @@ def test_refused_before_pulling_declines_and_an_abort_mid_pull_waits_for_the_pul
     pair: tuple[LLMEngine, LLMEngine],
 ) -> None:
     prefill, decode = pair
-    # no blocks to receive it: declined (the prefill side frees at once), recomputed
+    # no blocks to receive it (a long request decodes in all but one): declined (the
+    # prefill side frees at once), recomputed once that request gave its blocks back
     pre = prefill_one(prefill, "full")
-    hold = decode.allocate_blocks(decode.block_manager.num_free_blocks * 16)
+    hog = filler(decode.block_manager.num_blocks - 1)
+    decode.add_request(hog, SamplingParams(max_tokens=2, ignore_eos=True), "hog")
+    drive([decode], lambda: bool(decode.scheduler.running))  # its prompt is computed
     decode.add_request(pre.prompt_ids, PARAMS, "full", kv_transfer_params=pre.kv_transfer_params)
     decode.step()
     assert transitions(decode, "full") == [(S.WAITING_FOR_REMOTE_KV, S.RECOMPUTE)]
     drive([prefill, decode], lambda: all_free(prefill))  # declined: released long before lease
     assert "no free blocks to receive the KV" in transitions_reason(prefill, "full")
-    decode.release_blocks(hold)
     drive([decode], lambda: decode.is_finished("full"))
+    assert len(decode.pop("hog").token_ids) == 2
     assert decode.pop("full").token_ids == reference(decode)
     # aborted while its pull is in flight: its blocks stay until the pull ends
     pre = prefill_one(prefill, "mid")
@@ -223,10 +233,83 @@ def test_refused_before_pulling_declines_and_an_abort_mid_pull_waits_for_the_pul
     assert transitions(decode, "mid") == [(S.WAITING_FOR_REMOTE_KV, ended)]
 
 
+def filler(num_blocks: int, first: int = 100) -> list[int]:
+    """A prompt of `num_blocks` whole blocks of token ids in [first, first + 20000), which
+    no prompt of text starts with (fillers of one `first` share their leading blocks)."""
+    return [first + (i * 7919) % 20000 for i in range(num_blocks * 16)]
+
+
 def transitions_reason(engine: LLMEngine, rid: str) -> str:
     """The reason the prefill engine's connector recorded for the request's release."""
     assert engine.kv is not None
     return " ".join(t.reason for t in engine.kv.log if t.request_id == rid)
+
+
+@pytest.mark.slow
+def test_blocks_the_connector_holds_refuse_a_request_that_needs_them_until_released(
+    pair: tuple[LLMEngine, LLMEngine],
+) -> None:
+    """An exposed prefill's blocks are the connector's until its reader pulls them, the
+    lease ends or `cancel_kv`: a request that needs them is refused with the numbers and
+    withdrawn, and runs once they are released."""
+    prefill, _ = pair
+    bm = prefill.block_manager
+    prefill.add_request(
+        filler(bm.num_blocks - 4, 25000), PARAMS, "held", kv_transfer_params=RemoteDecode("D")
+    )
+    drive([prefill], lambda: prefill.is_finished("held"))
+    assert prefill.pop("held").finish_reason is FinishReason.PREFILLED
+    assert bm.num_free_blocks == 4 and prefill.has_request("held")
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    with pytest.raises(
+        OutOfBlocksError,
+        match="than the 4 free of 24, and nothing running will free any; blocks the KV "
+        "connector holds come back when it releases them",
+    ):
+        prefill.generate([PROMPT * 2], params)  # 6 blocks
+    assert not prefill.has_unfinished()  # the refused request was withdrawn, not left queued
+    assert prefill.cancel_kv("held", "the test gives them back")
+    drive([prefill], lambda: all_free(prefill))
+    assert len(prefill.generate([PROMPT * 2], params)[0].token_ids) == 2
+    assert all_free(prefill)
+
+
+@pytest.mark.slow
+def test_a_decode_engine_keeps_its_cached_prefix_and_pulls_only_the_rest(
+    pair: tuple[LLMEngine, LLMEngine], engine_factory: Callable[..., LLMEngine]
+) -> None:
+    """The decode engine computed a conversation's first turn; for the second the
+    prefill engine exposes what follows the prefix the decode engine holds (`lookup`
+    says where a pull starts), and the decode engine keeps that prefix and pulls only
+    the rest: the tokens of an engine that caches nothing. Its cache is small: unrelated
+    prompts then evict the conversation, the next request finds less (never a wrong
+    block), and every block is free again after."""
+    prefill, decode = pair
+    plain = engine_factory(tp_size=1, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=8)
+    first = decode.generate([SYSTEM], params)[0]
+    second_ids = decode.tokenizer.encode(SYSTEM + first.text + " Question: and Spain?")
+    start = decode.lookup(second_ids).kv_start_token
+    bs = decode.config.block_size
+    assert start >= len(first.prompt_ids) // bs * bs > 0 and start % bs == 0
+    handover = RemoteDecode("D", start)
+    prefill.add_request(second_ids, params, "turn", kv_transfer_params=handover)
+    drive([prefill], lambda: prefill.is_finished("turn"))
+    pre = prefill.pop("turn")
+    decode.add_request(second_ids, params, "turn", kv_transfer_params=pre.kv_transfer_params)
+    drive([prefill, decode], lambda: decode.is_finished("turn"))
+    out = decode.pop("turn")
+    expected = plain.generate([second_ids], params)[0].token_ids
+    assert out.num_cached_tokens == start and out.token_ids == expected
+    per_token = load_model_spec(resolve_model("smollm2-135m")).bytes_per_token
+    assert out.kv_nbytes == (len(second_ids) - start) * per_token  # only the rest moved
+    drive([prefill, decode], lambda: all_free(prefill, decode))
+    evictions = decode.block_manager.num_evictions
+    others = [f"Unrelated request {i} about the weather in a faraway town." * 3 for i in range(16)]
+    decode.generate(others, SamplingParams(max_tokens=2))
+    assert decode.block_manager.num_evictions > evictions
+    assert decode.generate([second_ids], params)[0].token_ids == expected
+    assert all_free(decode)
 
 
 @pytest.mark.slow
@@ -252,8 +335,7 @@ def test_a_pull_slower_than_the_lease_never_decodes_from_reused_blocks(
     drive([prefill], lambda: all_free(prefill))  # nobody came within the lease
     assert transitions(prefill, "slow")[-1] == (S.EXPOSED, S.RELEASED)
     bm = prefill.block_manager
-    filler = [100 + (i * 7919) % 20000 for i in range((bm.num_blocks - 1) * 16)]
-    prefill.add_request(filler, SamplingParams(max_tokens=1), "filler")  # every block
+    prefill.add_request(filler(bm.num_blocks - 1), SamplingParams(max_tokens=1), "filler")
     drive([prefill], lambda: prefill.is_finished("filler"))
     prefill.pop("filler")
     stale_before = decode.kv.pull_failures["stale"]
@@ -280,8 +362,8 @@ def test_a_pull_ending_within_the_wait_joins_the_running_decodes_in_the_step_tha
     step, not one step later; unless recent pulls took longer than the wait allows.
     Tokens as colocated."""
     prefill, decode = pair
-    monkeypatch.setattr(llm_engine, "JOIN_WAIT_OF_STEP", 1e6)
-    monkeypatch.setattr(llm_engine, "JOIN_WAIT_MAX_S", 30.0)
+    monkeypatch.setattr(kv_host, "JOIN_WAIT_OF_STEP", 1e6)
+    monkeypatch.setattr(kv_host, "JOIN_WAIT_MAX_S", 30.0)
     long = SamplingParams(max_tokens=12)
     first, second, third = (prefill_one(prefill, rid, long) for rid in ("run", "join", "late"))
     for pre in (first, second, third):
@@ -297,7 +379,8 @@ def test_a_pull_ending_within_the_wait_joins_the_running_decodes_in_the_step_tha
     assert transitions(decode, "join") == [(S.WAITING_FOR_REMOTE_KV, S.RUNNING)]
     # recent pulls took longer than any wait allows (a slow link): the next step that
     # starts one does not wait for it, the others decode at once
-    decode._pull_s.extend([60.0] * llm_engine.RECENT_PULLS)
+    assert decode._kv_host is not None
+    decode._kv_host.pull_s.extend([60.0] * kv_host.RECENT_PULLS)
     decode.add_request(third.prompt_ids, long, "late", kv_transfer_params=third.kv_transfer_params)
     outputs = decode.step()
     assert {o.request_id for o in outputs if o.new_token_ids} == {"run", "join"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -167,41 +166,3 @@ def test_a_conversation_computes_only_its_new_turn_with_the_same_tokens(
         conversation += a.text + f" Question {turn}: and the capital of Spain?"
     bm = cached.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_free_blocks > 0
-
-
-@pytest.mark.slow
-def test_a_decode_engine_takes_its_cached_prefix_and_receives_only_the_rest(
-    engine_factory: Callable[..., LLMEngine],
-) -> None:
-    # The decode seam without the transport: the decode engine already computed the
-    # conversation's first turn; for the second it keeps that prefix and gets only the
-    # blocks after it from the prefill engine (copied by hand, as a partial pull would).
-    prefill = engine_factory(tp_size=1)
-    decode = engine_factory(tp_size=1, num_blocks=40)
-    plain = engine_factory(tp_size=1, enable_prefix_caching=False)
-    params = SamplingParams(max_tokens=8)
-    first = decode.generate([SYSTEM], params)[0]
-    second_ids = decode.tokenizer.encode(SYSTEM + first.text + " Question: and Spain?")
-    pre = prefill.prefill(second_ids)
-    blocks, cached = decode.allocate_for_prompt(second_ids, max_cached=len(second_ids) - 1)
-    bs = decode.config.block_size
-    assert cached >= len(first.prompt_ids) // bs * bs > 0 and cached % bs == 0
-    b = decode.config.cache_layout.order.index("B")
-    src = prefill.executor.kv_cache.index_select(b, torch.tensor(pre.block_ids[cached // bs :]))
-    decode.executor.kv_cache.index_copy_(b, torch.tensor(blocks[cached // bs :]), src)
-    prefill.release_blocks(pre.block_ids)
-    rid = decode.add_prefilled_request(
-        second_ids, pre.token_ids[0], blocks, params, num_cached_tokens=cached
-    )
-    while decode.has_unfinished():
-        decode.step()
-    out = decode.pop(rid)
-    expected = plain.generate([second_ids], params)[0].token_ids
-    assert out.num_cached_tokens == cached and out.token_ids == expected
-    # a cache this small evicts: unrelated prompts push the conversation out, and the
-    # next lookup finds less (never a wrong block) and every block is free again after
-    others = [f"Unrelated request {i} about the weather in a faraway town." * 3 for i in range(16)]
-    decode.generate(others, SamplingParams(max_tokens=2))
-    assert decode.block_manager.num_evictions > 0
-    assert decode.generate([second_ids], params)[0].token_ids == expected
-    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
