@@ -47,16 +47,19 @@ if TYPE_CHECKING:
         IDLE_POLL_S,
         ConnectorRole,
         ConnectorSpec,
+        Pull,
     )
     from kvbridge.transfer.export import SharedSegment
     from kvbridge.transfer.identity import Identity
     from kvbridge.transfer.netdev import device_of as net_device_of
     from kvbridge.transfer.netdev import free_port
+    from kvbridge.transfer.regions import CacheRegions, MemType
 
 _LAZY = {
     "Identity": "kvbridge.transfer.identity",
     "SharedSegment": "kvbridge.transfer.export",
     "free_port": "kvbridge.transfer.netdev",
+    **dict.fromkeys(["CacheRegions", "MemType"], "kvbridge.transfer.regions"),
     **dict.fromkeys(
         [
             "ConnectorMetadata",
@@ -71,7 +74,7 @@ _LAZY = {
         ["KVConnectorConfig", "KVConnectorScheduler", "KVRequest"], "kvbridge.connector.scheduler"
     ),
     **dict.fromkeys(
-        ["BUSY_POLL_S", "IDLE_POLL_S", "ConnectorRole", "ConnectorSpec"],
+        ["BUSY_POLL_S", "IDLE_POLL_S", "ConnectorRole", "ConnectorSpec", "Pull"],
         "kvbridge.transfer.connector",
     ),
 }
@@ -89,6 +92,7 @@ __all__ = [
     "BUSY_POLL_S",
     "IDLE_POLL_S",
     "TRANSITIONS",
+    "CacheRegions",
     "CapabilityRefused",
     "ConnectorError",
     "ConnectorMetadata",
@@ -105,6 +109,8 @@ __all__ = [
     "KVRequest",
     "KVTransferParams",
     "KVWorkerOutput",
+    "MemType",
+    "Pull",
     "RemoteDecode",
     "RemotePrefill",
     "RequestState",

@@ -264,21 +264,21 @@ class KVConnectorScheduler:
             self._end_load(rec, "no KV to pull")
             return 0, False
         if num_computed_tokens < cap.start_token:  # evicted since the router asked
-            self.load_refused(
-                request_id,
+            self._refuse(
+                rec,
                 f"the prefix cache holds {num_computed_tokens} tokens of the prompt, fewer "
                 f"than the {cap.start_token} the prefill instance left out",
             )
             return 0, False
         if num_computed_tokens % self.block_size:
-            self.load_refused(
-                request_id,
+            self._refuse(
+                rec,
                 f"the prefix cache hit of {num_computed_tokens} tokens is not a whole number "
                 f"of blocks of {self.block_size}",
             )
             return 0, False
         if num_computed_tokens >= rec.num_tokens:
-            self.load_refused(request_id, "the decode instance holds the whole prompt")
+            self._refuse(rec, "the decode instance holds the whole prompt")
             return 0, False
         return rec.num_tokens - num_computed_tokens, True
 
@@ -287,12 +287,12 @@ class KVConnectorScheduler:
     ) -> None:
         """The host allocated `block_ids` (the whole prompt's, its cached prefix first):
         pull the last `num_external_tokens` tokens into them (none: nothing to pull, the
-        prefill instance is told, `load_refused`)."""
+        prefill instance is told and the request ends here, `pop_ended`)."""
         rec = self.requests[request_id]
         cap = rec.capability
         assert cap is not None and rec.state is RequestState.WAITING_FOR_REMOTE_KV
         if num_external_tokens <= 0:
-            self.load_refused(request_id, "the decode instance holds the prompt")
+            self._refuse(rec, "the decode instance holds the prompt")
             return
         cached = rec.num_tokens - num_external_tokens
         bp, bd = cap.block_size, self.block_size
@@ -319,10 +319,14 @@ class KVConnectorScheduler:
     def load_refused(self, request_id: str, reason: str) -> KVRequest:
         """Pull nothing (no blocks to receive it, ...): the prefill instance is told at
         once (it frees its blocks), then the failure policy applies."""
-        rec = self.requests[request_id]
+        self._refuse(self.requests[request_id], reason)
+        return self.pop_ended(request_id)
+
+    def _refuse(self, rec: KVRequest, reason: str) -> None:
+        """Decline the pull and end the request by the failure policy; its record waits
+        for the caller in `pop_ended`."""
         self._decline(rec, reason)
         self._end_load(rec, reason)
-        return self.pop_ended(request_id)
 
     def _decline(self, rec: KVRequest, reason: str) -> None:
         cap = rec.capability

@@ -231,7 +231,8 @@ class KVConnectorWorker:
         wait_s = self._meta.idle_wait_s if self._meta is not None else 0.0
         in_flight = self._loads or self._exposed
         if not events and wait_s > 0 and in_flight and self._need().wait_for_events(wait_s):
-            events = self._own(self._handle(Poll()).events)
+            reply = self._handle(Poll())  # its figures too: they count the ends it reports
+            events = self._own(reply.events)
         self._unreported = []
         sending: list[ConnectorEvent] = []
         recving: list[ConnectorEvent] = []

@@ -23,10 +23,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.connector import CacheRegions, MemType
 from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import ModelKVSpec, normalize_dtype
 from kvbridge.plan.layout import CacheLayout, InstanceLayout
-from kvbridge.transfer.regions import CacheRegions, MemType
 
 #: vLLM's CPU cache, per layer: [block][head][K then V][...], K's page half
 #: [channel][token] (channel-major), V's [token][channel]

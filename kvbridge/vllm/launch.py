@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbridge.connector import free_port
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.netdev import free_port
 
 #: vLLM's CPU build: the KV cache space per instance (GiB) unless the caller set it.
 KVCACHE_SPACE_GIB = "1"
@@ -75,7 +75,7 @@ def kv_transfer_config(
 def new_identity_file(name: str) -> str:
     """A fresh instance key (`Identity`) in a new private directory: the
     `identity_file` of one vLLM instance (remove it with `remove_identity_file`)."""
-    from kvbridge.transfer.identity import Identity  # ZMQ: not in the base install
+    from kvbridge.connector import Identity  # ZMQ: not in the base install
 
     path = os.path.join(tempfile.mkdtemp(prefix="kvbridge-identity-"), f"{name}.key")
     Identity.generate().save(path)

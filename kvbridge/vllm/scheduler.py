@@ -2,28 +2,12 @@
 
 It only translates. vLLM's `Request`s and their `kv_transfer_params` dicts become calls
 on the hand-over contract (`kvbridge.connector.KVConnectorScheduler`), one per role the
-instance plays (`kv_role`: kv_producer, kv_consumer, kv_both), which checks and issues
-capabilities, orders exposes, pulls and declines, and keeps each request's
-`RequestState`. A request's path (vLLM's two-step P/D request, a proxy drives it):
-
-  prefill instance                          decode instance
-  ----------------                          ---------------
-  {"do_remote_decode": true}, max_tokens 1
-  `on_new_request`: PREFILLING
-  `request_finished`: EXPOSED; the params
-  carry the signed capability               the proxy sends the prompt again with them
-                                            `on_new_request`: capability checked,
-                                            WAITING_FOR_REMOTE_KV (refused: computed here)
-                                            `get_num_new_matched_tokens`: the tokens past
-                                            the local prefix cache hit load asynchronously
-                                            `update_state_after_alloc`: Pull -> workers
-  workers release once read (or at the      workers report the pull: RUNNING, or its
-  lease): RELEASED, finished_sending        blocks as load errors (vLLM's
-                                            kv_load_failure_policy applies)
-
-The workers' reports reach it as vLLM's connector worker metadata (`update`). vLLM owns
-every block: a decode request aborted while pulling waits in vLLM's own scheduler.
-Nothing here imports vLLM (requests are read by their attributes).
+instance plays (`kv_role`), which checks and issues capabilities, orders exposes, pulls
+and declines, and keeps each request's `RequestState` (docs/architecture.md maps each
+vLLM hook to its call). The workers' reports reach it as vLLM's connector worker
+metadata (`update`). vLLM owns every block: a decode request aborted while pulling
+waits in vLLM's own scheduler. Nothing here imports vLLM (requests are read by their
+attributes).
 """
 
 from __future__ import annotations

@@ -14,10 +14,15 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from kvbridge.connector import ConnectorMetadata, ConnectorRole, ConnectorSpec, KVWorkerOutput
+from kvbridge.connector import (
+    ConnectorMetadata,
+    ConnectorRole,
+    ConnectorSpec,
+    KVWorkerOutput,
+    Pull,
+)
 from kvbridge.connector.worker import KVConnectorWorker
 from kvbridge.plan.geometry import ModelKVSpec
-from kvbridge.transfer.connector import Pull
 from kvbridge.vllm.cache import RegisteredCache
 from kvbridge.vllm.settings import ConnectorSettings
 

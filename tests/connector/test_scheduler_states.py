@@ -4,6 +4,7 @@ as they arrive (a fake worker: typed `KVWorkerOutput`s). Beside the real-NIXL te
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvbridge.connector import (
@@ -164,10 +165,23 @@ def test_failure_from_waiting_follows_the_policy(policy: KVLoadFailure) -> None:
     assert decline.request_id == "c" and "holds 4 tokens of the prompt, fewer than the 8" in (
         decline.reason
     )
+    assert c.pop_ended("c").state is final  # the caller takes the record, once
     # nothing to pull at all
     c.add_request("d", list(range(10)), RemotePrefill(42))
     assert c.get_num_new_matched_tokens("d", 0) == (0, False)
-    assert [(t.request_id, t.new) for t in c.log] == [(x, final) for x in "abcd"]
+    assert c.pop_ended("d").state is final
+    # a hit that is not whole blocks, or that holds the whole prompt; nothing allocated
+    for rid, hit in (("e", 6), ("f", 12)):
+        c.add_request(rid, list(range(10)), decode_params(rid))
+        assert c.get_num_new_matched_tokens(rid, hit) == (0, False)
+        assert c.pop_ended(rid).state is final
+    c.add_request("g", list(range(10)), decode_params("g"))
+    assert c.get_num_new_matched_tokens("g", 0) == (10, True)
+    c.update_state_after_alloc("g", [1, 2, 3], 0)
+    assert c.pop_ended("g").state is final
+    declined = [d.request_id for d in c.build_connector_meta().reqs_to_decline]
+    assert declined == ["d", "e", "f", "g"][1:]  # "d" had no capability: nobody to tell
+    assert [(t.request_id, t.new) for t in c.log] == [(x, final) for x in "abcdefg"]
     assert not c.requests
 
 
@@ -181,10 +195,51 @@ def test_an_abort_while_pulling_keeps_the_blocks_until_the_pull_ends() -> None:
     ok = report(ConnectorEvent("r", True), sending=False)
     (ended,) = c.update_connector_output([ok, ok])
     assert ended.state is S.FAILED and "aborted" in ended.reason and ended.block_ids == [1, 2, 3]
-    # aborted before its blocks were allocated: nothing to wait for
+    # aborted before its blocks were allocated: nothing to wait for; the prefill
+    # instance is told at once (it frees its blocks before the lease)
     c.add_request("s", list(range(10)), decode_params("s"))
     assert c.request_finished("s", [], None, done=True) == (False, None)
     assert c.log[-1][:3] == ("s", S.WAITING_FOR_REMOTE_KV, S.FAILED)
+    (decline,) = c.build_connector_meta().reqs_to_decline
+    assert decline.request_id == "s" and "aborted before its KV was pulled" in decline.reason
+
+
+def test_a_host_with_its_own_request_ids_pulls_under_the_prefill_id() -> None:
+    """vLLM names a decode request anew: the capability names the prefill's id, which
+    the hand-over record carries (`RemotePrefill.request_id`); the pull runs under it and
+    the workers report it under the host's id (`recv_request_ids`)."""
+    c = consumer()
+    params = decode_params("p-1")
+    c.add_request("d-9", list(range(10)), msgspec.structs.replace(params, request_id="p-1"))
+    c.get_num_new_matched_tokens("d-9", 0)
+    c.update_state_after_alloc("d-9", [1, 2, 3, 4], 10)  # a block past the prompt: not read
+    meta = c.build_connector_meta()
+    (pull,) = meta.reqs_to_recv
+    assert (pull.request_id, pull.local_block_ids, meta.recv_request_ids) == (
+        "p-1",
+        [1, 2, 3],
+        ["d-9"],
+    )
+    done = report(ConnectorEvent("d-9", True), sending=False)
+    (ended,) = c.update_connector_output([done, done])
+    assert ended.request_id == "d-9" and ended.state is S.RUNNING
+
+
+def test_a_capability_issued_to_no_reader_is_taken_by_any_decode_instance() -> None:
+    """A prefill request that named no reader (vLLM's proxies do not): any decode
+    instance holding the token may pull it, once."""
+    p = producer()
+    p.add_request("r", list(range(10)), RemoteDecode(""))
+    params = p.request_finished("r", [5, 6, 7], 42, done=False)[1]
+    assert isinstance(params, RemotePrefill)
+    spec = ConnectorSpec(ConnectorRole.CONSUMER, "E", TransferConfig(token=TOKEN))
+    other = KVConnectorScheduler(KVConnectorConfig(spec), BS, 1)
+    assert other.add_request("r", list(range(10)), params).capability is not None
+    c = consumer()
+    assert c.add_request("r", list(range(10)), params).capability is not None
+    c.load_refused("r", "not needed")
+    with pytest.raises(CapabilityRefused, match="KV capability refused"):
+        c.add_request("r", list(range(10)), params)  # it opens one pull here
 
 
 def test_capabilities_are_checked_on_arrival() -> None:
