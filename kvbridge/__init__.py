@@ -8,8 +8,8 @@ The planning API (numpy only; what `pip install kvbridge` gives):
     lists = kvbridge.copy_lists(plan, decode_rank, prefill_block_ids, decode_block_ids, n)
     kvbridge.verify_plan(plan, num_tokens=100)          # byte-exact on numpy buffers
 
-The runtime an engine embeds is `kvbridge.transfer` (extra `transfer`: NIXL, ZMQ,
-msgspec); see docs/embedding.md.
+An engine hosts the runtime (`kvbridge.transfer`, extra `transfer`: NIXL, ZMQ, msgspec)
+through the connector contract, `kvbridge.connector`; see docs/embedding.md.
 """
 
 from kvbridge.errors import (

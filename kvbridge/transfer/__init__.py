@@ -1,9 +1,10 @@
 """The transfer runtime: move a request's KV blocks between worker processes with NIXL.
 
-What an engine embeds (docs/embedding.md): one `WorkerConnector` per worker process
-that owns a KV cache, driven with typed requests (`GetEndpoint`, `SetEndpoints`,
-`Expose`, `Pull`, `Poll`); the driver folds the workers' replies into one outcome per
-request with `TransferTracker`. Underneath (mirrors vLLM's KV-connector lifecycle):
+One `WorkerConnector` per worker process that owns a KV cache, driven with typed
+requests (`GetEndpoint`, `SetEndpoints`, `Expose`, `Pull`, `Poll`); the connector layer
+(`kvbridge.connector`, what an engine hosts: docs/embedding.md) wraps it in its
+`KVConnectorWorker` and folds the workers' events into one outcome per request on the
+driver. Underneath (mirrors vLLM's KV-connector lifecycle):
   * prefill worker: `KVProducer.expose(request_id, block_ids, num_tokens)`, then call
     `poll()` from its loop; `on_release` hands the blocks back once every expected
     decode worker notified completion (or the lease expired).
@@ -36,8 +37,6 @@ if TYPE_CHECKING:
         Pull,
         SetEndpoints,
         SetSiblings,
-        TrackedTransfer,
-        TransferTracker,
         WorkerConnector,
     )
     from kvbridge.transfer.consumer import KVConsumer
@@ -64,8 +63,6 @@ _EXPORTS = {
     "Pull": "connector",
     "SetEndpoints": "connector",
     "SetSiblings": "connector",
-    "TrackedTransfer": "connector",
-    "TransferTracker": "connector",
     "WorkerConnector": "connector",
     "TransferConfig": "config",
     "load_token": "config",
@@ -107,12 +104,10 @@ __all__ = [
     "ReleaseCause",
     "SetEndpoints",
     "SetSiblings",
-    "TrackedTransfer",
     "TransferConfig",
     "TransferError",
     "TransferResult",
     "TransferState",
-    "TransferTracker",
     "Transport",
     "WorkerConnector",
     "XferState",

@@ -1,4 +1,4 @@
-"""The worker-side connector an engine embeds, and the driver's view of it.
+"""The worker-side connector: the transfer runtime of one worker process.
 
 An engine runs one `WorkerConnector` in every worker process that owns a KV cache: the
 transport (one NIXL agent, the cache's regions registered once) and a `KVProducer`
@@ -39,8 +39,9 @@ wants to poll from its own loop instead builds the connector with
 `progress_thread=False` and calls `idle_poll()` between driver calls, waiting no longer
 than it returns.
 
-On the driver, `TransferTracker` turns the workers' events into one outcome per request
-once every worker reported: the release callback of the engine (free the blocks).
+The connector layer's `KVConnectorWorker` (`kvbridge.connector.worker`) wraps this and
+sends these requests; its scheduler side (`KVConnectorScheduler.update_connector_output`)
+folds every worker's events into one outcome per request, once every worker reported.
 
 Requests and replies are msgspec structs (`encode`, `request_decoder`, `reply_decoder`)
 so they can cross a process boundary as bytes; nothing is pickled. NIXL, ZMQ and the
@@ -53,8 +54,6 @@ import base64
 import enum
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -539,74 +538,3 @@ class WorkerConnector:
                     self.consumer.close()
             finally:
                 self.transport.close()
-
-
-@dataclass
-class TrackedTransfer:
-    """A request's KV moving on every worker of one instance."""
-
-    request_id: str
-    block_ids: list[int]
-    remaining: int  # workers yet to report
-    failures: list[str] = field(default_factory=list)
-    nbytes: int = 0
-    #: the slowest worker's own time from Expose/Pull to done (ConnectorEvent.elapsed_ms)
-    worker_ms: float = 0.0
-    started: float = field(default_factory=time.perf_counter)
-    on_done: Callable[[TrackedTransfer], None] | None = None
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-
-class TransferTracker:
-    """The driver's side: one outcome per request from its workers' `Poll` replies.
-
-    `track` a request when it is exposed or pulled (with the number of workers that
-    will report it); `feed` the replies of each `Poll`. Once every worker reported, the
-    request's `on_done` runs once (free or keep its blocks; `failures` says why not ok).
-    Single-threaded: the engine loop calls both.
-    """
-
-    def __init__(self) -> None:
-        self.transfers: dict[str, TrackedTransfer] = {}
-        self.pinned_blocks = 0
-        self.replays_refused = 0
-        self.nbytes_total = 0
-
-    def track(
-        self,
-        request_id: str,
-        block_ids: list[int],
-        num_workers: int,
-        on_done: Callable[[TrackedTransfer], None] | None = None,
-    ) -> TrackedTransfer:
-        tr = TrackedTransfer(request_id, list(block_ids), num_workers, on_done=on_done)
-        self.transfers[request_id] = tr
-        return tr
-
-    def feed(self, replies: Iterable[ConnectorReply]) -> list[TrackedTransfer]:
-        """Apply one Poll's replies; returns the transfers that finished."""
-        done = []
-        pinned = replays = 0
-        for reply in replies:
-            pinned += reply.pinned_blocks
-            replays += reply.replays_refused
-            for ev in reply.events:
-                tr = self.transfers.get(ev.request_id)
-                if tr is None:
-                    continue
-                tr.remaining -= 1
-                tr.nbytes += ev.nbytes
-                tr.worker_ms = max(tr.worker_ms, ev.elapsed_ms)
-                if not ev.ok:
-                    tr.failures.append(ev.reason)
-                if tr.remaining == 0:
-                    del self.transfers[ev.request_id]
-                    self.nbytes_total += tr.nbytes
-                    done.append(tr)
-                    if tr.on_done is not None:
-                        tr.on_done(tr)
-        self.pinned_blocks, self.replays_refused = pinned, replays
-        return done

@@ -141,6 +141,37 @@ def test_decode_waiting_running_pulls_the_tokens_after_the_local_hit() -> None:
     assert ended.num_cached_tokens == 4 and not c.has_transfers and not c.requests
 
 
+def test_a_request_ends_once_with_its_workers_sums_and_the_slowest_workers_time() -> None:
+    """Reports arrive over several steps, for several requests at once: a request ends
+    once, when its last worker reported, with its workers' bytes summed and the slowest
+    worker's own time (its KV is in place when that worker finished, whenever the host
+    steps); pinned blocks are the instance's sum at the last report; an event for no
+    request in flight changes nothing."""
+    c = consumer(world=3)
+    for rid, blocks in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+        c.add_request(rid, list(range(10)), decode_params(rid))
+        c.get_num_new_matched_tokens(rid, 0)
+        c.update_state_after_alloc(rid, blocks, 10)
+    ev = ConnectorEvent
+    first = [
+        KVWorkerOutput([], [ev("a", True, nbytes=10, elapsed_ms=12.5)], pinned_blocks=3),
+        KVWorkerOutput([], [ev("b", False, "lost contact"), ev("x", True)], pinned_blocks=3),
+        KVWorkerOutput(pinned_blocks=6),
+    ]
+    assert c.update_connector_output(first) == [] and c.pinned_blocks == 12
+    second = [
+        KVWorkerOutput([], [ev("a", True, nbytes=5, elapsed_ms=40.0), ev("b", True)]),
+        KVWorkerOutput([], [ev("a", True, nbytes=5, elapsed_ms=7.0)]),
+        KVWorkerOutput([], [ev("b", True)]),
+    ]
+    a, b = sorted(c.update_connector_output(second), key=lambda r: r.request_id)
+    assert (a.state, a.nbytes, a.worker_ms) == (S.RUNNING, 20, 40.0)
+    assert (b.state, b.reason, b.block_ids) == (S.RECOMPUTE, "lost contact", [4, 5, 6])
+    assert c.pinned_blocks == 0 and c.nbytes_total == 20 and not c.requests
+    late = KVWorkerOutput([], [ev("a", True, nbytes=99)])  # reported twice: ignored
+    assert c.update_connector_output([late]) == [] and c.nbytes_total == 20
+
+
 @pytest.mark.parametrize("policy", list(KVLoadFailure))
 def test_failure_from_waiting_follows_the_policy(policy: KVLoadFailure) -> None:
     final = S.RECOMPUTE if policy is KVLoadFailure.RECOMPUTE else S.FAILED

@@ -1,6 +1,7 @@
-"""The worker-side connector an engine embeds, and the driver's tracker, over a fake
-transport (real producer and consumer, real side channel, one process). Our engine and
-serve use the same connector; tests/serve runs it with real NIXL agents."""
+"""The transfer layer's worker-side connector, over a fake transport (real producer and
+consumer, real side channel, one process). The connector layer's `KVConnectorWorker`
+wraps it (its scheduler side's fold is tests/connector/test_scheduler_states.py);
+tests/serve runs it with real NIXL agents."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.connector import (
     IDLE_POLL_S,
     Cancel,
-    ConnectorEvent,
     ConnectorReply,
     ConnectorRole,
     ConnectorSpec,
@@ -21,7 +21,6 @@ from kvbridge.transfer.connector import (
     Poll,
     Pull,
     SetEndpoints,
-    TransferTracker,
     WorkerConnector,
     encode,
     request_decoder,
@@ -91,39 +90,3 @@ def test_requests_cross_a_process_boundary_as_typed_bytes() -> None:
     assert request_decoder.decode(encode(req)) == req
     with pytest.raises(Exception, match="missing required field `type`"):
         request_decoder.decode(encode(ConnectorReply()))
-
-
-def test_tracker_reports_a_request_once_every_worker_did() -> None:
-    done = []
-    tracker = TransferTracker()
-    tracker.track("a", [1, 2], num_workers=2, on_done=done.append)
-    tracker.track("b", [3], num_workers=2, on_done=done.append)
-    tracker.feed(
-        [
-            ConnectorReply(events=[ConnectorEvent("a", True, nbytes=10)], pinned_blocks=3),
-            ConnectorReply(events=[ConnectorEvent("b", False, "lease expired")], pinned_blocks=3),
-        ]
-    )
-    assert done == [] and tracker.pinned_blocks == 6
-    finished = tracker.feed(
-        [ConnectorReply(), ConnectorReply(events=[ConnectorEvent("a", True, nbytes=5)])]
-    )
-    assert [t.request_id for t in finished] == ["a"] and done[0].nbytes == 15 and done[0].ok
-    tracker.feed([ConnectorReply(events=[ConnectorEvent("b", True)]), ConnectorReply()])
-    assert done[1].request_id == "b" and done[1].failures == ["lease expired"]
-    assert not tracker.transfers and tracker.nbytes_total == 15
-
-
-def test_tracker_keeps_the_slowest_workers_own_time() -> None:
-    """A request's KV is in place when its slowest worker finished, whenever the driver
-    polls: `worker_ms` is the largest `elapsed_ms` its workers reported."""
-    tracker = TransferTracker()
-    tr = tracker.track("a", [1], num_workers=3)
-    tracker.feed([ConnectorReply(events=[ConnectorEvent("a", True, elapsed_ms=12.5)])])
-    tracker.feed(
-        [
-            ConnectorReply(events=[ConnectorEvent("a", True, elapsed_ms=40.0)]),
-            ConnectorReply(events=[ConnectorEvent("a", True, elapsed_ms=7.0)]),
-        ]
-    )
-    assert not tracker.transfers and tr.worker_ms == 40.0

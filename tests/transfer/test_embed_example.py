@@ -1,6 +1,7 @@
-"""examples/embed_minimal.py, the runnable companion of docs/embedding.md: it moves a
-request's KV between two toy engines with the public API and checks every byte; and
-its checker, which must catch what a wrong transfer would leave behind."""
+"""examples/embed_minimal.py, the runnable companion of docs/embedding.md: two toy
+engines host the connector contract (a `KVConnectorScheduler` in each driver, a
+`KVConnectorWorker` in each worker process), hand a request's KV over and check every
+byte; and its checker, which must catch what a wrong transfer would leave behind."""
 
 from __future__ import annotations
 
@@ -43,6 +44,13 @@ def test_example_moves_the_kv_and_prints_verified() -> None:
     lines = proc.stdout.splitlines()
     assert lines[-1] == "verified", proc.stdout
     assert any(line.startswith("decode: 4 workers pulled 46080 B") for line in lines)
+    assert "decode: RUNNING from the prefill's first token 7" in lines
+    # the prefill's blocks came back because every reader said it pulled (not a lease)
+    assert any(
+        line.startswith("prefill: 2 workers released the blocks after")
+        and line.endswith(": completed")
+        for line in lines
+    ), proc.stdout
 
 
 def test_example_writes_the_request_where_its_layout_puts_it() -> None:

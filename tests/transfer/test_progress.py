@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvbridge.connector import KVRequest, RemoteDecode, RequestState
 from kvbridge.plan.layout import CacheLayout, InstanceLayout, cache_shape, num_regions
 from kvbridge.plan.planner import make_plan
 from kvbridge.transfer.config import TransferConfig
@@ -93,16 +94,21 @@ def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(examp
     progress, consumer = conn.progress, conn.consumer
     assert progress is not None and consumer is not None
     try:
-        endpoints = [r.endpoint for r in prefill.connector_call(GetEndpoint())]
-        prefill.connector_call(SetEndpoints(endpoints))
+        # the example's prefill instance exposes r1 for us through its connector's
+        # scheduler side; we pull with what its capability says (endpoint, blocks,
+        # generation), as a decode instance's scheduler side would order
         p_ids, d_ids, n = [9, 2, 5], [6, 1], ex.NUM_TOKENS
+        prefill.kv.add_request("r1", list(range(n)), RemoteDecode(reader="decode-progress"))
         prefill.call(ex.Prefill(p_ids, n))
-        prefill.connector_call(Expose("r1", p_ids, n))
-        prefill.tracker.track("r1", p_ids, ex.PREFILL.world_size)
+        prefill.kv.request_finished("r1", p_ids, ex.FIRST_TOKEN, done=False)
+        assert prefill.step() == []  # exposed: pinned until our pull's notification
+        cap = prefill.kv.requests["r1"].capability
+        assert cap is not None and cap.block_ids == p_ids
+        endpoint = cap.endpoint
 
         polls = progress.num_polls
         assert not conn.wait_for_events(0)  # nothing finished yet
-        conn.handle(Pull("r1", endpoints[0], p_ids, d_ids, n))
+        conn.handle(Pull("r1", endpoint, p_ids, d_ids, n, generation=cap.generation))
         # the engine's thread computes and calls nothing: only the progress thread polls;
         # an engine with nothing to compute sleeps on the connector's event meanwhile
         assert conn.wait_for_events(120), "the pull did not finish in 120 s"
@@ -115,21 +121,23 @@ def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(examp
         assert ex.check_cache(cache, decode, 0, d_ids, n) == ""
 
         # the prefill workers' threads took our notification: their blocks are released
-        finished: list[Any] = []
+        ended: list[KVRequest] = []
 
         def released() -> bool:
-            finished.extend(prefill.tracker.feed(prefill.connector_call(Poll())))
-            return bool(finished)
+            ended.extend(prefill.step())
+            return bool(ended)
 
         wait_until("the release", released)
-        assert finished[0].request_id == "r1" and finished[0].ok
+        (rec,) = ended
+        assert (rec.request_id, rec.state, rec.failures) == ("r1", RequestState.RELEASED, [])
+        assert rec.block_ids == p_ids and prefill.kv.releases == {"completed": 1}
         # idle again: the thread waits for the idle consumer's interval, not the busy one
         wait_until("an idle wait", lambda: waiting_for(conn, CONSUMER_IDLE_S))
 
         # the producer's workers die: the next pull fails, with why, still without polls
         for proc in prefill.procs:
             proc.kill()
-        conn.handle(Pull("r2", endpoints[0], p_ids, [3, 4], n))
+        conn.handle(Pull("r2", endpoint, p_ids, [3, 4], n))
         wait_until("the failure", lambda: not consumer.is_busy, busy=True)
         (event,) = conn.handle(Poll()).events
         assert event.request_id == "r2" and not event.ok
@@ -137,7 +145,7 @@ def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(examp
         # the thread had already seen their side channel close and forgotten them, so
         # the pull's new handshake with that endpoint timed out: both name the producer
         # (the second ended two full-suite runs on 2026-12-04)
-        assert "prefill worker" in event.reason or endpoints[0] in event.reason, event.reason
+        assert "prefill worker" in event.reason or endpoint in event.reason, event.reason
     finally:
         conn.close()
     assert not progress.is_alive
