@@ -21,7 +21,7 @@ _FILLER = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from kvbridge.cli.generate_cmd import add_engine_arguments
+    from kvbridge.bench.engine_args import add_engine_arguments
 
     add_engine_arguments(p)
     p.set_defaults(tp=None)
@@ -97,7 +97,7 @@ def _bench_engine(args: argparse.Namespace, tp: int, hf: _Transformers | None) -
     """Engine figures at `tp` and, measured alternately with them, transformers' figures."""
     import torch
 
-    from kvbridge.cli.generate_cmd import engine_config
+    from kvbridge.bench.engine_args import engine_config
     from kvbridge.engine.llm_engine import LLMEngine
     from kvbridge.engine.sampling import SamplingParams
 
@@ -135,8 +135,8 @@ def _bench_engine(args: argparse.Namespace, tp: int, hf: _Transformers | None) -
 
 
 def _floor(args: argparse.Namespace, tp: int, leave_core: bool) -> float:
+    from kvbridge.bench.engine_args import engine_config
     from kvbridge.bench.floor import floor_step_s
-    from kvbridge.cli.generate_cmd import engine_config
     from kvbridge.engine.weights import resolve_model
 
     what = "switch" if leave_core else "floor"

@@ -6,64 +6,8 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
 
-from kvbridge.cli.plan_cmd import layout_arg
-from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP
-
-
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Options shared by every command that starts an engine."""
-    p.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="a .gguf file, an HF directory, or a known name (default smollm2-135m)",
-    )
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    p.add_argument(
-        "--cache-layout",
-        "--layout",
-        type=layout_arg,
-        default=DEFAULT_LAYOUT,
-        metavar="LAYOUT",
-        help=LAYOUT_HELP,
-    )
-    p.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="KV-cache blocks per worker (default: sized by --kv-cache-mb)",
-    )
-    p.add_argument("--kv-cache-mb", type=int, default=256)
-    p.add_argument(
-        "--no-prefix-caching",
-        dest="prefix_caching",
-        action="store_false",
-        help="turn automatic prefix caching off (every prompt is computed whole)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads per worker (default 2 at tp 1, else 1)",
-    )
-
-
-def engine_config(args: argparse.Namespace, **overrides: Any) -> Any:
-    from kvbridge.engine.config import EngineConfig
-
-    kwargs: dict[str, Any] = dict(
-        tp_size=args.tp,
-        block_size=args.block_size,
-        cache_layout=args.cache_layout,
-        num_blocks=args.num_blocks,
-        kv_cache_mb=args.kv_cache_mb,
-        num_threads=args.threads,
-        enable_prefix_caching=args.prefix_caching,
-    )
-    kwargs.update(overrides)
-    return EngineConfig(**kwargs)
+from kvbridge.bench.engine_args import add_engine_arguments, engine_config
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -28,7 +28,6 @@ from kvbridge.plan.layout import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_LAYOUT,
     LAYOUT_HELP,
-    CacheLayout,
     InstanceLayout,
     WorkerShard,
 )
@@ -42,15 +41,6 @@ def _int_or_raw(value: str) -> int | str:
         return int(value)
     except ValueError:
         return value
-
-
-def layout_arg(value: str) -> str:
-    """argparse `type` for a cache layout flag: the layout's name, or exit 2 naming the
-    value and the accepted names."""
-    try:
-        return CacheLayout.parse(value).name
-    except LayoutError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_layout_arguments(parser: argparse.ArgumentParser) -> None:

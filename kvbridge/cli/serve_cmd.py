@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from kvbridge.cli.plan_cmd import layout_arg
+from kvbridge.bench.engine_args import layout_arg
 from kvbridge.engine.cpu_share import COMPUTE_NICE
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP

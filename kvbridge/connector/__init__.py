@@ -7,6 +7,12 @@ Layer 3, above `kvbridge.transfer` and below any engine that hosts it: our engin
 `RequestState`s and sends typed `ConnectorMetadata` to its worker side
 (`KVConnectorWorker`, one per worker process), which wraps the transfer layer's
 `WorkerConnector`. `KVTransferParams` is a request's hand-over record.
+
+The layers above (the engine, serve) reach the transfer runtime only through here: its
+configuration (`TransferConfig`, `FanOut`, `KVExport`, `Integrity`), the shared-memory
+segment an exported cache lives in (`SharedSegment`), reading the shared secret
+(`load_token`) and a few helpers are re-exported here; `security.py` has the keys and
+HMACs derived from the secret.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from kvbridge.connector.states import (
     KVLoadFailure,
     RequestState,
 )
-from kvbridge.transfer.config import TransferConfig, is_loopback
+from kvbridge.transfer.config import FanOut, KVExport, TransferConfig, is_loopback, load_token
+from kvbridge.transfer.integrity import Integrity
 
 if TYPE_CHECKING:
     from kvbridge.connector.metadata import (
@@ -41,11 +48,15 @@ if TYPE_CHECKING:
         ConnectorRole,
         ConnectorSpec,
     )
+    from kvbridge.transfer.export import SharedSegment
     from kvbridge.transfer.identity import Identity
     from kvbridge.transfer.netdev import device_of as net_device_of
+    from kvbridge.transfer.netdev import free_port
 
 _LAZY = {
     "Identity": "kvbridge.transfer.identity",
+    "SharedSegment": "kvbridge.transfer.export",
+    "free_port": "kvbridge.transfer.netdev",
     **dict.fromkeys(
         [
             "ConnectorMetadata",
@@ -83,10 +94,13 @@ __all__ = [
     "ConnectorMetadata",
     "ConnectorRole",
     "ConnectorSpec",
+    "FanOut",
     "Identity",
+    "Integrity",
     "InvalidTransition",
     "KVConnectorConfig",
     "KVConnectorScheduler",
+    "KVExport",
     "KVLoadFailure",
     "KVRequest",
     "KVTransferParams",
@@ -94,7 +108,10 @@ __all__ = [
     "RemoteDecode",
     "RemotePrefill",
     "RequestState",
+    "SharedSegment",
     "TransferConfig",
+    "free_port",
     "is_loopback",
+    "load_token",
     "net_device_of",
 ]

@@ -21,9 +21,10 @@ pages is several times slower (docs/benchmarks.md). Its memory comes from numpy,
 asks the kernel for transparent huge pages on large arrays (torch's CPU allocator does
 not): NIXL reads a cache between processes page by page (UCX's CMA transport), and
 huge pages make those reads faster (docs/benchmarks.md). With `shared`, the memory is a
-shared-memory segment instead (`kvbridge.transfer.export.SharedSegment`), which a KV export
-process maps read-only so that peers never read this worker's own memory; it gets no huge
-pages where the host keeps them off shared memory (docs/benchmarks.md).
+shared-memory segment instead (the transfer runtime's `SharedSegment`, reached through
+`kvbridge.connector`), which a KV export process maps read-only so that peers never read
+this worker's own memory; it gets no huge pages where the host keeps them off shared
+memory (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 from kvbridge.plan.layout import InstanceLayout
 
 if TYPE_CHECKING:
-    from kvbridge.transfer.export import SharedSegment
+    from kvbridge.connector import SharedSegment
 
 
 class KVCache:
@@ -68,7 +69,7 @@ class KVCache:
         )
         self.segment: SharedSegment | None = None
         if shared:
-            from kvbridge.transfer.export import SharedSegment
+            from kvbridge.connector import SharedSegment
 
             nbytes = int(np.prod(shape)) * dtype.itemsize
             self.segment = SharedSegment(nbytes)  # zero-filled, every page touched

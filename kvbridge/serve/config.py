@@ -15,21 +15,21 @@ import ssl
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvbridge.connector import KVLoadFailure
+from kvbridge.connector import (
+    FanOut,
+    Integrity,
+    KVExport,
+    KVLoadFailure,
+    TransferConfig,
+    is_loopback,
+    load_token,
+)
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.cpu_share import COMPUTE_NICE
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.serve.isolation import PrefixCacheIsolation
-from kvbridge.transfer.config import (
-    FanOut,
-    KVExport,
-    TransferConfig,
-    is_loopback,
-    load_token,
-)
-from kvbridge.transfer.integrity import Integrity
 
 
 class Role(enum.Enum):

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from kvbridge.connector import free_port
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import DeploymentConfig
@@ -26,7 +27,6 @@ from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment, LaunchError
 from kvbridge.serve.proxy_main import proxy_app, proxy_banner
 from kvbridge.serve.tls import client_context
-from kvbridge.transfer.netdev import free_port
 
 
 def colocated_text(

@@ -7,11 +7,11 @@ import sys
 import uvicorn
 from fastapi import FastAPI
 
+from kvbridge.connector import is_loopback
 from kvbridge.serve.backend import Backend
 from kvbridge.serve.config import Engine, ProxyConfig
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.proxy import make_app
-from kvbridge.transfer.config import is_loopback
 
 
 def reach(host: str) -> str:

@@ -34,8 +34,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kvbridge.connector.security import derive
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.auth import derive
 
 #: The deployment CA's validity: fixed, so that every host derives the same certificate.
 _CA_FROM = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
