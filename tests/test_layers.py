@@ -21,6 +21,9 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     "connector": frozenset({"engine", "serve", "vllm", "bench", "cli"}),
     "engine": frozenset({"transfer", "serve", "vllm", "bench", "cli"}),
     "serve": frozenset({"transfer", "bench", "cli"}),
+    # vLLM's adapter, beside serve: it hosts the connector (its launcher starts serve's
+    # proxy)
+    "vllm": frozenset({"transfer", "engine", "bench", "cli"}),
     "bench": frozenset({"cli"}),
 }
 #: plan imports nothing of kvbridge but these

@@ -9,13 +9,12 @@ of every cache-layout flag (`kvbridge serve`'s too).
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import LayoutError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP, CacheLayout
-
-if TYPE_CHECKING:
-    from kvbridge.engine.config import EngineConfig
+from kvbridge.settings import DEFAULT_MODEL
 
 
 def layout_arg(value: str) -> str:
@@ -31,8 +30,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that starts an engine."""
     p.add_argument(
         "--model",
-        default="smollm2-135m",
-        help="a .gguf file, an HF directory, or a known name (default smollm2-135m)",
+        default=DEFAULT_MODEL,
+        help="a .gguf file, an HF directory, or a known name (default %(default)s)",
     )
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
@@ -50,7 +49,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="KV-cache blocks per worker (default: sized by --kv-cache-mb)",
     )
-    p.add_argument("--kv-cache-mb", type=int, default=256)
+    p.add_argument("--kv-cache-mb", type=int, default=EngineConfig.kv_cache_mb)
     p.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
@@ -67,8 +66,6 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
     """The `EngineConfig` of the flags `add_engine_arguments` added (`overrides` win)."""
-    from kvbridge.engine.config import EngineConfig
-
     kwargs: dict[str, Any] = dict(
         tp_size=args.tp,
         block_size=args.block_size,

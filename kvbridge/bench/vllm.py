@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from kvbridge.settings import DEFAULT_MODEL
 from kvbridge.transfer.netdev import free_port
 from kvbridge.vllm.launch import (
     LOADED_HOST_SETTINGS,
@@ -71,7 +72,7 @@ TRANSFER_SERIES = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="a folder of `kvbridge.vllm.models`")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a folder of `kvbridge.vllm.models`")
     p.add_argument(
         "--pairs",
         nargs="+",

@@ -11,7 +11,9 @@ import importlib
 from collections.abc import Callable
 
 from kvbridge.bench import plan as plan_bench
+from kvbridge.cli.serve_cmd import DEFAULT_TP
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE
+from kvbridge.serve.config import InstanceConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,9 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "streamed greedy completions disaggregated (prefill -> decode) and colocated on the "
         "decode instance, at each concurrency, in the same run.",
     )
-    bs.add_argument("--model", default="smollm2-135m")
-    bs.add_argument("--prefill-tp", type=int, default=3)
-    bs.add_argument("--decode-tp", type=int, default=9)
+    bs.add_argument("--model", default=InstanceConfig.model)
+    bs.add_argument("--prefill-tp", type=int, default=DEFAULT_TP["prefill"])
+    bs.add_argument("--decode-tp", type=int, default=DEFAULT_TP["decode"])
     bs.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     bs.add_argument("--prompt-words", type=int, default=100, help="words per prompt")
     bs.add_argument("--max-tokens", type=int, default=32)
@@ -78,9 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     bs.add_argument(
         "--kv-cache-mb",
         type=int,
-        default=256,
-        help="KV cache per worker (MiB; default 256: room for 8 concurrent requests of "
-        "100 words, or every conversation of --multi-turn)",
+        default=InstanceConfig.kv_cache_mb,
+        help="KV cache per worker (MiB; default %(default)s: room for 8 concurrent requests "
+        "of 100 words, or every conversation of --multi-turn)",
     )
     bs.add_argument(
         "--no-cpu-priority",

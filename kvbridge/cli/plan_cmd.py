@@ -31,6 +31,7 @@ from kvbridge.plan.layout import (
     InstanceLayout,
     WorkerShard,
 )
+from kvbridge.plan.model_config import bundled_config_names
 from kvbridge.plan.planner import Read, TransferPlan, make_plan
 from kvbridge.plan.verifier import VerificationError, VerifyReport, verify_plan
 
@@ -101,7 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         required=True,
         metavar="PATH",
         help="HF config.json, .gguf file, directory, or bundled name "
-        "(llama-3.2-1b, tinyllama-1.1b, qwen3-0.6b, smollm2-135m, deepseek-v2-lite)",
+        f"({', '.join(bundled_config_names())})",
     )
     add_layout_arguments(p)
     p.add_argument(

@@ -30,6 +30,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.serve.isolation import PrefixCacheIsolation
+from kvbridge.settings import DEFAULT_MODEL, carried, same_as, setting, setting_of
 
 
 class Role(enum.Enum):
@@ -45,6 +46,11 @@ class Engine(enum.Enum):
     KVBRIDGE = "kvbridge"
     VLLM = "vllm"
 
+
+#: Where `kvbridge serve` and the proxy find the API key when --api-key is not given.
+API_KEY_ENV = "KVBRIDGE_API_KEY"
+#: Where `load_token` finds the shared secret when no file is given (TransferConfig.token).
+_TOKEN_ENV = setting_of(TransferConfig, "token").env
 
 #: Slack between a pull capability's expiry and the release of its unclaimed blocks:
 #: covers clocks that differ between hosts and the moment between exposing the blocks
@@ -86,49 +92,120 @@ def _check_instance_url(flag: str, url: str) -> None:
 
 @dataclass(frozen=True)
 class InstanceConfig:
-    """One prefill or decode instance: its engine, its HTTP server, its KV runtime."""
+    """One prefill or decode instance: its engine, its HTTP server, its KV runtime.
+
+    Each field after the first six is a setting (`kvbridge.settings`): its default, help
+    and `kvbridge serve` flag are declared here, the KV runtime's (lease_s, kv_integrity,
+    ...) in `TransferConfig` and carried here with `same_as`. role, tp_size, block_size
+    and cache_layout have a flag per role instead (--prefill-tp, --tp, ...), port and
+    port_file are given by whoever launches the instance.
+    """
 
     role: Role
     tp_size: int
-    model: str = "smollm2-135m"
     block_size: int = DEFAULT_BLOCK_SIZE
     cache_layout: CacheLayout = field(default_factory=lambda: CacheLayout.parse(DEFAULT_LAYOUT))
-    kv_cache_mb: int = 256
-    enable_prefix_caching: bool = True
-    host: str = "127.0.0.1"
-    port: int = 0
+    port: int = 0  # 0: a free port, reported to `port_file` (a launched instance)
     port_file: str | None = None  # where a launched instance reports its port
-    kv_host: str | None = None  # default: host
-    kv_port: int = 0
-    kv_token_file: str | None = None
-    kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
-    # the KV runtime's times: TransferConfig declares them (and says what they bound)
-    lease_s: float = TransferConfig.lease_s
-    transfer_timeout_s: float = TransferConfig.transfer_timeout_s
-    liveness_timeout_s: float = TransferConfig.liveness_timeout_s
-    handshake_timeout_s: float = TransferConfig.handshake_timeout_s
-    #: decode: check pulled KV against the prefill's digests (TransferConfig declares it)
-    kv_integrity: Integrity = TransferConfig.integrity
-    #: prefill: which process peers read the KV from (TransferConfig declares it)
-    kv_export: KVExport = TransferConfig.kv_export
-    #: decode: read bytes its workers share once per host (TransferConfig declares it)
-    kv_fan_out: FanOut = TransferConfig.fan_out
-    max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
-    kv_advertise_host: str | None = None  # the address peers reach the KV side channel at
-    insecure: bool = False  # allow a non-loopback HTTP host without a shared token
-    #: the most requests held at once (more are refused with 503 and Retry-After);
-    #: None: derived from the KV cache (`admission.default_max_queued`)
-    max_queued_requests: int | None = None
-    #: a decode instance must take a prefilled request's KV within this long
-    claim_s: float = 10.0
-    #: the HTTPS certificate and key of the internal API (`tls.py`); by default an
-    #: instance binding a non-loopback host makes its own, certified by the token
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    #: its compute threads' nice value raised by its role's `COMPUTE_NICE`, its KV
-    #: transfer threads' not (`engine/cpu_share.py`): on shared cores transfers, then
-    #: prefills, then decodes
-    cpu_priority: bool = True
+    # the engine
+    model: str = setting(
+        DEFAULT_MODEL, flag="--model", help="a .gguf file, an HF directory, or a known name"
+    )
+    kv_cache_mb: int = setting(
+        EngineConfig.kv_cache_mb, flag="--kv-cache-mb", help="KV cache per worker, in MiB"
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        flag="--no-prefix-caching",
+        help="turn automatic prefix caching off: every prompt is computed (prefill) and "
+        "pulled (decode) whole",
+    )
+    max_queued_requests: int | None = setting(
+        None,
+        flag="--max-queued-requests",
+        metavar="N",
+        default_text=f"twice the engine's max_num_seqs ({EngineConfig.max_num_seqs}), at "
+        "most one per two KV blocks",
+        help="the most requests an instance holds at once (queued, running, streaming, and "
+        "places reserved by the proxy); more are refused at once with 503 and Retry-After",
+    )
+    cpu_priority: bool = setting(
+        True,
+        flag="--cpu-priority",
+        help="on cores a prefill and a decode instance share, KV transfers first, then "
+        "prefills, then decodes: the compute threads' nice value is raised by "
+        f"{COMPUTE_NICE['prefill']} in a prefill instance and by {COMPUTE_NICE['decode']} "
+        "in a decode instance (to at most 19), the KV transfer threads stay at the "
+        "priority the instance was started with (as the colocated engine runs a prompt's "
+        "prefill before its next decode step); alone on its cores an instance runs as "
+        "fast",
+    )
+    # the HTTP server
+    host: str = setting("127.0.0.1", flag="--host", help="address the HTTP server binds")
+    max_body_mb: float = setting(
+        DEFAULT_MAX_BODY_MB,
+        flag="--max-body-mb",
+        help="largest request body the proxy and the instances accept, in MiB; a larger "
+        "one is refused with 413",
+    )
+    insecure: bool = setting(
+        False,
+        flag="--insecure",
+        help="allow an HTTP --host other hosts can reach without a shared token",
+    )
+    tls_cert: str | None = setting(
+        None,
+        flag="--tls-cert",
+        metavar="PEM",
+        help="certificate of an instance's internal API (HTTPS), with --tls-key. "
+        "Without one, an instance whose --host other hosts can reach makes its own, "
+        "certified by the shared token (the proxy trusts it); on loopback the API stays "
+        "plain HTTP",
+    )
+    tls_key: str | None = setting(
+        None, flag="--tls-key", metavar="PEM", help="the --tls-cert's private key"
+    )
+    # the KV runtime
+    kv_host: str | None = setting(
+        None,
+        flag="--kv-host",
+        default_text="--host",
+        help="address of the KV side channel; other hosts reach the prefill workers there",
+    )
+    kv_port: int = same_as(TransferConfig, "base_port")
+    kv_advertise_host: str | None = same_as(TransferConfig, "advertise_host")
+    kv_token_file: str | None = setting(
+        None,
+        flag="--auth-token-file",
+        aliases=("--kv-token-file",),
+        metavar="FILE",
+        env=_TOKEN_ENV,
+        help="file holding the shared secret of the deployment (else "
+        f"{_TOKEN_ENV[0]}, else the file named by {_TOKEN_ENV[1]}): encrypts and "
+        "authenticates the KV side channel, signs pull capabilities and every proxy -> "
+        "instance call. Needed for any address other than loopback. `kvbridge serve` (all "
+        "roles) makes one up for its run when none is given",
+    )
+    kv_load_failure: KVLoadFailure = setting(
+        KVLoadFailure.RECOMPUTE,
+        flag="--kv-load-failure",
+        help="when a KV pull fails: recompute the prompt on the decode instance "
+        "(recompute) or answer an error (fail)",
+    )
+    claim_s: float = setting(
+        10.0,
+        flag="--kv-claim-s",
+        help="a decode instance must take a prefilled request's KV within this long (its "
+        "pull capability expires); blocks nobody took are freed after this plus "
+        f"--transfer-timeout-s and {CLAIM_MARGIN_S:g} s",
+    )
+    lease_s: float = same_as(TransferConfig, "lease_s")
+    transfer_timeout_s: float = same_as(TransferConfig, "transfer_timeout_s")
+    liveness_timeout_s: float = same_as(TransferConfig, "liveness_timeout_s")
+    handshake_timeout_s: float = same_as(TransferConfig, "handshake_timeout_s")
+    kv_integrity: Integrity = same_as(TransferConfig, "integrity")
+    kv_export: KVExport = same_as(TransferConfig, "kv_export")
+    kv_fan_out: FanOut = same_as(TransferConfig, "fan_out")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
@@ -142,7 +219,7 @@ class InstanceConfig:
         if not (math.isfinite(self.claim_s) and 0 < self.claim_s <= self.lease_s):
             raise ConfigError(
                 f"--kv-claim-s {self.claim_s} must be a positive number of seconds no "
-                f"longer than --lease-s {self.lease_s:g}; the default is 10"
+                f"longer than --lease-s {self.lease_s:g}; the default is {InstanceConfig.claim_s:g}"
             )
         _check_body_limit(self.max_body_mb)
         _check_exposure(self.host, self.token(), self.insecure)
@@ -189,20 +266,10 @@ class InstanceConfig:
         )
 
     def transfer_config(self) -> TransferConfig:
-        """The KV runtime's settings; reads the shared secret (file or environment)."""
-        return TransferConfig(
-            host=self.kv_host or self.host,
-            advertise_host=self.kv_advertise_host,
-            base_port=self.kv_port,
-            token=self.token(),
-            lease_s=self.lease_s,
-            transfer_timeout_s=self.transfer_timeout_s,
-            liveness_timeout_s=self.liveness_timeout_s,
-            handshake_timeout_s=self.handshake_timeout_s,
-            integrity=self.kv_integrity,
-            kv_export=self.kv_export,
-            fan_out=self.kv_fan_out,
-        )
+        """The KV runtime's settings: those this config carries (`same_as`), its KV host
+        and the shared secret (read from the file or the environment)."""
+        carried_here = {t: getattr(self, i) for i, t in carried(InstanceConfig, TransferConfig)}
+        return TransferConfig(host=self.kv_host or self.host, token=self.token(), **carried_here)
 
     def to_json(self) -> bytes:
         """This config as one JSON document (what a launched instance receives)."""
@@ -223,24 +290,56 @@ class InstanceConfig:
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """The OpenAI-compatible proxy in front of prefill and decode instances."""
+    """The OpenAI-compatible proxy in front of prefill and decode instances.
+
+    Its fields after the first three are settings (`kvbridge.settings`); those it shares
+    with the instances are `InstanceConfig`'s (`same_as`)."""
 
     model: str
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
-    host: str = "127.0.0.1"
-    port: int = 8300
-    kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
-    max_body_mb: float = DEFAULT_MAX_BODY_MB  # larger request bodies are refused (413)
-    kv_token_file: str | None = None  # signs calls to the instances (else the environment)
-    api_key: str | None = None  # required on /v1/... when set
-    insecure: bool = False  # allow a non-loopback host without a shared token
-    #: who shares cached prefixes (`isolation.py`); None: per API key with --api-key
-    prefix_cache_isolation: PrefixCacheIsolation | None = None
-    hide_cached_tokens: bool = False  # leave cache figures out of responses
-    engine: Engine = Engine.KVBRIDGE  # what the instances are
-    #: the CAs of the instances' own --tls-cert (else the token's deployment CA)
-    tls_ca: str | None = None
+    host: str = same_as(InstanceConfig, "host")
+    port: int = setting(
+        8300, flag="--port", help="HTTP port of the proxy, or of a single role (0: any free)"
+    )
+    kv_load_failure: KVLoadFailure = same_as(InstanceConfig, "kv_load_failure")
+    max_body_mb: float = same_as(InstanceConfig, "max_body_mb")
+    kv_token_file: str | None = same_as(InstanceConfig, "kv_token_file")
+    api_key: str | None = setting(
+        None,
+        flag="--api-key",
+        env=(API_KEY_ENV,),
+        help="require 'Authorization: Bearer KEY' on the OpenAI API (/v1/...), like vLLM's "
+        f"--api-key (or set {API_KEY_ENV})",
+    )
+    insecure: bool = same_as(InstanceConfig, "insecure")
+    prefix_cache_isolation: PrefixCacheIsolation | None = setting(
+        None,
+        flag="--prefix-cache-isolation",
+        default_text="api-key with --api-key, else none",
+        help="who shares cached prompt prefixes (the proxy): 'api-key' "
+        "requests of one API key, 'user' requests naming the same OpenAI 'user', 'none' "
+        "everyone; a request's 'cache_salt' narrows it further",
+    )
+    hide_cached_tokens: bool = setting(
+        False,
+        flag="--hide-cached-tokens",
+        help="leave usage.prompt_tokens_details.cached_tokens and kvbridge_stages out of "
+        "responses (the proxy)",
+    )
+    engine: Engine = setting(
+        Engine.KVBRIDGE,
+        flag="--engine",
+        help="what runs the instances: kvbridge's reference engine or vLLM with "
+        "KVBridgeConnector (docs/vllm.md)",
+    )
+    tls_ca: str | None = setting(
+        None,
+        flag="--tls-ca",
+        metavar="PEM",
+        default_text="the shared token's deployment CA",
+        help="the proxy checks the instances' --tls-cert against these CAs, host names included",
+    )
 
     def __post_init__(self) -> None:
         _check_body_limit(self.max_body_mb)
@@ -275,17 +374,23 @@ class ProxyConfig:
 @dataclass(frozen=True)
 class DeploymentConfig:
     """A whole deployment on this host: one prefill and one decode instance (children),
-    and the proxy (this process)."""
+    and the proxy (this process), whose settings it carries (`same_as`)."""
 
     prefill: InstanceConfig
     decode: InstanceConfig
-    host: str = "127.0.0.1"
-    port: int = 8300
-    start_timeout_s: float = 900.0
-    api_key: str | None = None
-    prefix_cache_isolation: PrefixCacheIsolation | None = None
-    hide_cached_tokens: bool = False
-    tls_ca: str | None = None  # ProxyConfig.tls_ca
+    host: str = same_as(ProxyConfig, "host")
+    port: int = same_as(ProxyConfig, "port")
+    start_timeout_s: float = setting(
+        900.0,
+        flag="--start-timeout-s",
+        help="give up if the instances are not ready after this long",
+    )
+    api_key: str | None = same_as(ProxyConfig, "api_key")
+    prefix_cache_isolation: PrefixCacheIsolation | None = same_as(
+        ProxyConfig, "prefix_cache_isolation"
+    )
+    hide_cached_tokens: bool = same_as(ProxyConfig, "hide_cached_tokens")
+    tls_ca: str | None = same_as(ProxyConfig, "tls_ca")
 
     def __post_init__(self) -> None:  # refused before any instance starts
         PrefixCacheIsolation.resolve(self.prefix_cache_isolation, bool(self.api_key))
@@ -297,18 +402,8 @@ class DeploymentConfig:
         return client_context(self.decode.token(), self.tls_ca)
 
     def proxy(self, prefill_urls: list[str], decode_urls: list[str]) -> ProxyConfig:
-        return ProxyConfig(
-            self.prefill.model,
-            tuple(prefill_urls),
-            tuple(decode_urls),
-            self.host,
-            self.port,
-            self.decode.kv_load_failure,
-            self.decode.max_body_mb,
-            self.decode.kv_token_file,
-            self.api_key,
-            self.decode.insecure,
-            prefix_cache_isolation=self.prefix_cache_isolation,
-            hide_cached_tokens=self.hide_cached_tokens,
-            tls_ca=self.tls_ca,
-        )
+        """The proxy in front of the instances: the settings it shares with them as the
+        decode instance has them, its own as this deployment has them."""
+        kw = {p: getattr(self.decode, i) for p, i in carried(ProxyConfig, InstanceConfig)}
+        kw |= {p: getattr(self, d) for d, p in carried(DeploymentConfig, ProxyConfig)}
+        return ProxyConfig(self.prefill.model, tuple(prefill_urls), tuple(decode_urls), **kw)

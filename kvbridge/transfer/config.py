@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.integrity import Integrity
+from kvbridge.settings import setting
+from kvbridge.transfer.integrity import SAMPLE_EVERY, Integrity
 
 #: Environment variables read by `load_token`.
 TOKEN_ENV = "KVBRIDGE_TRANSFER_TOKEN"
@@ -54,51 +55,95 @@ class FanOut(enum.Enum):
 class TransferConfig:
     """How a worker's side channel listens and how long the runtime waits.
 
-    Attributes:
-        host: address the producer's side channel binds (127.0.0.1 unless configured);
-            any other needs a token.
-        advertise_host: the address peers reach this worker at, when it differs from
-            `host` (required when binding a wildcard such as 0.0.0.0). UCX is kept to
-            the network device that carries it (or `host`), unless UCX_NET_DEVICES is set.
-        base_port: worker ``rank`` of a producer instance serves ``base_port + rank``;
-            0 lets the OS pick (the actual endpoint is then reported by the producer).
-        token: shared secret; when set, the side channel is encrypted and authenticated
-            (ZMQ CURVE with keys derived from it, plus an HMAC-SHA256 on every message),
-            and notifications are signed with per-handshake session keys derived from
-            it (see auth.py). Without it peers are not authenticated: loopback only.
-        lease_s: a producer releases exposed blocks after this long even if the
-            expected consumers never notified completion.
-        transfer_timeout_s: a consumer fails a request not finished after this long.
-        liveness_timeout_s: a consumer fails a pull (and forgets the producer worker,
-            so the next pull connects afresh) when the worker's side channel answered
-            none of its heartbeats (ZMQ's, sent every fifth of this) for this long: its
-            host or the link is down. A slow link still carries them, so a slow pull
-            is bounded by `transfer_timeout_s` only.
-        handshake_timeout_s: a consumer fails a handshake not answered after this long.
-        max_message_bytes: side-channel messages larger than this are rejected.
-        max_units: most descriptors one prepared descriptor list may hold; finer
-            copy lists fall back to per-request descriptor lists.
-        integrity: whether a consumer checks a digest of what it pulled against the
-            producer's (`integrity.py`): every pull, none, or a sample (the default:
-            the check costs more than a same-host pull; docs/benchmarks.md).
-        kv_export: which process peers read a prefill worker's KV from (`KVExport`).
-        fan_out: whether a decode instance's workers read bytes they share once per
-            host (`FanOut`).
+    Each field is a setting (`kvbridge.settings`): its help says what it does. vLLM's
+    `kv_connector_extra_config` may set each but `token` under the field's name
+    (`kvbridge.vllm.settings`); `kvbridge serve` gives those it carries flags
+    (`InstanceConfig`).
     """
 
-    host: str = "127.0.0.1"
-    advertise_host: str | None = None
-    base_port: int = 0
-    token: bytes | None = None
-    lease_s: float = 120.0
-    transfer_timeout_s: float = 30.0
-    liveness_timeout_s: float = 5.0
-    handshake_timeout_s: float = 15.0
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_units: int = 1 << 22
-    integrity: Integrity = Integrity.SAMPLE
-    kv_export: KVExport = KVExport.AUTO
-    fan_out: FanOut = FanOut.AUTO
+    host: str = setting(
+        "127.0.0.1",
+        help="the address the workers' side channels bind; any other than loopback "
+        "needs a shared secret",
+    )
+    advertise_host: str | None = setting(
+        None,
+        flag="--kv-advertise-host",
+        metavar="HOST",
+        default_text="the bound address",
+        help="the address peers reach the side channel at, when it differs from the bound "
+        "one (required when binding every interface, e.g. 0.0.0.0); UCX is kept to the "
+        "network device that carries it, unless UCX_NET_DEVICES is set",
+    )
+    base_port: int = setting(
+        0,
+        flag="--kv-port",
+        help="worker r of a prefill instance listens on this port + r; 0 picks a free port "
+        "(the actual endpoint is then reported)",
+    )
+    token: bytes | None = setting(
+        None,
+        key=None,  # a config document names a file holding it (`load_token`)
+        env=(TOKEN_ENV, TOKEN_FILE_ENV),
+        help="the shared secret: the side channel is encrypted and authenticated (ZMQ "
+        "CURVE with keys derived from it, plus an HMAC-SHA256 on every message), and "
+        "notifications are signed with per-handshake session keys derived from it "
+        "(auth.py); without it peers are not authenticated: loopback only",
+    )
+    lease_s: float = setting(
+        120.0,
+        flag="--lease-s",
+        help="a prefill worker frees exposed blocks after this long at most, even if no "
+        "decode worker said it has read them",
+    )
+    transfer_timeout_s: float = setting(
+        30.0, flag="--transfer-timeout-s", help="a KV pull not finished after this long fails"
+    )
+    liveness_timeout_s: float = setting(
+        5.0,
+        flag="--liveness-timeout-s",
+        help="a KV pull fails (and the prefill worker is forgotten, so the next pull "
+        "connects afresh) when the worker's side channel answered none of its heartbeats "
+        "(ZMQ's, sent every fifth of this) for this long: its host or the link is down; a "
+        "slow link that still answers is bounded by the transfer timeout only",
+    )
+    handshake_timeout_s: float = setting(
+        15.0,
+        flag="--handshake-timeout-s",
+        help="a first contact with a prefill worker not answered after this long fails",
+    )
+    max_message_bytes: int = setting(
+        DEFAULT_MAX_MESSAGE_BYTES,
+        help="side-channel messages larger than this many bytes are refused (at least 4096)",
+    )
+    max_units: int = setting(
+        1 << 22,
+        help="the most descriptors one prepared descriptor list may hold; finer copy lists "
+        "fall back to per-request descriptor lists",
+    )
+    integrity: Integrity = setting(
+        Integrity.SAMPLE,
+        flag="--kv-integrity",
+        help="decode: check each pulled request's bytes against the prefill's digest of "
+        "them (a mismatch is a failed pull): on, off, or sample (one "
+        f"request in {SAMPLE_EVERY}, as the check costs more than a same-host pull)",
+    )
+    kv_export: KVExport = setting(
+        KVExport.AUTO,
+        flag="--kv-export",
+        help="prefill: where decode workers read the KV from: an export process per worker "
+        "that maps only the KV, read-only (process), the worker's own NIXL agent, which on "
+        "CMA and TCP lets a peer holding the secret address the whole worker (inline), or "
+        "process when a shared secret is set and inline otherwise (auto)",
+    )
+    fan_out: FanOut = setting(
+        FanOut.AUTO,
+        flag="--kv-fan-out",
+        help="decode: workers that need the same prefill bytes (decode tp above the KV "
+        "heads, MLA) read them once per host, one worker over the link and the others "
+        "copying from it on the host: from a prefill on another host (auto), always (on), "
+        "or each worker reads its own (off)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_port < 65536:

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvbridge.connector import free_port
 from kvbridge.errors import ConfigError
+from kvbridge.settings import DEFAULT_MODEL
 
 #: vLLM's CPU build: the KV cache space per instance (GiB) unless the caller set it.
 KVCACHE_SPACE_GIB = "1"
@@ -260,7 +261,7 @@ def demo(cfg: VLLMDemoConfig) -> int:
     from kvbridge.serve.proxy_main import proxy_app
     from kvbridge.vllm.models import DEFAULT_DIR, make
 
-    model = make("smollm2-135m", DEFAULT_DIR)
+    model = make(DEFAULT_MODEL, DEFAULT_DIR)
     logs = Path(cfg.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen[bytes]] = []

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvbridge.settings import DEFAULT_MODEL
+
 #: Where the folders go unless told: ignored by git.
 DEFAULT_DIR = Path(os.environ.get("KVBRIDGE_VLLM_MODELS", ".cache/vllm-models"))
 _DONE = ".complete"
@@ -46,7 +48,7 @@ TINY = {
     "tiny-kv1": TinyLlama(num_attention_heads=4, num_key_value_heads=1),
     "tiny-kv6": TinyLlama(num_attention_heads=6, num_key_value_heads=6),
 }
-NAMES = ("smollm2-135m", *TINY)
+NAMES = (DEFAULT_MODEL, *TINY)  # DEFAULT_MODEL: converted from the shipped GGUF
 
 
 def smollm2_gguf() -> Path:
@@ -98,7 +100,7 @@ def make(name: str, root: Path = DEFAULT_DIR) -> Path:
     model: Any
     gguf = smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if name == "smollm2-135m":
+    if name == DEFAULT_MODEL:
         model = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
         )

@@ -8,14 +8,12 @@ are refused the same way (`check_vllm`).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.connector import ConnectorRole
+from kvbridge.connector import ConnectorRole, Identity, TransferConfig, load_token
 from kvbridge.errors import ConfigError
-from kvbridge.transfer.config import TransferConfig, load_token
-from kvbridge.transfer.identity import Identity
+from kvbridge.settings import setting, setting_of, settings
 
 #: kv_role -> the hand-over roles the instance plays
 ROLES = {
@@ -25,50 +23,59 @@ ROLES = {
 }
 
 
-#: extra-config keys that are `TransferConfig` fields (the token comes from token_file)
-TRANSFER_KEYS = tuple(f.name for f in dataclasses.fields(TransferConfig) if f.name != "token")
+#: extra-config keys that are `TransferConfig`'s settings (the token comes from token_file)
+TRANSFER_KEYS = tuple(str(s.key) for s in settings(TransferConfig) if s.key)
+_TOKEN_ENV = setting_of(TransferConfig, "token").env
 
 
 @dataclass(frozen=True)
 class ConnectorSettings:
     """`kv_connector_extra_config` of a KVBridgeConnector (every key optional).
 
-    Attributes:
-        transfer: the runtime's settings; the extra config may set any of
-            `TRANSFER_KEYS` (host, advertise_host, base_port, lease_s, ...), each
-            declared and checked by `TransferConfig`.
-        instance_id: names this instance to its peers (default: vLLM's engine_id).
-        token_file: a file holding the shared token (else KVBRIDGE_TRANSFER_TOKEN or
-            KVBRIDGE_TRANSFER_TOKEN_FILE); required unless the side channel is on loopback.
-        claim_s: how long a pull capability stays valid after the prefill (seconds).
-        identity_file: a file (mode 600) holding this instance's own key
-            (`Identity.save`; `kvbridge.vllm.launch` makes one per instance): its
-            instance id becomes bound to it (``instance_id@fingerprint``), so no other
-            token holder can handshake or pull as this instance. Without it the id is
-            unbound: any token holder may claim it.
+    `transfer` is the runtime's settings: the extra config may set any of
+    `TRANSFER_KEYS`, each declared and checked by `TransferConfig`. The other fields are
+    the connector's own settings (`kvbridge.settings`), under the keys `OWN_KEYS`;
+    docs/vllm.md's table of every key is rendered from both (`EXTRA_CONFIG`).
     """
 
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    instance_id: str | None = None
-    token_file: str | None = None
-    claim_s: float = 120.0
-    identity: Identity | None = None
+    instance_id: str | None = setting(
+        None, default_text="vLLM's `engine_id`", help="names this instance to its peers"
+    )
+    token_file: str | None = setting(
+        None,
+        env=_TOKEN_ENV,
+        help=f"a file holding the shared secret (else {_TOKEN_ENV[0]}, else the file named "
+        f"by {_TOKEN_ENV[1]}), at least 16 bytes: the side channel is CURVE-encrypted, "
+        "capabilities and notifications are signed; required unless `host` is loopback",
+    )
+    claim_s: float = setting(
+        120.0, help="how long a pull capability stays valid after the prefill (seconds)"
+    )
+    identity: Identity | None = setting(
+        None,
+        key="identity_file",
+        help="a file (mode 600) holding this instance's own key (`Identity.save`; "
+        "`kvbridge.vllm.launch` makes one per instance): the instance id becomes bound to "
+        "it (`instance_id@fingerprint`), and with a token the prefill refuses anyone "
+        "else's handshake in that name; without it the id is unbound: any token holder "
+        "may claim it",
+    )
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        own = ("instance_id", "token_file", "claim_s", "identity_file")
         for key, value in extra.items():
-            if key not in own and key not in TRANSFER_KEYS:
+            if key not in OWN_KEYS and key not in TRANSFER_KEYS:
                 raise ConfigError(
                     f"kv_connector_extra_config.{key}={value!r} is not a KVBridgeConnector "
-                    f"setting; use any of {', '.join(own + TRANSFER_KEYS)}"
+                    f"setting; use any of {', '.join(OWN_KEYS + TRANSFER_KEYS)}"
                 )
         for key in ("instance_id", "token_file", "identity_file"):
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise ConfigError(
                     f"kv_connector_extra_config.{key}={extra[key]!r} must be a string"
                 )
-        claim_s = extra.get("claim_s", 120.0)
+        claim_s = extra.get("claim_s", cls.claim_s)
         if isinstance(claim_s, bool) or not isinstance(claim_s, int | float) or claim_s <= 0:
             raise ConfigError(
                 f"kv_connector_extra_config.claim_s={claim_s!r} must be a positive number of "
@@ -87,6 +94,12 @@ class ConnectorSettings:
         return cls(
             transfer, extra.get("instance_id"), extra.get("token_file"), float(claim_s), identity
         )
+
+
+#: the connector's own extra-config keys (`ConnectorSettings`' settings)
+OWN_KEYS = tuple(str(s.key) for s in settings(ConnectorSettings) if s.key)
+#: every extra-config key, as docs/vllm.md's table lists them
+EXTRA_CONFIG = [s for cls in (ConnectorSettings, TransferConfig) for s in settings(cls) if s.key]
 
 
 def check_vllm(vllm_config: Any) -> None:

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvbridge.errors import ConfigError
+from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.integrity import Integrity
-from kvbridge.vllm.settings import ConnectorSettings
+from kvbridge.vllm.settings import EXTRA_CONFIG, OWN_KEYS, TRANSFER_KEYS, ConnectorSettings
+
+
+def test_each_key_is_a_fields_declaration_with_its_default() -> None:
+    """The keys are the settings' fields: TransferConfig's (all but the token, which a
+    config names by its file) and the connector's own; a key left out takes the
+    field's default."""
+    fields = tuple(f.name for f in dataclasses.fields(TransferConfig) if f.name != "token")
+    assert fields == TRANSFER_KEYS
+    assert OWN_KEYS == ("instance_id", "token_file", "claim_s", "identity_file")
+    assert [s.key for s in EXTRA_CONFIG] == [*OWN_KEYS, *TRANSFER_KEYS]
+    empty = ConnectorSettings.from_extra_config({})
+    assert empty == ConnectorSettings() and empty.transfer == TransferConfig()
+    assert empty.claim_s == ConnectorSettings.claim_s == 120.0
 
 
 def test_transfer_keys_reach_the_runtime_config() -> None:
