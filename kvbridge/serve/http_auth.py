@@ -2,21 +2,29 @@
 
 Internal calls (proxy -> instance): with a shared token every request is signed, never
 sent with the token itself. The signature covers the headers only, so it is checked
-before a byte of the body is read; the body is bound to it by its digest:
+before a byte of the body is read; the body is bound to it by its digest, and the call
+to the instance it is made for by that instance's id (its *audience*):
 
+    X-KVBridge-Audience        the instance id of the instance the call is for
     X-KVBridge-Time            Unix seconds, a finite number within MAX_SKEW_S of ours
     X-KVBridge-Nonce           random, fresh for every request
     X-KVBridge-Content-SHA256  hex SHA-256 of the body
-    X-KVBridge-Signature       HMAC-SHA256(key, method, path, query, time, nonce, digest)
+    X-KVBridge-Signature       HMAC-SHA256(key, method, path, query, audience, time,
+                               nonce, digest)
 
-under a key derived from the token (`auth.derive(token, "kvbridge http v2")`). An
-instance answers 401 to an unsigned request and 403 to a wrong, stale or replayed one,
-all without reading its body, and 403 when the body that arrives does not match its
-digest. Each signature is accepted once (`ReplayGuard`): a sniffed call replayed within
-the freshness window is refused; the guard remembers a signature only until its time
-leaves the window, and refuses (503) rather than forgets when more than
-`MAX_REMEMBERED` signed calls arrive within one window. `/health` and `/metrics` stay
-open.
+under a key derived from the token (`derive(token, HTTP_AUTH_VERSION)`: the label names
+the version of the signed text, so a caller and an instance of different versions never
+agree on a signature; an instance tells a caller that names no audience that it is
+older). An instance answers 401 to an unsigned request and 403 to a wrong, stale or
+replayed one, or one signed for another instance, all without reading its body, and 403
+when the body that arrives does not match its digest. Each signature is accepted once
+(`ReplayGuard`): a sniffed call replayed within the freshness window is refused; the
+guard remembers a signature only until its time leaves the window, and refuses (503)
+rather than forgets when more than `MAX_REMEMBERED` signed calls arrive within one
+window. Every other instance refuses it for its audience, so headers taken from a call
+to one instance open no other. `/health` and `/metrics` stay open; every answer of an
+instance names its audience in X-KVBridge-Audience, which is how a caller learns it
+(`SignedRequests`).
 
 Public API (`--api-key`): `Authorization: Bearer <key>` on every `/v1/...` call, as
 vLLM's `--api-key` and the `openai` client do; several keys may be accepted, each its
@@ -31,6 +39,7 @@ import hashlib
 import heapq
 import hmac
 import json
+import logging
 import math
 import secrets
 import time
@@ -41,10 +50,19 @@ import httpx
 
 from kvbridge.connector.security import derive, sign
 
+log = logging.getLogger("kvbridge.serve")
+
 TIME_HEADER = "x-kvbridge-time"
 NONCE_HEADER = "x-kvbridge-nonce"
 DIGEST_HEADER = "x-kvbridge-content-sha256"
 SIGNATURE_HEADER = "x-kvbridge-signature"
+#: The instance a call is signed for (requests), and the instance that answers (responses).
+AUDIENCE_HEADER = "x-kvbridge-audience"
+#: The derivation label of the HTTP key: the version of the signed text. v3 signs the
+#: audience; v2 (before it) did not.
+HTTP_AUTH_VERSION = "kvbridge http v3"
+#: The longest audience accepted (instance ids are far shorter).
+MAX_AUDIENCE_LEN = 256
 #: How far a signed request's time may be from ours (seconds): clocks of other hosts.
 MAX_SKEW_S = 60.0
 #: Signed calls one instance remembers at once (two windows' worth at ~800 calls/s).
@@ -56,37 +74,95 @@ Scope = dict[str, Any]
 
 
 def http_key(token: bytes) -> bytes:
-    return derive(token, "kvbridge http v2")
+    return derive(token, HTTP_AUTH_VERSION)
 
 
 def signature(
-    key: bytes, method: str, path: str, query: str, stamp: str, nonce: str, digest: str
+    key: bytes,
+    method: str,
+    path: str,
+    query: str,
+    audience: str,
+    stamp: str,
+    nonce: str,
+    digest: str,
 ) -> str:
-    """The HMAC of a request's signed headers (hex)."""
-    text = f"{method.upper()}\n{path}\n{query}\n{stamp}\n{nonce}\n{digest}"
+    """The HMAC of a request's signed headers (hex). No field holds a newline (HTTP
+    header values and request targets cannot), so the text is unambiguous."""
+    text = f"{method.upper()}\n{path}\n{query}\n{audience}\n{stamp}\n{nonce}\n{digest}"
     return sign(key, text.encode("latin-1")).hex()
 
 
 class SignedRequests(httpx.Auth):
-    """httpx auth that signs every request (the proxy's client): a fresh nonce each."""
+    """httpx auth that signs every request for the instance it goes to (the proxy's
+    client): a fresh nonce each, and the instance's id as the audience.
+
+    With `audience` given, every request is signed for it. Otherwise the audience of
+    each origin (scheme, host, port) is what the instance there tells: asked once, from
+    the X-KVBridge-Audience header of its open `/health`, before the first call; learned
+    again when it refuses a call signed for another audience (a restarted instance has a
+    new id), and that call signed afresh and sent once more. Only whoever answers at
+    the URL can make a caller sign for another instance's id, and that is (over the
+    deployment's HTTPS, or on loopback) a holder of the shared token, who can sign for
+    any instance anyway. One object may serve several clients and threads."""
 
     requires_request_body = True
 
-    def __init__(self, token: bytes) -> None:
+    def __init__(self, token: bytes, audience: str | None = None) -> None:
         self._key = http_key(token)
+        self._fixed = audience
+        self._audiences: dict[str, str] = {}  # origin -> the audience its instance told
 
-    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+    def sign(self, request: httpx.Request, audience: str) -> httpx.Request:
+        """`request` with its signed headers for `audience`, a fresh time and nonce."""
         stamp = f"{time.time():.3f}"
         nonce = secrets.token_hex(16)
         digest = hashlib.sha256(request.content).hexdigest()
         query = request.url.query.decode("latin-1")
+        request.headers[AUDIENCE_HEADER] = audience
         request.headers[TIME_HEADER] = stamp
         request.headers[NONCE_HEADER] = nonce
         request.headers[DIGEST_HEADER] = digest
         request.headers[SIGNATURE_HEADER] = signature(
-            self._key, request.method, request.url.path, query, stamp, nonce, digest
+            self._key, request.method, request.url.path, query, audience, stamp, nonce, digest
         )
-        yield request
+        return request
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        origin = _origin(request.url)
+        audience = self._fixed or self._audiences.get(origin)
+        if audience is None:
+            timeout = request.extensions.get("timeout")
+            probe = httpx.Request(
+                "GET",
+                request.url.join("/health"),
+                extensions={"timeout": timeout} if timeout is not None else {},
+            )
+            audience = self._learn(origin, (yield probe))
+        response = yield self.sign(request, audience)
+        told = response.headers.get(AUDIENCE_HEADER)
+        if response.status_code == 403 and self._fixed is None and told and told != audience:
+            self._audiences[origin] = told  # it restarted under a new id: sign for that
+            yield self.sign(request, told)
+
+    def _learn(self, origin: str, answer: httpx.Response) -> str:
+        told = answer.headers.get(AUDIENCE_HEADER, "")
+        if not told:
+            log.warning(
+                "the instance at %s names no audience (%s) on /health (HTTP %d): it runs a "
+                "kvbridge older than '%s', which refuses these signatures; run the same "
+                "kvbridge version on the proxy and the instances",
+                origin,
+                AUDIENCE_HEADER,
+                answer.status_code,
+                HTTP_AUTH_VERSION,
+            )
+        self._audiences[origin] = told
+        return told
+
+
+def _origin(url: httpx.URL) -> str:
+    return f"{url.scheme}://{url.netloc.decode('ascii')}"
 
 
 async def _reply(send: Any, status: int, message: str, code: str) -> None:
@@ -161,18 +237,34 @@ async def _drain(headers: dict[bytes, bytes], receive: Any) -> None:
 
 class RequireSignature:
     """ASGI middleware of an instance: every request but OPEN_PATHS must be signed with
-    the shared token's HTTP key, once. The outermost middleware: it refuses from the
-    headers alone, before anything reads the body; the body then flows to the app (and
-    its body limit) through a digest check that ends it before the app sees a body that
-    is not the signed one."""
+    the shared token's HTTP key for this instance (`audience`: its instance id), once.
+    The outermost middleware: it refuses from the headers alone, before anything reads
+    the body; the body then flows to the app (and its body limit) through a digest check
+    that ends it before the app sees a body that is not the signed one. Every answer
+    names `audience` in AUDIENCE_HEADER."""
 
-    def __init__(self, app: Any, token: bytes, max_remembered: int = MAX_REMEMBERED) -> None:
+    def __init__(
+        self, app: Any, token: bytes, audience: str, max_remembered: int = MAX_REMEMBERED
+    ) -> None:
+        if not 0 < len(audience) <= MAX_AUDIENCE_LEN or "\n" in audience:
+            raise ValueError(f"audience={audience[:80]!r} must be one line of 1 to 256 characters")
         self.app = app
+        self.audience = audience
         self._key = http_key(token)
+        self._named = (AUDIENCE_HEADER.encode(), audience.encode("latin-1"))
         self.guard = ReplayGuard(max_remembered)
 
-    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+    async def __call__(self, scope: Scope, receive: Any, raw_send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, raw_send)
+            return
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self._named]}
+            await raw_send(message)
+
+        if scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -191,11 +283,18 @@ class RequireSignature:
                 "unauthenticated",
             )
             return
-        refusal = self._check(scope, stamp, header(NONCE_HEADER), header(DIGEST_HEADER), given)
+        refusal = self._check(
+            scope,
+            header(AUDIENCE_HEADER),
+            stamp,
+            header(NONCE_HEADER),
+            header(DIGEST_HEADER),
+            given,
+        )
         if refusal is not None:
-            status, why = refusal
+            status, code, why = refusal
             await _drain(headers, receive)
-            await _reply(send, status, why, "bad_signature" if status == 403 else "overloaded")
+            await _reply(send, status, why, code)
             return
         want_digest = header(DIGEST_HEADER)
         digest = hashlib.sha256()
@@ -230,46 +329,96 @@ class RequireSignature:
             )
 
     def _check(
-        self, scope: Scope, stamp: str, nonce: str, digest: str, given: str
-    ) -> tuple[int, str] | None:
-        """(status, reason) refusing a request by its signed headers; None to accept it."""
+        self, scope: Scope, audience: str, stamp: str, nonce: str, digest: str, given: str
+    ) -> tuple[int, str, str] | None:
+        """(status, code, reason) refusing a request by its signed headers; None to
+        accept it."""
         try:
             when = float(stamp)
         except ValueError:
             when = math.nan
         if not math.isfinite(when):
-            return 403, (
-                f"{TIME_HEADER}={stamp[:40]!r} is not a finite number of Unix seconds; "
-                "sign with the current time"
+            return (
+                403,
+                "bad_signature",
+                (
+                    f"{TIME_HEADER}={stamp[:40]!r} is not a finite number of Unix seconds; "
+                    "sign with the current time"
+                ),
             )
         now = time.time()
         if abs(now - when) > MAX_SKEW_S:
-            return 403, (
-                f"the request's signature is stale ({now - when:+.0f} s off): sign with the "
-                f"same shared token, with clocks within {MAX_SKEW_S:g} s"
+            return (
+                403,
+                "bad_signature",
+                (
+                    f"the request's signature is stale ({now - when:+.0f} s off): sign with the "
+                    f"same shared token, with clocks within {MAX_SKEW_S:g} s"
+                ),
             )
         if not nonce or len(digest) != 64:
-            return 403, (
-                f"a signed request needs {NONCE_HEADER} and {DIGEST_HEADER} (the body's "
-                "SHA-256); sign with kvbridge's SignedRequests"
+            return (
+                403,
+                "bad_signature",
+                (
+                    f"a signed request needs {NONCE_HEADER} and {DIGEST_HEADER} (the body's "
+                    "SHA-256); sign with kvbridge's SignedRequests"
+                ),
+            )
+        if not audience:
+            return (
+                403,
+                "bad_signature",
+                (
+                    f"the request's signature names no audience ({AUDIENCE_HEADER}): its caller "
+                    f"signs as a kvbridge older than '{HTTP_AUTH_VERSION}' (which signs the "
+                    "instance a call is for); run the same kvbridge version on the proxy and "
+                    "the instances"
+                ),
+            )
+        if not hmac.compare_digest(audience.encode("latin-1"), self._named[1]):
+            return (
+                403,
+                "wrong_audience",
+                (
+                    f"the request was signed for instance {audience[:MAX_AUDIENCE_LEN]!r}, and "
+                    f"this is instance {self.audience!r}: a signed call opens only the "
+                    "instance it was made for; sign it for this one (its /health names it in "
+                    f"{AUDIENCE_HEADER})"
+                ),
             )
         query = scope.get("query_string", b"").decode("latin-1")
-        want = signature(self._key, scope["method"], scope["path"], query, stamp, nonce, digest)
+        want = signature(
+            self._key, scope["method"], scope["path"], query, audience, stamp, nonce, digest
+        )
         if not hmac.compare_digest(want, given):
-            return 403, (
-                "the request's signature does not match: sign with the same shared token, "
-                f"with clocks within {MAX_SKEW_S:g} s"
+            return (
+                403,
+                "bad_signature",
+                (
+                    "the request's signature does not match: sign with the same shared token "
+                    f"and kvbridge version ('{HTTP_AUTH_VERSION}'), with clocks within "
+                    f"{MAX_SKEW_S:g} s"
+                ),
             )
         first = self.guard.first_use(given, when, now)
         if first is None:
-            return 503, (
-                f"more than {self.guard.max_remembered} signed calls within "
-                f"{MAX_SKEW_S:g} s; retry later"
+            return (
+                503,
+                "overloaded",
+                (
+                    f"more than {self.guard.max_remembered} signed calls within "
+                    f"{MAX_SKEW_S:g} s; retry later"
+                ),
             )
         if not first:
-            return 403, (
-                "the request's signature was used before: a signed call is accepted once "
-                "(a replay is refused); sign each request afresh"
+            return (
+                403,
+                "bad_signature",
+                (
+                    "the request's signature was used before: a signed call is accepted once "
+                    "(a replay is refused); sign each request afresh"
+                ),
             )
         return None
 

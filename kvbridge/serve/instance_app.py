@@ -78,7 +78,7 @@ def build_app(inst: Instance) -> FastAPI:
     app.state.instance = inst
     app.add_middleware(BodyLimit, max_bytes=inst.max_body_bytes, path_limits=CONTROL_BODY_LIMITS)
     if inst.token is not None:  # outermost: refuses from the headers, before any read
-        app.add_middleware(RequireSignature, token=inst.token)
+        app.add_middleware(RequireSignature, token=inst.token, audience=inst.instance_id)
     install_error_handlers(app)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/internal/info", info, methods=["GET"])

@@ -22,6 +22,7 @@ from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.config import KVLoadFailure
 from kvbridge.serve.http_auth import (
+    AUDIENCE_HEADER,
     DIGEST_HEADER,
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -169,18 +170,21 @@ def test_bad_input_is_refused_by_real_instances(instances):
         # unsigned: refused from its headers (401); signed: over the limit (413)
         _, answer = raw_post(instance, "/internal/generate", big, [])
         assert answer.startswith(b"HTTP/1.1 401") and b"unauthenticated" in answer
-        signed = _signed_headers("/internal/generate", hashlib.sha256(b"").hexdigest())
+        signed = _signed_headers(
+            "/internal/generate", hashlib.sha256(b"").hexdigest(), instance_id(instance)
+        )
         _, answer = raw_post(instance, "/internal/generate", big + signed, [])
         assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer
         assert httpx.get(f"{instance}/health", timeout=10).status_code == 200
 
 
-def _signed_headers(path: str, digest: str) -> bytes:
-    """Header lines of a POST to `path` signed with the test token (for a body whose
-    SHA-256 is `digest`), as `SignedRequests` writes them."""
+def _signed_headers(path: str, digest: str, audience: str) -> bytes:
+    """Header lines of a POST to `path` signed with the test token for the instance
+    `audience` (for a body whose SHA-256 is `digest`), as `SignedRequests` writes them."""
     stamp, nonce = f"{time.time():.3f}", secrets.token_hex(16)
-    sig = signature(http_key(TOKEN), "POST", path, "", stamp, nonce, digest)
-    fields = {TIME_HEADER: stamp, NONCE_HEADER: nonce, DIGEST_HEADER: digest}
+    sig = signature(http_key(TOKEN), "POST", path, "", audience, stamp, nonce, digest)
+    fields = {AUDIENCE_HEADER: audience, TIME_HEADER: stamp, NONCE_HEADER: nonce}
+    fields[DIGEST_HEADER] = digest
     fields[SIGNATURE_HEADER] = sig
     return "".join(f"{k}: {v}\r\n" for k, v in fields.items()).encode()
 

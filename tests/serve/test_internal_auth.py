@@ -18,6 +18,7 @@ from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.body_limit import BodyLimit
 from kvbridge.serve.http_auth import (
+    AUDIENCE_HEADER,
     DIGEST_HEADER,
     MAX_SKEW_S,
     NONCE_HEADER,
@@ -33,6 +34,8 @@ from kvbridge.serve.instance_app import CONTROL_BODY_LIMITS
 from tests.serve.helpers import AUTH, TOKEN, instance_id, raw_post
 
 MAX_BODY = 16 << 20
+#: The audience of the test server: an instance's is its instance id.
+SERVER_ID = "test-instance"
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +51,28 @@ def server():
         return {"calls": len(seen)}
 
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY, path_limits=CONTROL_BODY_LIMITS)
-    app.add_middleware(RequireSignature, token=TOKEN)
+    app.add_middleware(RequireSignature, token=TOKEN, audience=SERVER_ID)
     srv = ServerThread(app).start()
     yield srv.url, seen
     srv.stop()
 
 
-def _signed(url: str, body: bytes) -> httpx.Request:
-    """A request signed once, as the proxy sends it (and as a sniffer would record it)."""
-    request = httpx.Request("POST", url, content=body)
-    return next(AUTH.auth_flow(request))
+def _signed(url: str, body: bytes, audience: str = SERVER_ID) -> httpx.Request:
+    """A request signed once for `audience`, as the proxy sends it (and as a sniffer
+    would record it)."""
+    return AUTH.sign(httpx.Request("POST", url, content=body), audience)
 
 
 def _headers(stamp: str, body: bytes, key: bytes = http_key(TOKEN), path: str = "") -> dict:
     nonce, digest = secrets.token_hex(16), hashlib.sha256(body).hexdigest()
-    sig = signature(key, "POST", path, "", stamp, nonce, digest)
-    return {TIME_HEADER: stamp, NONCE_HEADER: nonce, DIGEST_HEADER: digest, SIGNATURE_HEADER: sig}
+    sig = signature(key, "POST", path, "", SERVER_ID, stamp, nonce, digest)
+    return {
+        AUDIENCE_HEADER: SERVER_ID,
+        TIME_HEADER: stamp,
+        NONCE_HEADER: nonce,
+        DIGEST_HEADER: digest,
+        SIGNATURE_HEADER: sig,
+    }
 
 
 def test_a_replayed_signed_call_is_refused(server) -> None:
@@ -152,12 +161,13 @@ def test_a_replayed_prefill_is_refused_by_a_real_instance(instances) -> None:
     was exposed and pulled again)."""
     url = instances[("prefill", 1)]
     gen = GenerateRequest("r-replay", SamplingParams(max_tokens=1), prompt="The code is")
-    signed = _signed(f"{url}/internal/prefill", msgspec.json.encode(gen))
+    me = instance_id(url)
+    signed = _signed(f"{url}/internal/prefill", msgspec.json.encode(gen), me)
     with httpx.Client(timeout=120) as client:
         assert client.send(signed).status_code == 200
         replay = client.send(signed)
     assert replay.status_code == 403 and "used before" in replay.json()["error"]["message"]
-    lookup = _signed(f"{url}/internal/lookup", msgspec.json.encode(gen))
+    lookup = _signed(f"{url}/internal/lookup", msgspec.json.encode(gen), me)
     with httpx.Client(timeout=120) as client:
         assert client.send(lookup).status_code == 200
         assert client.send(lookup).status_code == 403

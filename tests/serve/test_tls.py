@@ -37,7 +37,7 @@ def https_server(cert: str | None = None, key: str | None = None) -> Iterator[st
     (the token's, unless `cert` and `key` are given); its https:// URL."""
     with tls.server_files(TOKEN, cert, key, ["127.0.0.1"]) as (certfile, keyfile):
         config = uvicorn.Config(
-            RequireSignature(_hello, TOKEN),
+            RequireSignature(_hello, TOKEN, "tls-test"),
             host="127.0.0.1",
             port=0,
             log_level="warning",
