@@ -28,6 +28,7 @@ from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.cpu_share import COMPUTE_NICE
 from kvbridge.errors import ConfigError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
+from kvbridge.serve.api_keys import DEFAULT_TENANT, ApiKeys
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.serve.isolation import PrefixCacheIsolation
 from kvbridge.settings import DEFAULT_CLAIM_S, DEFAULT_MODEL, carried, same_as, setting, setting_of
@@ -310,15 +311,25 @@ class ProxyConfig:
         flag="--api-key",
         env=(API_KEY_ENV,),
         help="require 'Authorization: Bearer KEY' on the OpenAI API (/v1/...), like vLLM's "
-        f"--api-key (or set {API_KEY_ENV})",
+        f"--api-key (or set {API_KEY_ENV}); the key of tenant '{DEFAULT_TENANT}'",
+    )
+    api_key_file: str | None = setting(
+        None,
+        flag="--api-key-file",
+        metavar="FILE",
+        help="the API keys of several tenants, one 'tenant:key' per line (# comments): "
+        "each key is accepted as --api-key's is, and names its tenant, which "
+        "--prefix-cache-isolation user adds to the user; read at start-up and again on "
+        "SIGHUP (a file that does not parse then leaves the keys as they were)",
     )
     insecure: bool = same_as(InstanceConfig, "insecure")
     prefix_cache_isolation: PrefixCacheIsolation | None = setting(
         None,
         flag="--prefix-cache-isolation",
-        default_text="api-key with --api-key, else none",
+        default_text="api-key with API keys, else none",
         help="who shares cached prompt prefixes (the proxy): 'api-key' "
-        "requests of one API key, 'user' requests naming the same OpenAI 'user', 'none' "
+        "requests of one API key, 'user' requests of one API key tenant naming the same "
+        "OpenAI 'user' (without API keys the 'user' is self-declared: a warning), 'none' "
         "everyone; a request's 'cache_salt' narrows it further",
     )
     hide_cached_tokens: bool = setting(
@@ -350,11 +361,20 @@ class ProxyConfig:
                     _check_instance_url(flag, url)
         if self.tls_ca is not None:
             self.instance_tls()  # a bundle that does not load is refused here
-        isolation = PrefixCacheIsolation.resolve(self.prefix_cache_isolation, bool(self.api_key))
+        self.api_keys()  # a key file that does not parse is refused here
+        isolation = PrefixCacheIsolation.resolve(self.prefix_cache_isolation, self.has_api_key)
         object.__setattr__(self, "prefix_cache_isolation", isolation)
 
     def token(self) -> bytes | None:
         return load_token(path=self.kv_token_file)
+
+    @property
+    def has_api_key(self) -> bool:
+        return bool(self.api_key or self.api_key_file)
+
+    def api_keys(self) -> ApiKeys:
+        """The API keys as the files hold them now (`ApiKeys.load`)."""
+        return ApiKeys.load(self.api_key, self.api_key_file)
 
     def instance_tls(self) -> ssl.SSLContext:
         """How the proxy checks the instances' HTTPS (`tls.client_context`)."""
@@ -386,6 +406,7 @@ class DeploymentConfig:
         help="give up if the instances are not ready after this long",
     )
     api_key: str | None = same_as(ProxyConfig, "api_key")
+    api_key_file: str | None = same_as(ProxyConfig, "api_key_file")
     prefix_cache_isolation: PrefixCacheIsolation | None = same_as(
         ProxyConfig, "prefix_cache_isolation"
     )
@@ -393,7 +414,9 @@ class DeploymentConfig:
     tls_ca: str | None = same_as(ProxyConfig, "tls_ca")
 
     def __post_init__(self) -> None:  # refused before any instance starts
-        PrefixCacheIsolation.resolve(self.prefix_cache_isolation, bool(self.api_key))
+        ApiKeys.load(self.api_key, self.api_key_file)
+        has_api_key = bool(self.api_key or self.api_key_file)
+        PrefixCacheIsolation.resolve(self.prefix_cache_isolation, has_api_key)
 
     def instance_tls(self) -> ssl.SSLContext:
         """How this host checks its instances' HTTPS (`tls.client_context`)."""

@@ -20,8 +20,9 @@ import msgspec
 
 from kvbridge.connector import free_port
 from kvbridge.serve import wire
+from kvbridge.serve.api_keys import read_key_file
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
-from kvbridge.serve.config import DeploymentConfig
+from kvbridge.serve.config import DeploymentConfig, ProxyConfig
 from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.launcher import Deployment, LaunchError
@@ -130,6 +131,13 @@ def ask(
     return 0
 
 
+def _some_api_key(cfg: ProxyConfig) -> str | None:
+    """A key the proxy accepts: --api-key's, else the first of --api-key-file."""
+    if cfg.api_key or not cfg.api_key_file:
+        return cfg.api_key
+    return read_key_file(cfg.api_key_file)[0][1]
+
+
 def wait_introduced(proxy_url: str, timeout_s: float) -> str:
     """Wait (at most `timeout_s`) until the proxy says every decode instance has met
     every prefill instance (its /health `introductions`); the last state seen."""
@@ -178,7 +186,7 @@ def demo(cfg: DeploymentConfig, prompt: str, max_tokens: int) -> int:
             prompt,
             max_tokens,
             proxy_cfg.token(),
-            proxy_cfg.api_key,
+            _some_api_key(proxy_cfg),
             dep.verify,
         )
     except LaunchError as exc:

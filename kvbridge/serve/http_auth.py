@@ -26,9 +26,10 @@ to one instance open no other. `/health` and `/metrics` stay open; every answer 
 instance names its audience in X-KVBridge-Audience, which is how a caller learns it
 (`SignedRequests`).
 
-Public API (`--api-key`): `Authorization: Bearer <key>` on every `/v1/...` call, as
-vLLM's `--api-key` and the `openai` client do; several keys may be accepted, each its
-own prefix-cache namespace (`isolation.py`).
+Public API (`--api-key`, `--api-key-file`): `Authorization: Bearer <key>` on every
+`/v1/...` call, as vLLM's `--api-key` and the `openai` client do; several keys may be
+accepted, each of a tenant (`api_keys.py`), each its own prefix-cache namespace or, per
+user, its tenant's (`isolation.py`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from typing import Any
 import httpx
 
 from kvbridge.connector.security import derive, sign
+from kvbridge.serve.api_keys import ApiKeys
 
 log = logging.getLogger("kvbridge.serve")
 
@@ -431,24 +433,28 @@ def bearer_key(authorization: str | None) -> str | None:
 
 
 class RequireApiKey:
-    """ASGI middleware of the proxy: `/v1/...` needs `Authorization: Bearer <key>`
-    with one of `api_keys` (each key compared in constant time)."""
+    """ASGI middleware of the proxy: `/v1/...` needs `Authorization: Bearer <key>` with
+    a key in force in `api_keys` (looked up by digest, `api_keys.py`); the request's
+    scope then names the key's tenant (`scope["state"]["tenant"]`, Starlette's
+    `request.state.tenant`)."""
 
-    def __init__(self, app: Any, api_keys: list[str]) -> None:
+    def __init__(self, app: Any, api_keys: ApiKeys) -> None:
         self.app = app
-        self._want = [f"Bearer {key}".encode() for key in api_keys]
+        self.api_keys = api_keys
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            matches = [hmac.compare_digest(given, want) for want in self._want]
-            if not any(matches):
+            key = given.removeprefix(b"Bearer ") if given.startswith(b"Bearer ") else None
+            tenant = self.api_keys.tenant_of(key)
+            if tenant is None:
                 await _reply(
                     send,
                     401,
                     "Incorrect or missing API key: send 'Authorization: Bearer <key>' "
-                    "(the server's --api-key)",
+                    "(the server's --api-key, or a key of its --api-key-file)",
                     "invalid_api_key",
                 )
                 return
+            scope.setdefault("state", {})["tenant"] = tenant
         await self.app(scope, receive, send)

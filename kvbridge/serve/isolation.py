@@ -11,9 +11,12 @@ between requests with the same salt. kvbridge takes the same parameter on
 
     none      the client's `cache_salt` alone (no salt: the shared namespace)
     api-key   the API key the request presented, and its `cache_salt` (the default when
-              the proxy has --api-key)
-    user      the request's OpenAI `user` field, and its `cache_salt`; a request
-              without `user` is refused (400 naming it)
+              the proxy has API keys)
+    user      the tenant of the request's API key (`api_keys.py`) and its OpenAI `user`
+              field, and its `cache_salt`; a request without `user` is refused (400
+              naming it). Without API keys `user` is whatever the client declares:
+              anyone who names another's user shares that user's cache (the proxy warns
+              at start-up, `self_declared_warning`)
 
 The proxy sends the instances only a digest of the namespace (never the key itself),
 in `GenerateRequest.cache_salt`; every instance salts its block hashes with it, in
@@ -50,10 +53,32 @@ class PrefixCacheIsolation(enum.Enum):
             raise ConfigError(f"--prefix-cache-isolation {value!r} is not one of {names}") from None
         if policy is cls.API_KEY and not has_api_key:
             raise ConfigError(
-                "--prefix-cache-isolation api-key needs --api-key (or KVBRIDGE_API_KEY): "
-                "without keys every caller is the same; use 'user' or 'none'"
+                "--prefix-cache-isolation api-key needs --api-key (or KVBRIDGE_API_KEY) or "
+                "--api-key-file: without keys every caller is the same; use 'user' or 'none'"
             )
         return policy
+
+    def namespace_text(self, has_api_key: bool) -> str:
+        """Who shares cached prefixes under this policy, in words (the banner, /health)."""
+        if self is PrefixCacheIsolation.API_KEY:
+            return "the API key"
+        if self is PrefixCacheIsolation.USER:
+            if has_api_key:
+                return "the API key's tenant and the request's user"
+            return "the request's user as the client declares it (not authenticated)"
+        return "everyone (only a request's cache_salt narrows it)"
+
+
+def self_declared_warning(policy: PrefixCacheIsolation, has_api_key: bool) -> str | None:
+    """The start-up warning of `user` isolation without API keys; None otherwise."""
+    if policy is not PrefixCacheIsolation.USER or has_api_key:
+        return None
+    return (
+        "WARNING: --prefix-cache-isolation user without API keys: the 'user' field is "
+        "self-declared, so a caller who names another's user shares that user's cached "
+        "prompts (and can probe them through cached_tokens); set --api-key-file (one "
+        "tenant:key per line) to make the namespace the key's tenant and the user"
+    )
 
 
 class IsolationError(ValueError):
@@ -70,11 +95,13 @@ def namespace(
     cache_salt: str | None,
     api_key: str | None = None,
     user: str | None = None,
+    tenant: str | None = None,
 ) -> str | None:
-    """The salt the instances get for one request: a digest of who asks (by `policy`)
-    and the client's `cache_salt`; None for the shared namespace (policy none, no salt).
-    IsolationError when the policy needs what the request lacks."""
-    who: str | None = None
+    """The salt the instances get for one request: a digest of who asks (by `policy`:
+    the `api_key`, or the `tenant` of the key and the `user`) and the client's
+    `cache_salt`; None for the shared namespace (policy none, no salt). IsolationError
+    when the policy needs what the request lacks."""
+    who: str | list[str] | None = None
     if policy is PrefixCacheIsolation.API_KEY:
         if api_key is None:
             raise IsolationError("the request presented no API key", "authorization")
@@ -87,7 +114,7 @@ def namespace(
                 "prompts, no one else's",
                 "user",
             )
-        who = user
+        who = user if tenant is None else [tenant, user]
     if who is None and cache_salt is None:
         return None
     text = json.dumps([policy.value, who, cache_salt], ensure_ascii=True)

@@ -12,9 +12,10 @@ instance is full), and the app keeps serving after any of them. A client that go
 stops its request at once, even before its first token (`disconnect.py`).
 
 Prefix caching is isolated by `isolation` (`isolation.py`): each request's blocks are
-shared only within its namespace (the client's `cache_salt`, and by policy its API key
-or `user`); with `hide_cached_tokens` responses leave out
-`usage.prompt_tokens_details` and the `kvbridge_stages` figures that show cache hits.
+shared only within its namespace (the client's `cache_salt`, and by policy its API key,
+or its key's tenant and its `user`); `/health` says which policy is in force. With
+`hide_cached_tokens` responses leave out `usage.prompt_tokens_details` and the
+`kvbridge_stages` figures that show cache hits.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from kvbridge.errors import KVBridgeError
 from kvbridge.serve import openai_protocol as oai
 from kvbridge.serve import openai_responses as resp
+from kvbridge.serve.api_keys import ApiKeys
 from kvbridge.serve.backend import Backend, GenerateRequest, SamplingParams
 from kvbridge.serve.body_limit import (
     BODY_TIMEOUT_S,
@@ -49,18 +51,19 @@ def make_app(
     *,
     max_body_bytes: int = mib_to_bytes(DEFAULT_MAX_BODY_MB),
     body_timeout_s: float = BODY_TIMEOUT_S,
-    api_key: str | Sequence[str] | None = None,
+    api_key: ApiKeys | str | Sequence[str] | None = None,
     isolation: PrefixCacheIsolation | str | None = None,
     hide_cached_tokens: bool = False,
 ) -> FastAPI:
     """The proxy's app over `backend`. Request bodies over `max_body_bytes` are refused
     with 413 before they are read whole, and bodies not complete after `body_timeout_s`
     with 408 (`BodyLimit`); a body is JSON whatever Content-Type it declares
-    (`curl URL -d '{...}'` declares a form). With `api_key` (one key or several),
-    /v1/... answers 401 unless the request carries 'Authorization: Bearer <key>' with
-    one of them. `isolation`: the prefix-cache policy (default: per API key when there
-    is one, else none); `hide_cached_tokens`: leave cache figures out of responses."""
-    api_keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    (`curl URL -d '{...}'` declares a form). With `api_key` (`ApiKeys`: tenants' keys;
+    or one key or several, of tenant "default"), /v1/... answers 401 unless the request
+    carries 'Authorization: Bearer <key>' with one of them. `isolation`: the prefix-cache
+    policy (default: per API key when there is one, else none); `hide_cached_tokens`:
+    leave cache figures out of responses."""
+    api_keys = ApiKeys.of(api_key)
     policy = PrefixCacheIsolation.resolve(isolation, bool(api_keys))
 
     @contextlib.asynccontextmanager
@@ -74,7 +77,7 @@ def make_app(
     app = FastAPI(title="kvbridge", version="0.1.0", lifespan=lifespan)
     m = metrics or ProxyMetrics()
     relay = GenerationRelay(backend, m, hide_cached_tokens=hide_cached_tokens)
-    routes = _Routes(backend, m, policy, relay)
+    routes = _Routes(backend, m, policy, relay, authenticated=bool(api_keys))
 
     if api_keys:
         app.add_middleware(RequireApiKey, api_keys=api_keys)
@@ -107,14 +110,22 @@ class _Routes:
         metrics: ProxyMetrics,
         policy: PrefixCacheIsolation,
         relay: GenerationRelay,
+        *,
+        authenticated: bool,
     ) -> None:
         self.backend, self.m, self.policy, self.relay = backend, metrics, policy, relay
+        self.authenticated = authenticated  # every /v1 request names its key's tenant
 
     def count_refused(self, status: int) -> None:
         self.m.requests.labels("invalid", str(status)).inc()
 
     async def health(self) -> Response:
-        state = await self.backend.health()
+        isolation = {
+            "policy": self.policy.value,
+            "shared_by": self.policy.namespace_text(self.authenticated),
+            "authenticated": self.authenticated,
+        }
+        state = {**await self.backend.health(), "prefix_cache_isolation": isolation}
         serving = state.get("status") in ("ok", "degraded")
         return JSONResponse(state, status_code=200 if serving else 503)
 
@@ -156,12 +167,15 @@ class _Routes:
     def _namespace(
         self, request: Request, req: oai.CompletionRequest | oai.ChatCompletionRequest
     ) -> str | None:
+        tenant: str | None = getattr(request.state, "tenant", None)
+        assert tenant is not None or not self.authenticated  # RequireApiKey let it in
         try:
             return namespace(
                 self.policy,
                 cache_salt=req.cache_salt,
                 api_key=bearer_key(request.headers.get("authorization")),
                 user=req.user,
+                tenant=tenant,
             )
         except IsolationError as exc:
             raise oai.ProtocolError(str(exc), exc.param) from None

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from kvbridge.errors import ConfigError
+from kvbridge.serve.api_keys import ApiKeys
 from kvbridge.serve.config import ProxyConfig
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_server import ServerThread
@@ -162,5 +163,33 @@ def test_an_attacker_learns_nothing_from_the_victims_cached_prompt(instances, po
             assert right > wrong[0], (right, wrong)  # the oracle: the secret's blocks hit
         else:
             assert right == wrong[0], (right, wrong)  # the victim's blocks are not found
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keys", ["tenants", "self-declared"])
+def test_a_tenant_naming_another_tenants_user_gets_nothing_of_its_cache(instances, keys) -> None:
+    """Issue #46: under `user` isolation a caller who claimed `"user": "alice"` got
+    alice's memo from the cache. With API keys of tenants the namespace is the key's
+    tenant and the user: tenant B naming tenant A's alice gets 0 cached tokens for the
+    very memo, while A's own alice still hits. "self-declared" (no keys: what the
+    start-up warning is about) is the control that shows the claim working."""
+    api_keys = ApiKeys([("tenant-a", "sk-a"), ("tenant-b", "sk-b")])
+    victim, claimer = ("sk-a", "sk-b") if keys == "tenants" else (None, None)
+    backend = DisaggBackend(
+        [instances[("prefill", 1)]], [instances[("decode", 1)]], "smollm2-135m", token=TOKEN
+    )
+    app = make_app(backend, api_key=api_keys if keys == "tenants" else None, isolation="user")
+    srv = ServerThread(app).start()
+    memo = f"[{keys}] " + PREAMBLE + SECRET
+    try:
+        assert _cached(srv.url, memo, victim, user="alice") == 0
+        claimed = _cached(srv.url, memo, claimer, user="alice")
+        if keys == "tenants":
+            assert claimed == 0
+            assert _cached(srv.url, memo, victim, user="alice") >= 32  # alice's own hit
+        else:
+            assert claimed >= 32  # the claim alone opened alice's cache
     finally:
         srv.stop()

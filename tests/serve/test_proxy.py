@@ -295,7 +295,9 @@ def test_failure_mid_stream_reaches_client(server):
 
 def test_models_health_metrics(server):
     srv, _ = server
-    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{srv.url}/health").json()
+    assert health["status"] == "ok"  # and the isolation in force (test_tenants.py)
+    assert health["prefix_cache_isolation"]["policy"] == "none"
     assert httpx.get(f"{srv.url}/v1/models").json()["data"][0]["id"] == "fake-model"
     httpx.post(f"{srv.url}/v1/completions", json={"prompt": "a b", "max_tokens": 3}, timeout=10)
     text = httpx.get(f"{srv.url}/metrics").text
