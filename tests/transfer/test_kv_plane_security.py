@@ -342,6 +342,51 @@ def test_a_flood_from_many_addresses_leaves_room_for_a_decode_instance_a_request
     assert p0._sessions.num_reserved(named) == 2 and (named, 0) in p0._sessions.peers()
 
 
+def test_a_capability_that_outruns_its_exposure_is_let_in_once_the_exposure_names_it(
+    pair,
+) -> None:
+    """The capability may reach the decode instance before its prefill workers pin the
+    request (the connector's Expose goes out at the engine's next step): a first Hello
+    in a full pool is refused "busy", so the decode worker asks again, backing off, and
+    is let in once the exposure names it; its pull then completes."""
+    p0, p1, released, clock = pair
+    p0._sessions.max_sessions = 8  # a pool of 4, 1 per address
+    flood(p0, 8, [f"127.0.0.{i}" for i in range(2, 6)])
+    key = Identity.generate()
+    reader = key.bind("decode")
+    real = make_consumer(clock, reader, identity=key)
+    real.pull("r1", p0.endpoint, [3], [5], 4)
+    drive(p0, [real], rounds=30)
+    w = real.directory.instance(p0.endpoint).worker0
+    assert w.num_busy == 1 and w.retry_at is not None  # waits to ask again
+    for p in (p0, p1):
+        p.expose("r1", [3], 4, reader=reader)
+    clock.now += 0.05  # past the first retry, well within the handshake timeout
+    drive(p0, [real], rounds=30)
+    assert w.welcome is not None and p0._sessions.num_reserved(reader) == 1
+    assert isinstance(real.transport, FakeTransport) and real.transport.reads
+    real.transport.read_state = XferState.DONE
+    deliver(p0, real.transport.reads[-1][2])
+    (res,) = drive(p0, [real], rounds=30)
+    assert res.state is TransferState.DONE, res.reason
+    assert [(r.request_id, r.cause) for r in released] == [("r1", ReleaseCause.COMPLETED)]
+
+
+def test_a_handshake_refused_busy_until_its_deadline_fails_with_the_reason(pair) -> None:
+    p0, _, _, clock = pair
+    p0._sessions.max_sessions = 8
+    flood(p0, 8, [f"127.0.0.{i}" for i in range(2, 6)])
+    real = make_consumer(clock, "D")  # unbound: it competes in the pool
+    real.pull("r1", p0.endpoint, [3], [5], 4)
+    results = []
+    for _ in range(20):
+        clock.now += 0.5
+        results += drive(p0, [real], rounds=5)
+    (res,) = results
+    assert res.state is TransferState.FAILED
+    assert "until its deadline (2 s)" in res.reason and "shared pool" in res.reason, res.reason
+
+
 def test_an_unbound_id_a_request_names_competes_in_the_pool(pair) -> None:
     """An unbound id is anybody's to claim, so naming it earns no reserved room."""
     p0, _, _, _ = pair
