@@ -61,6 +61,9 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     netns: str = ""  # run on this test host (harness.hosts): its network namespace
     hostname: str = ""  # ... under this hostname, in UTS and IPC namespaces ...
     host_pid: int = 0  # ... those of this process (`TestHost.holder_pid`), 0: its own
+    #: decode: the instance's own CURVE secret key (`Identity.secret`), for an
+    #: `instance_id` bound to it; None: an unbound id and an ephemeral key per connection
+    identity: bytes | None = None
 
 
 # -- parent -> worker ----------------------------------------------------------------
@@ -81,6 +84,7 @@ class Expose(msgspec.Struct, tag=True):
     start_token: int = 0
     generation: int = 0
     lease_s: float | None = None  # None: the worker's lease_s
+    reader: str | None = None  # the only decode instance whose notifications count
 
 
 class Pull(msgspec.Struct, tag=True):

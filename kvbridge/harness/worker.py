@@ -95,6 +95,7 @@ class _Worker:
     def __init__(self, conn: Connection, spec: WorkerSpec) -> None:
         from kvbridge.transfer.agent import NixlTransport
         from kvbridge.transfer.consumer import KVConsumer
+        from kvbridge.transfer.identity import Identity
         from kvbridge.transfer.netdev import device_of
         from kvbridge.transfer.producer import KVProducer
         from kvbridge.transfer.regions import CacheRegions
@@ -172,7 +173,8 @@ class _Worker:
         if spec.role == "prefill":
             self.producer = KVProducer(**common, on_release=self._on_release)
         else:
-            self.consumer = KVConsumer(**common)
+            identity = Identity(spec.identity) if spec.identity is not None else None
+            self.consumer = KVConsumer(**common, identity=identity)
 
     def _on_release(self, rel: Release) -> None:
         send(

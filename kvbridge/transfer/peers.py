@@ -7,7 +7,9 @@ planner's error), then handshakes with each producer worker this decode worker r
 from -- and, on decode worker 0, with the workers nobody reads (they still wait for a
 notification). Everything is cached until a peer fails; a failed peer is forgotten,
 so the next pull reconnects. Handshakes never block: `poll` advances them, and each
-has a deadline (`handshake_timeout_s`). Single-threaded, owned by one `KVConsumer`.
+has a deadline (`handshake_timeout_s`); a Hello refused "busy" (no room in the
+producer's session table) is sent again, backing off, until then. Single-threaded, owned
+by one `KVConsumer`.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ log = logging.getLogger("kvbridge.transfer.consumer")
 
 #: ReadAcks kept per producer worker until their pull takes them (the oldest go first).
 MAX_ACKS = 4096
+#: A Hello refused "busy" is sent again (fresh nonce) after this long, doubling up to
+#: `BUSY_RETRY_MAX_S`, until the handshake's deadline: room opens as sessions age, and
+#: a prefill worker may learn of the request that names this instance (its `expose`)
+#: just after the capability reached us, which gives it reserved room (sessions.py)
+BUSY_RETRY_S = 0.02
+BUSY_RETRY_MAX_S = 1.0
 
 
 def unit_dlist(
@@ -81,6 +89,9 @@ class ProducerWorker:
     reason: str = ""
     remote_dlists: dict[int, Any] = field(default_factory=dict)  # unit size -> prepared list
     hello_nonce: bytes = b""  # our Hello's; the Welcome must echo it
+    hello: Hello | None = None  # the Hello sent (sent again, with a fresh nonce, if busy)
+    retry_at: float | None = None  # refused "busy": when to send the Hello again
+    num_busy: int = 0  # "busy" refusals so far
     session_key: bytes = b""  # signs our notifications to this worker (auth.session_key)
     session_id: bytes = b""
     #: (request id, generation) -> the worker's answer to our ReadDone (`ReadAck`)
@@ -224,16 +235,44 @@ class ProducerDirectory:
                 self.identity,
             )
             w = ProducerWorker(endpoint, client, self._clock() + self.config.handshake_timeout_s)
-            w.hello_nonce = os.urandom(16)
             hosts = list(decode_hosts) if decode_hosts is not None else None
-            client.send(
-                msgspec.structs.replace(self._hello, nonce=w.hello_nonce, decode_hosts=hosts)
-            )
+            w.hello = msgspec.structs.replace(self._hello, decode_hosts=hosts)
             self._workers[endpoint] = w
-            log.debug("decode worker %d: Hello sent to %s", self.rank, endpoint)
+            self._send_hello(w)
         return w
 
+    def _send_hello(self, w: ProducerWorker) -> None:
+        """Send `w` our Hello with a fresh nonce (a producer answers each nonce once)."""
+        assert w.hello is not None
+        w.hello_nonce, w.retry_at = os.urandom(16), None
+        w.client.send(msgspec.structs.replace(w.hello, nonce=w.hello_nonce))
+        log.debug("decode worker %d: Hello sent to %s", self.rank, w.endpoint)
+
+    def _busy(self, w: ProducerWorker, reply: Refused, now: float) -> None:
+        """`w` refused our Hello for want of room: ask again later, within the deadline."""
+        delay = min(BUSY_RETRY_S * 2**w.num_busy, BUSY_RETRY_MAX_S)
+        w.num_busy += 1
+        if now + delay >= w.deadline:
+            self.drop(
+                w,
+                f"producer {w.endpoint} refused the handshake {w.num_busy} times until its "
+                f"deadline ({self.config.handshake_timeout_s:g} s): {reply.reason}",
+            )
+            return
+        log.info(
+            "decode worker %d: %s refused the handshake (%s); asking again in %g s",
+            self.rank,
+            w.endpoint,
+            reply.reason,
+            delay,
+        )
+        w.retry_at = now + delay
+
     def _advance(self, w: ProducerWorker, now: float) -> None:
+        if w.retry_at is not None:
+            if now >= w.retry_at:
+                self._send_hello(w)
+            return
         try:
             reply = w.client.try_recv()
         except ProtocolError as exc:
@@ -254,6 +293,8 @@ class ProducerDirectory:
                     f"{self.config.handshake_timeout_s:g} s; is the producer worker "
                     "running, and (with a shared token) the token the same on both sides?",
                 )
+        elif isinstance(reply, Refused) and reply.kind == "busy":
+            self._busy(w, reply, now)
         elif isinstance(reply, Refused):
             self.drop(w, f"producer {w.endpoint} refused the handshake: {reply.reason}")
         elif isinstance(reply, Welcome):

@@ -53,7 +53,7 @@ from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.errors import ProtocolError, TransferError
-from kvbridge.transfer.identity import binding_refusal
+from kvbridge.transfer.identity import binding_refusal, bound_fingerprint
 from kvbridge.transfer.integrity import digest, region_views
 from kvbridge.transfer.messages import (
     Hello,
@@ -80,8 +80,9 @@ log = logging.getLogger("kvbridge.transfer.producer")
 _RECENT = 4096
 #: Notifications kept per request that arrive before its `expose`.
 _MAX_EARLY_PER_REQUEST = 1024
-#: Handshake sessions a producer worker keeps (see sessions.py).
-_MAX_SESSIONS = 1024
+#: Handshake sessions a producer worker keeps: half for decode instances a pinned
+#: request names, half a pool shared by every other Hello (see sessions.py).
+MAX_SESSIONS = 1024
 
 
 class ReleaseCause(enum.Enum):
@@ -153,6 +154,9 @@ class KVProducer:
         self.on_release = on_release
         self._clock = clock
         self._exposed: dict[str, _Exposure] = {}
+        # how many pinned exposures name each bound reader id (its Hellos get reserved
+        # room in the session table: sessions.py)
+        self._named: collections.Counter[str] = collections.Counter()
         # released request ids -> how (for a late ReadDone's ReadAck)
         self._recent: collections.OrderedDict[str, str] = collections.OrderedDict()
         # notifications that arrived before their request's `expose`, by request id
@@ -162,7 +166,7 @@ class KVProducer:
         self._sessions = SessionTable(
             token=config.token,
             me=(instance_id, rank),
-            max_sessions=_MAX_SESSIONS,
+            max_sessions=MAX_SESSIONS,
             grace_s=config.transfer_timeout_s + config.handshake_timeout_s,
             active_s=config.lease_s,
             clock=clock,
@@ -204,8 +208,10 @@ class KVProducer:
     ) -> None:
         """Pin `block_ids` (this request's KV of tokens [start_token, num_tokens), from the
         block holding token `start_token` on) for decode workers to read; with `reader`,
-        only that decode instance's notifications count. `generation` names this exposure
-        (the pull's capability carries it): only ReadDones naming it are answered held."""
+        only that decode instance's notifications count, and, if its id is bound to its
+        key, its handshakes take reserved room in the session table while this exposure is
+        pinned (`sessions.py`). `generation` names this exposure (the pull's capability
+        carries it): only ReadDones naming it are answered held."""
         ids = tuple(int(b) for b in np.asarray(block_ids).ravel())
         if request_id in self._exposed:
             raise TransferError(f"request_id={request_id!r} is already exposed; ids must be unique")
@@ -228,6 +234,9 @@ class KVProducer:
         self._exposed[request_id] = _Exposure(
             ids, num_tokens, self._clock() + lease, lease, reader, generation, start_token
         )
+        if reader is not None and bound_fingerprint(reader) is not None:
+            self._named[reader] += 1
+            self._sessions.reserve(reader)
         for _, msg, session in self._early.pop(request_id, []):
             self._apply(msg, session)
 
@@ -275,6 +284,10 @@ class KVProducer:
     # -- internals ---------------------------------------------------------------------
     def _release(self, request_id: str, cause: ReleaseCause, reason: str) -> None:
         exp = self._exposed.pop(request_id)
+        if exp.reader is not None and exp.reader in self._named:
+            self._named[exp.reader] -= 1
+            if not self._named[exp.reader]:
+                del self._named[exp.reader]
         self._recent[request_id] = f"released ({cause.value}): {reason}"[:1000]
         while len(self._recent) > _RECENT:
             self._recent.popitem(last=False)
@@ -520,6 +533,8 @@ class KVProducer:
             )
             self.refusals.append(spec_error(exc))
             return Refused(kind="incompatible", reason=spec_error(exc))
+        # the CURVE handshake proved the key; binding_refusal above, that the id names it
+        bound = self._server.peer_key is not None and bound_fingerprint(msg.instance_id) is not None
         try:
             _, nonce = self._sessions.open(
                 msg.instance_id,
@@ -529,6 +544,8 @@ class KVProducer:
                 self._is_reading,
                 peer,
                 self._server.peer_address or "",
+                bound=bound,
+                named=bound and msg.instance_id in self._named,
             )
         except SessionRefused as exc:
             if exc.kind == "replay":

@@ -58,8 +58,9 @@ class ConnectorSettings:
         help="a file (mode 600) holding this instance's own key (`Identity.save`; "
         "`kvbridge.vllm.launch` makes one per instance): the instance id becomes bound to "
         "it (`instance_id@fingerprint`), and with a token the prefill refuses anyone "
-        "else's handshake in that name; without it the id is unbound: any token holder "
-        "may claim it",
+        "else's handshake in that name, and keeps room for its handshakes while a request "
+        "names it; without it the id is unbound: any token holder may claim it, and its "
+        "handshakes compete with everyone's for a prefill worker's shared pool of sessions",
     )
 
     @classmethod

@@ -410,8 +410,8 @@ def test_a_hello_flood_from_one_host_leaves_other_hosts_welcome(three_hosts: Thr
     sends the prefill worker 1,100 valid Hellos, each in a fresh instance's name (young
     sessions, none of which may be evicted for `grace_s`). They filled its table of 1,024
     and a decode instance meeting it from another host was refused "busy"; now the
-    proxy host's address gets a quarter of the table, a newcomer from the decode host is
-    welcome, and the deployment serves on. (Last in the module: the flood's sessions
+    proxy host's address gets a quarter of the shared pool (half the table), a newcomer
+    from the decode host is welcome, and the deployment serves on. (Last in the module: the flood's sessions
     stay young for the rest of its grace.)"""
     dep = three_hosts
     with dep.proxy.inside():
