@@ -92,6 +92,7 @@ class ProducerWorker:
     hello: Hello | None = None  # the Hello sent (sent again, with a fresh nonce, if busy)
     retry_at: float | None = None  # refused "busy": when to send the Hello again
     num_busy: int = 0  # "busy" refusals so far
+    busy_reason: str = ""  # the last one's reason
     session_key: bytes = b""  # signs our notifications to this worker (auth.session_key)
     session_id: bytes = b""
     #: (request id, generation) -> the worker's answer to our ReadDone (`ReadAck`)
@@ -252,6 +253,7 @@ class ProducerDirectory:
         """`w` refused our Hello for want of room: ask again later, within the deadline."""
         delay = min(BUSY_RETRY_S * 2**w.num_busy, BUSY_RETRY_MAX_S)
         w.num_busy += 1
+        w.busy_reason = reply.reason
         if now + delay >= w.deadline:
             self.drop(
                 w,
@@ -285,6 +287,13 @@ class ProducerDirectory:
                     f"handshake with {w.endpoint} failed: its host refused every connection "
                     f"for {self.config.liveness_timeout_s:g} s (liveness_timeout_s); is the "
                     "producer worker running?",
+                )
+            elif now >= w.deadline and w.num_busy:  # the cause is known: say it
+                self.drop(
+                    w,
+                    f"producer {w.endpoint} refused the handshake {w.num_busy} times until its "
+                    f"deadline ({self.config.handshake_timeout_s:g} s), the last Hello "
+                    f"unanswered: {w.busy_reason}",
                 )
             elif now >= w.deadline:
                 self.drop(

@@ -378,7 +378,13 @@ def test_a_handshake_refused_busy_until_its_deadline_fails_with_the_reason(pair)
     flood(p0, 8, [f"127.0.0.{i}" for i in range(2, 6)])
     real = make_consumer(clock, "D")  # unbound: it competes in the pool
     real.pull("r1", p0.endpoint, [3], [5], 4)
-    results = []
+    # the first refusal, in real time (the clock stands still until it came)
+    results = drive(p0, [real], rounds=5)
+    worker = real.directory.instance(p0.endpoint).worker0
+    deadline = time.monotonic() + 60
+    while not worker.num_busy:
+        assert time.monotonic() < deadline, "no answer to the Hello"
+        results += drive(p0, [real], rounds=5)
     for _ in range(20):
         clock.now += 0.5
         results += drive(p0, [real], rounds=5)
