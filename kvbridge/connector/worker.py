@@ -41,8 +41,7 @@ from kvbridge.transfer.connector import (
     WorkerConnector,
 )
 
-#: under vLLM's "vllm" logger where vLLM hosts it (its handlers print it)
-log = logging.getLogger("vllm.kvbridge")
+log = logging.getLogger("kvbridge.connector")
 
 if TYPE_CHECKING:
     from kvbridge.transfer.agent import Transport
