@@ -70,6 +70,12 @@ class ConnectorMetadata(msgspec.Struct, frozen=True):
     #: host that keeps stepping while transfers run sleeps on them, not spins); 0: never
     idle_wait_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 0.0
 
+    def pulls(self) -> list[tuple[str, Pull]]:
+        """`reqs_to_recv` with the host's id of each (`recv_request_ids`; without them,
+        the host names a request as the prefill instance does)."""
+        ids = self.recv_request_ids or [p.request_id for p in self.reqs_to_recv]
+        return list(zip(ids, self.reqs_to_recv, strict=True))
+
     @property
     def is_empty(self) -> bool:
         return not (

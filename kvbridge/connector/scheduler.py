@@ -367,9 +367,7 @@ class KVConnectorScheduler:
                 rec.aborted = True
                 return True, None
             rec.aborted = True
-            reason = "the request was aborted before its KV was pulled"
-            self._decline(rec, reason)
-            self._end_load(rec, reason)
+            self._refuse(rec, "the request was aborted before its KV was pulled")
             self._ended.pop(request_id)
             return False, None
         if rec.state is not RequestState.PREFILLING:

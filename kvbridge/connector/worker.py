@@ -183,8 +183,7 @@ class KVConnectorWorker:
                 self._errors.append(f"Connect failed on worker {self.rank}: {exc}")
         for decline in meta.reqs_to_decline:
             self._try(decline)
-        host_ids = meta.recv_request_ids or [p.request_id for p in meta.reqs_to_recv]
-        for pull, host_id in zip(meta.reqs_to_recv, host_ids, strict=True):
+        for host_id, pull in meta.pulls():
             if self._try(pull, request_id=host_id):
                 self._loads[pull.request_id] = (host_id, list(pull.local_block_ids))
             else:
@@ -233,13 +232,7 @@ class KVConnectorWorker:
             reply = self._handle(Poll())  # its figures too: they count the ends it reports
             events = self._own(reply.events)
         self._unreported = []
-        sending: list[ConnectorEvent] = []
-        recving: list[ConnectorEvent] = []
-        for ev in events:
-            if self.role is ConnectorRole.PRODUCER:
-                sending.append(ev)
-            else:
-                recving.append(ev)
+        sending, recving = (events, []) if self.role is ConnectorRole.PRODUCER else ([], events)
         error, self._errors = "; ".join(self._errors), []
         connected, self._connected = self._connected, []
         return KVWorkerOutput(

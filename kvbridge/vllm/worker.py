@@ -82,8 +82,7 @@ class WorkerSide:
             meta = orders.get(role, ConnectorMetadata())
             worker.bind_connector_metadata(meta)
             worker.start_load_kv()
-            ids = meta.recv_request_ids or [p.request_id for p in meta.reqs_to_recv]
-            self._pulls.update(zip(ids, meta.reqs_to_recv, strict=True))
+            self._pulls.update(meta.pulls())
 
     def save(self) -> None:
         """Expose the finished prefills, release the cancelled (vLLM's wait_for_save)."""
