@@ -6,7 +6,9 @@ Layer 3, above `kvbridge.transfer` and below any engine that hosts it: our engin
 (`KVConnectorScheduler`, in the driver) owns each request's hand-over as explicit
 `RequestState`s and sends typed `ConnectorMetadata` to its worker side
 (`KVConnectorWorker`, one per worker process), which wraps the transfer layer's
-`WorkerConnector`. `KVTransferParams` is a request's hand-over record.
+`WorkerConnector`. `KVTransferParams` is a request's hand-over record. An instance
+that plays several roles (a producer and a consumer) drives one of each per role
+(`RoleSchedulers`, `RoleWorkers`); `stats.py` keeps a decode worker's pulls as figures.
 
 The layers above (the engine, serve) reach the transfer runtime only through here: its
 configuration (`TransferConfig`, `FanOut`, `KVExport`, `Integrity`), the shared-memory
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
         RemoteDecode,
         RemotePrefill,
     )
+    from kvbridge.connector.roles import RoleSchedulers, RoleWorkers
     from kvbridge.connector.scheduler import KVConnectorConfig, KVConnectorScheduler, KVRequest
     from kvbridge.transfer.connector import (
         BUSY_POLL_S,
@@ -73,6 +76,7 @@ _LAZY = {
     **dict.fromkeys(
         ["KVConnectorConfig", "KVConnectorScheduler", "KVRequest"], "kvbridge.connector.scheduler"
     ),
+    **dict.fromkeys(["RoleSchedulers", "RoleWorkers"], "kvbridge.connector.roles"),
     **dict.fromkeys(
         ["BUSY_POLL_S", "IDLE_POLL_S", "ConnectorRole", "ConnectorSpec", "Pull"],
         "kvbridge.transfer.connector",
@@ -114,6 +118,8 @@ __all__ = [
     "RemoteDecode",
     "RemotePrefill",
     "RequestState",
+    "RoleSchedulers",
+    "RoleWorkers",
     "SharedSegment",
     "TransferConfig",
     "free_port",

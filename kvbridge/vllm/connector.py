@@ -2,7 +2,7 @@
 contract (`kvbridge.connector`).
 
 vLLM builds it once per engine with role SCHEDULER (in the EngineCore process:
-`scheduler.SchedulerSide`) and once per worker with role WORKER (`worker.WorkerSide`,
+`scheduler.SchedulerSide`) and once per worker with role WORKER (`worker.worker_side`,
 built when vLLM registers the KV caches). Each side holds the contract's own objects,
 one per role the instance plays: the scheduler side's orders reach the workers as the
 connector metadata, the workers' reports come back as the connector worker metadata.
@@ -31,14 +31,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvbridge.connector import ConnectorRole, KVWorkerOutput
-from kvbridge.connector.metadata import encode, output_decoder
+from kvbridge.connector import ConnectorRole, RoleWorkers
+from kvbridge.connector.roles import decode_reports, encode_reports
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import describe_kv_caches
 from kvbridge.vllm.scheduler import Orders, SchedulerSide
 from kvbridge.vllm.settings import ROLES, ConnectorSettings, check_vllm
 from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
-from kvbridge.vllm.worker import WorkerSide
+from kvbridge.vllm.worker import worker_side
 
 if TYPE_CHECKING:
     import torch
@@ -60,8 +60,8 @@ class KVBridgeMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVBridgeWorkerMeta(KVConnectorWorkerMetadata):
-    """The workers' reports of one step (each an encoded `KVWorkerOutput`, by role),
-    gathered over the TP workers by vLLM for the scheduler side."""
+    """The workers' reports of one step (`encode_reports`), gathered over the TP
+    workers by vLLM for the scheduler side."""
 
     reports: list[tuple[ConnectorRole, bytes]] = field(default_factory=list)
 
@@ -104,7 +104,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
+        self.worker: RoleWorkers | None = None
         self._report = KVBridgeWorkerMeta()  # this step's, until vLLM takes it
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(
@@ -118,17 +118,17 @@ class KVBridgeConnector(KVConnectorBase_V1):
         model = load_model_spec(self._vllm_config.model_config.model)
         cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size)
         rank = get_tensor_model_parallel_rank()
-        self.worker = WorkerSide(self.settings, self.instance_id, self.roles, model, cache, rank)
+        self.worker = worker_side(self.settings, self.instance_id, self.roles, model, cache, rank)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.worker is None:
             return KVBridgeHandshake("")
-        return KVBridgeHandshake(self.worker.endpoint, self.worker.sibling)
+        return KVBridgeHandshake(*self.worker.get_handshake_metadata())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVBridgeMetadata) and self.worker is not None
-        self.worker.start(meta.orders)
+        self.worker.start_load_kv(meta.orders)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous
@@ -140,12 +140,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.worker is not None:
-            self.worker.save()
+            self.worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
-        res = self.worker.collect()
-        self._report.reports += [(role, encode(out)) for role, out in res.reports.items()]
+        res = self.worker.get_finished()
+        self._report.reports += encode_reports(res.reports)
         return res.finished_sending or None, res.finished_recving or None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
@@ -153,10 +153,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return out if out.reports else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.load_errors() if self.worker is not None else set()
+        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = self.worker.take_observations() if self.worker is not None else None
+        data = self.worker.take_pulls() if self.worker is not None else None
         return KVBridgeConnectorStats(data=dict(data)) if data else None
 
     @classmethod
@@ -175,7 +175,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self.worker is not None:
-            self.worker.close()
+            self.worker.shutdown()
             self.worker = None
 
     # -- scheduler side ------------------------------------------------------------------
@@ -184,7 +184,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
     ) -> None:
         assert self.scheduler is not None
         ranks = sorted(metadata)
-        self.scheduler.set_handshake(
+        self.scheduler.set_worker_endpoints(
             [getattr(metadata[r], "endpoint", "") for r in ranks],
             [getattr(metadata[r], "sibling", "") for r in ranks],
         )
@@ -216,10 +216,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, KVBridgeWorkerMeta):
             return
-        reports: dict[ConnectorRole, list[KVWorkerOutput]] = {}
-        for role, raw in meta.reports:
-            reports.setdefault(role, []).append(output_decoder.decode(raw))
-        self.scheduler.update(reports)
+        self.scheduler.update_connector_output(decode_reports(meta.reports))
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -2,10 +2,10 @@
 
 It only translates. vLLM's `Request`s and their `kv_transfer_params` dicts become calls
 on the hand-over contract (`kvbridge.connector.KVConnectorScheduler`), one per role the
-instance plays (`kv_role`), which checks and issues capabilities, orders exposes, pulls
-and declines, and keeps each request's `RequestState` (docs/architecture.md maps each
-vLLM hook to its call). The workers' reports reach it as vLLM's connector worker
-metadata (`update`). vLLM owns every block: a decode request aborted while pulling
+instance plays (`kv_role`; `kvbridge.connector.RoleSchedulers`), which checks and
+issues capabilities, orders exposes, pulls and declines, and keeps each request's
+`RequestState` (docs/architecture.md maps each vLLM hook to its call). The workers'
+reports reach it as vLLM's connector worker metadata. vLLM owns every block: a decode request aborted while pulling
 waits in vLLM's own scheduler. Nothing here imports vLLM (requests are read by their
 attributes).
 """
@@ -19,16 +19,12 @@ from typing import Any
 
 from kvbridge.connector import (
     CapabilityRefused,
-    ConnectorMetadata,
     ConnectorRole,
-    ConnectorSpec,
-    KVConnectorConfig,
-    KVConnectorScheduler,
-    KVWorkerOutput,
     RemoteDecode,
     RemotePrefill,
-    RequestState,
+    RoleSchedulers,
 )
+from kvbridge.connector.roles import Orders
 from kvbridge.vllm.settings import ConnectorSettings
 
 log = logging.getLogger("vllm.kvbridge")
@@ -47,13 +43,10 @@ CAPABILITY_KEY = "kvbridge_capability"
 #: id that alone may pull it (without it, any holder of the token may)
 READER_KEY = "kvbridge_reader"
 
-Orders = dict[ConnectorRole, ConnectorMetadata]
-Reports = dict[ConnectorRole, list[KVWorkerOutput]]
 
-
-class SchedulerSide:
-    """The engine's hand-over contracts, one per role; called from vLLM's scheduler
-    thread only (`KVBridgeConnector`'s scheduler-role methods)."""
+class SchedulerSide(RoleSchedulers):
+    """The engine's hand-over contracts, one per role, reading vLLM's requests; called
+    from vLLM's scheduler thread only (`KVBridgeConnector`'s scheduler-role methods)."""
 
     def __init__(
         self,
@@ -63,32 +56,7 @@ class SchedulerSide:
         block_size: int,
         world_size: int,
     ) -> None:
-        self.sides = {
-            role: KVConnectorScheduler(
-                KVConnectorConfig(
-                    ConnectorSpec(role, instance_id, settings.transfer), claim_s=settings.claim_s
-                ),
-                block_size,
-                world_size,
-            )
-            for role in roles
-        }
-
-    @property
-    def producer(self) -> KVConnectorScheduler | None:
-        return self.sides.get(ConnectorRole.PRODUCER)
-
-    @property
-    def consumer(self) -> KVConnectorScheduler | None:
-        return self.sides.get(ConnectorRole.CONSUMER)
-
-    def set_handshake(self, endpoints: list[str], siblings: list[str]) -> None:
-        """Every worker's producer endpoint and consumer sibling entry, rank order (a
-        list with a worker missing its entry is not handed out)."""
-        if self.producer is not None and all(endpoints):
-            self.producer.set_worker_endpoints(endpoints)
-        if self.consumer is not None and all(siblings):
-            self.consumer.set_worker_endpoints(siblings)
+        super().__init__(settings.configs(instance_id, roles), block_size, world_size, log)
 
     # -- arrival -------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:
@@ -175,19 +143,4 @@ class SchedulerSide:
     def build_orders(self, num_scheduled_tokens: int) -> Orders:
         """This step's orders per role; a step with no token to compute lets the
         workers wait for their transfers (`EMPTY_STEP_WAIT_S`)."""
-        idle = EMPTY_STEP_WAIT_S if num_scheduled_tokens == 0 else 0.0
-        return {
-            role: side.build_connector_meta(idle_wait_s=idle) for role, side in self.sides.items()
-        }
-
-    def update(self, reports: Reports) -> None:
-        """Fold the workers' reports of one step (one per worker and role)."""
-        for role, outputs in reports.items():
-            side = self.sides.get(role)
-            if side is None or not outputs:
-                continue
-            for rec in side.update_connector_output(outputs):
-                if rec.state is not RequestState.RUNNING and rec.state is not RequestState.RELEASED:
-                    log.info("request %s: %s (%s)", rec.request_id, rec.state.name, rec.reason)
-            for error in side.errors:
-                log.warning("kvbridge %s worker: %s", role.value, error)
+        return self.build_connector_meta(EMPTY_STEP_WAIT_S if num_scheduled_tokens == 0 else 0.0)

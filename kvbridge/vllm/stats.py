@@ -1,9 +1,10 @@
 """The connector's figures in vLLM's own metrics, as vLLM's connectors report theirs.
 
-Each decode worker records its pulls (`worker.WorkerSide.take_observations`); vLLM
-collects them after every step (`get_kv_connector_stats`), sums them over the TP
-workers (`aggregate`), logs a summary with its throughput line ("KV Transfer metrics:
-...", `reduce`) and feeds its Prometheus registry (`KVBridgePromMetrics.observe`), so a
+Each decode worker records its pulls as figures (`kvbridge.connector.stats`, through
+`RoleWorkers.take_pulls`); vLLM collects them after every step
+(`get_kv_connector_stats`), sums them over the TP workers (`aggregate`), logs a summary
+with its throughput line ("KV Transfer metrics: ...", `reduce`) and feeds its Prometheus
+registry (`KVBridgePromMetrics.observe`), so a
 vLLM deployment's /metrics carries, next to vLLM's own series:
 
     vllm:kvbridge_pull_time_seconds   histogram: one decode worker's pull, from the
@@ -22,7 +23,6 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -32,20 +32,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvbridge.vllm.worker import OBSERVATION_KEYS
+from kvbridge.connector.stats import has_pulls, merge_pulls, no_pulls, summarize_pulls
 
 
 @dataclass
 class KVBridgeConnectorStats(KVConnectorStats):
-    """The pulls of one interval, summed over the TP workers (`data` holds one list per
-    key of `OBSERVATION_KEYS`, serializable as vLLM requires)."""
+    """The pulls of one interval, summed over the TP workers (`data` holds the
+    contract's `PullFigures`, serializable as vLLM requires)."""
 
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()
 
     def reset(self) -> None:
-        self.data: dict[str, list[float]] = {key: [] for key in OBSERVATION_KEYS}
+        self.data: dict[str, list[float]] = no_pulls()
 
     def clone_and_reset(self) -> KVBridgeConnectorStats:
         old = copy.copy(self)
@@ -53,28 +53,14 @@ class KVBridgeConnectorStats(KVConnectorStats):
         return old
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(key) for key in OBSERVATION_KEYS)
+        return not has_pulls(self.data)
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key in OBSERVATION_KEYS:
-            self.data.setdefault(key, []).extend(other.data.get(key, []))
+        merge_pulls(self.data, other.data)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        seconds = np.asarray(self.data["pull_seconds"], dtype=np.float64)
-        mib = np.asarray(self.data["pull_bytes"], dtype=np.float64) / 2**20
-        out: dict[str, int | float] = {
-            "Num pulls": int(seconds.size),
-            "Num failed pulls": len(self.data["failed_pulls"]),
-        }
-        if seconds.size:
-            out |= {
-                "Avg pull time (ms)": round(float(seconds.mean()) * 1e3, 3),
-                "P90 pull time (ms)": round(float(np.percentile(seconds, 90)) * 1e3, 3),
-                "Avg MB per pull": round(float(mib.mean()), 3),
-                "Throughput (MB/s)": round(float(mib.sum() / max(seconds.sum(), 1e-9)), 3),
-            }
-        return out
+        return summarize_pulls(self.data)
 
 
 #: seconds: a pull on one host takes milliseconds; a first pull on a loaded host, minutes

@@ -35,7 +35,7 @@ from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import describe_kv_caches
 from kvbridge.vllm.scheduler import SchedulerSide
 from kvbridge.vllm.settings import ROLES, ConnectorSettings
-from kvbridge.vllm.worker import WorkerSide
+from kvbridge.vllm.worker import worker_side
 
 pytestmark = pytest.mark.slow
 
@@ -213,16 +213,17 @@ class VLLMInstance:
         settings = ConnectorSettings(transfer=TRANSFER)
         roles = ROLES[kv_role]
         self.side = SchedulerSide(settings, name, roles, self.BLOCK, 1)
-        self.worker = WorkerSide(settings, name, roles, model, cache, 0)
-        self.side.set_handshake([self.worker.endpoint], [self.worker.sibling])
+        self.worker = worker_side(settings, name, roles, model, cache, 0)
+        endpoint, sibling = self.worker.get_handshake_metadata()
+        self.side.set_worker_endpoints([endpoint], [sibling])
         self.load_errors: set[int] = set()
 
     def step(self) -> None:
-        self.worker.start(self.side.build_orders(0))
-        self.worker.save()
-        res = self.worker.collect()
-        self.load_errors |= self.worker.load_errors()
-        self.side.update({role: [out] for role, out in res.reports.items()})
+        self.worker.start_load_kv(self.side.build_orders(0))
+        self.worker.wait_for_save()
+        res = self.worker.get_finished()
+        self.load_errors |= self.worker.get_block_ids_with_load_errors()
+        self.side.update_connector_output({role: [out] for role, out in res.reports.items()})
 
 
 class VLLMHost:
@@ -231,7 +232,7 @@ class VLLMHost:
         try:
             self.d = VLLMInstance("D", "kv_consumer", -1.0)
         except BaseException:
-            self.p.worker.close()
+            self.p.worker.shutdown()
             raise
         assert self.p.side.producer is not None and self.d.side.consumer is not None
         self.prefill_kv, self.decode_kv = self.p.side.producer, self.d.side.consumer
@@ -273,8 +274,8 @@ class VLLMHost:
         return self.prefill_kv.pinned_blocks > 0 or self.decode_kv.pinned_blocks > 0
 
     def close(self) -> None:
-        self.d.worker.close()
-        self.p.worker.close()
+        self.d.worker.shutdown()
+        self.p.worker.shutdown()
 
 
 @pytest.fixture(scope="module", params=["engine", "vllm"])
