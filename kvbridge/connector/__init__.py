@@ -8,7 +8,8 @@ Layer 3, above `kvbridge.transfer` and below any engine that hosts it: our engin
 (`KVConnectorWorker`, one per worker process), which wraps the transfer layer's
 `WorkerConnector`. `KVTransferParams` is a request's hand-over record. An instance
 that plays several roles (a producer and a consumer) drives one of each per role
-(`RoleSchedulers`, `RoleWorkers`); `stats.py` keeps a decode worker's pulls as figures.
+(`RoleSchedulers`, `RoleWorkers`); `stats.py` keeps a decode worker's pulls as figures;
+`ConnectorSettings` is a connector's configuration as a config document names it.
 
 The layers above (the engine, serve) reach the transfer runtime only through here: its
 configuration (`TransferConfig`, `FanOut`, `KVExport`, `Integrity`), the shared-memory
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     )
     from kvbridge.connector.roles import RoleSchedulers, RoleWorkers
     from kvbridge.connector.scheduler import KVConnectorConfig, KVConnectorScheduler, KVRequest
+    from kvbridge.connector.settings import ConnectorSettings
     from kvbridge.transfer.connector import (
         BUSY_POLL_S,
         IDLE_POLL_S,
@@ -77,6 +79,7 @@ _LAZY = {
         ["KVConnectorConfig", "KVConnectorScheduler", "KVRequest"], "kvbridge.connector.scheduler"
     ),
     **dict.fromkeys(["RoleSchedulers", "RoleWorkers"], "kvbridge.connector.roles"),
+    "ConnectorSettings": "kvbridge.connector.settings",
     **dict.fromkeys(
         ["BUSY_POLL_S", "IDLE_POLL_S", "ConnectorRole", "ConnectorSpec", "Pull"],
         "kvbridge.transfer.connector",
@@ -101,6 +104,7 @@ __all__ = [
     "ConnectorError",
     "ConnectorMetadata",
     "ConnectorRole",
+    "ConnectorSettings",
     "ConnectorSpec",
     "FanOut",
     "Identity",

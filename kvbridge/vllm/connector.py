@@ -36,7 +36,7 @@ from kvbridge.connector.roles import decode_reports, encode_reports
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import describe_kv_caches
 from kvbridge.vllm.scheduler import Orders, SchedulerSide
-from kvbridge.vllm.settings import ROLES, ConnectorSettings, check_vllm
+from kvbridge.vllm.settings import ROLES, check_vllm, from_extra_config
 from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
 from kvbridge.vllm.worker import worker_side
 
@@ -96,10 +96,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         check_vllm(vllm_config)
-        self.settings = ConnectorSettings.from_extra_config(dict(kv.kv_connector_extra_config))
-        self.instance_id = self.settings.instance_id or str(kv.engine_id)
-        if self.settings.identity is not None:  # every process reads the same key
-            self.instance_id = self.settings.identity.bind(self.instance_id)
+        self.settings = from_extra_config(dict(kv.kv_connector_extra_config))
+        self.instance_id = self.settings.bound_instance_id(str(kv.engine_id))
         self.roles = ROLES[str(kv.kv_role)]
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)

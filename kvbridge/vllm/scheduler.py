@@ -25,7 +25,7 @@ from kvbridge.connector import (
     RoleSchedulers,
 )
 from kvbridge.connector.roles import Orders
-from kvbridge.vllm.settings import ConnectorSettings
+from kvbridge.connector.settings import ConnectorSettings
 
 log = logging.getLogger("vllm.kvbridge")
 

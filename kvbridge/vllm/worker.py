@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 
 from kvbridge.connector import ConnectorRole, RoleWorkers
+from kvbridge.connector.settings import ConnectorSettings
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.vllm.cache import RegisteredCache
-from kvbridge.vllm.settings import ConnectorSettings
 
 #: under vLLM's "vllm" logger, so vLLM's handlers print it
 log = logging.getLogger("vllm.kvbridge")

@@ -28,13 +28,14 @@ from kvbridge.connector import (
     RequestState,
     TransferConfig,
 )
+from kvbridge.connector.settings import ConnectorSettings
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import describe_kv_caches
 from kvbridge.vllm.scheduler import SchedulerSide
-from kvbridge.vllm.settings import ROLES, ConnectorSettings
+from kvbridge.vllm.settings import ROLES
 from kvbridge.vllm.worker import worker_side
 
 pytestmark = pytest.mark.slow

@@ -6,11 +6,12 @@ import dataclasses
 
 import pytest
 
+from kvbridge.connector.settings import OWN_KEYS, TRANSFER_KEYS, ConnectorSettings
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.integrity import Integrity
-from kvbridge.vllm.settings import EXTRA_CONFIG, OWN_KEYS, TRANSFER_KEYS, ConnectorSettings
+from kvbridge.vllm.settings import EXTRA_CONFIG, from_extra_config
 
 
 def test_each_key_is_a_fields_declaration_with_its_default() -> None:
@@ -21,18 +22,16 @@ def test_each_key_is_a_fields_declaration_with_its_default() -> None:
     assert fields == TRANSFER_KEYS
     assert OWN_KEYS == ("instance_id", "token_file", "claim_s", "identity_file")
     assert [s.key for s in EXTRA_CONFIG] == [*OWN_KEYS, *TRANSFER_KEYS]
-    empty = ConnectorSettings.from_extra_config({})
+    empty = from_extra_config({})
     assert empty == ConnectorSettings() and empty.transfer == TransferConfig()
     assert empty.claim_s == ConnectorSettings.claim_s == 120.0
 
 
 def test_transfer_keys_reach_the_runtime_config() -> None:
-    s = ConnectorSettings.from_extra_config({"lease_s": 300, "base_port": 7000, "claim_s": 60})
+    s = from_extra_config({"lease_s": 300, "base_port": 7000, "claim_s": 60})
     assert (s.transfer.lease_s, s.transfer.base_port, s.claim_s) == (300, 7000, 60.0)
     # a JSON config names the integrity mode: the runtime gets the mode itself
-    assert ConnectorSettings.from_extra_config({"integrity": "on"}).transfer.integrity is (
-        Integrity.ON
-    )
+    assert from_extra_config({"integrity": "on"}).transfer.integrity is (Integrity.ON)
 
 
 @pytest.mark.parametrize(
@@ -56,7 +55,7 @@ def test_transfer_keys_reach_the_runtime_config() -> None:
 )
 def test_bad_settings_are_refused_with_what_works(extra: dict, words: str) -> None:
     with pytest.raises(ConfigError, match=words):
-        ConnectorSettings.from_extra_config(extra)
+        from_extra_config(extra)
 
 
 def test_an_identity_file_binds_the_instance_id_to_its_key(tmp_path) -> None:
@@ -66,14 +65,14 @@ def test_an_identity_file_binds_the_instance_id_to_its_key(tmp_path) -> None:
     key = Identity.generate()
     path = tmp_path / "decode.key"
     key.save(path)
-    s = ConnectorSettings.from_extra_config({"identity_file": str(path)})
+    s = from_extra_config({"identity_file": str(path)})
     assert s.identity == key and s.identity.bind("engine-1") == key.bind("engine-1")
     assert key.bind("engine-1").startswith("engine-1@")
     path.chmod(0o644)
     with pytest.raises(ConfigError, match=r"identity_file=.* may be read by others.*chmod 600"):
-        ConnectorSettings.from_extra_config({"identity_file": str(path)})
+        from_extra_config({"identity_file": str(path)})
     bad = tmp_path / "bad.key"
     bad.write_bytes(b"not a key")
     bad.chmod(0o600)
     with pytest.raises(ConfigError, match=r"identity_file=.*not a CURVE secret key"):
-        ConnectorSettings.from_extra_config({"identity_file": str(bad)})
+        from_extra_config({"identity_file": str(bad)})

@@ -1,0 +1,106 @@
+"""A connector's settings as a config document names them: what a host that reads its
+connector's configuration from a mapping (vLLM's `kv_connector_extra_config`) gives the
+contract, one `KVConnectorConfig` per role (`ConnectorSettings.configs`).
+
+Every key is declared once (`ConnectorSettings`' fields and `TransferConfig`'s); an
+unknown key or a bad value is refused when the document is read
+(`ConnectorSettings.from_mapping`), naming the key, the value and what would work,
+never at the first request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbridge.connector.scheduler import KVConnectorConfig
+from kvbridge.errors import ConfigError
+from kvbridge.settings import from_mapping, setting, setting_of, settings
+from kvbridge.transfer.config import TransferConfig, load_token
+from kvbridge.transfer.connector import ConnectorRole, ConnectorSpec
+from kvbridge.transfer.identity import Identity
+
+#: document keys that are `TransferConfig`'s settings (the token comes from token_file)
+TRANSFER_KEYS = tuple(str(s.key) for s in settings(TransferConfig) if s.key)
+_TOKEN_ENV = setting_of(TransferConfig, "token").env
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """A connector's settings, as a config document names them (every key optional).
+
+    `transfer` is the runtime's settings: the document may set any of `TRANSFER_KEYS`,
+    each declared and checked by `TransferConfig`. The other settings are the
+    connector's own (`kvbridge.settings`), under the keys `OWN_KEYS`; `SETTINGS` lists
+    both, as docs/vllm.md's table shows them. `identity` is the key `identity_file`
+    holds, read with the document.
+    """
+
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    instance_id: str | None = setting(
+        None,
+        default_text="the host's engine id (vLLM's `engine_id`)",
+        help="names this instance to its peers",
+    )
+    token_file: str | None = setting(
+        None,
+        env=_TOKEN_ENV,
+        help=f"a file holding the shared secret (else {_TOKEN_ENV[0]}, else the file named "
+        f"by {_TOKEN_ENV[1]}), at least 16 bytes: the side channel is CURVE-encrypted, "
+        "capabilities and notifications are signed; required unless `host` is loopback",
+    )
+    claim_s: float = setting(
+        120.0, help="how long a pull capability stays valid after the prefill (seconds)"
+    )
+    identity_file: str | None = setting(
+        None,
+        help="a file (mode 600) holding this instance's own key (`Identity.save`; "
+        "`kvbridge.vllm.launch` makes one per instance): the instance id becomes bound to "
+        "it (`instance_id@fingerprint`), and with a token the prefill refuses anyone "
+        "else's handshake in that name, and keeps room for its handshakes while a request "
+        "names it; without it the id is unbound: any token holder may claim it, and its "
+        "handshakes compete with everyone's for a prefill worker's shared pool of sessions",
+    )
+    identity: Identity | None = None
+
+    def __post_init__(self) -> None:
+        if not self.claim_s > 0:
+            raise ConfigError(f"claim_s={self.claim_s!r} must be a positive number of seconds")
+        object.__setattr__(self, "claim_s", float(self.claim_s))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str, what: str) -> ConnectorSettings:
+        """The settings a config document names (`where`: its name in refusals; `what`:
+        whose settings its keys are), every file it names read now."""
+        document = from_mapping(values, (cls, TransferConfig), where, what)
+        own = document[cls]
+        token = load_token(path=own.get("token_file"))
+        path = own.get("identity_file")
+        identity = Identity.load(path, f"{where}.identity_file") if path else None
+        return cls(
+            TransferConfig(**document[TransferConfig], token=token), **own, identity=identity
+        )
+
+    def bound_instance_id(self, engine_id: str) -> str:
+        """This instance's id: `instance_id`, else the host's own (`engine_id`), bound to
+        `identity` where there is one (every process reads the same key: all agree)."""
+        instance_id = self.instance_id or engine_id
+        return self.identity.bind(instance_id) if self.identity is not None else instance_id
+
+    def configs(self, instance_id: str, roles: Iterable[ConnectorRole]) -> list[KVConnectorConfig]:
+        """The hand-over contract's config of each role; a consumer's workers present
+        the instance's own key (`identity`)."""
+        secret = self.identity.secret.decode() if self.identity else ""
+
+        def spec(role: ConnectorRole) -> ConnectorSpec:
+            identity = secret if role is ConnectorRole.CONSUMER else ""
+            return ConnectorSpec(role, instance_id, self.transfer, identity=identity)
+
+        return [KVConnectorConfig(spec(role), claim_s=self.claim_s) for role in roles]
+
+
+#: the connector's own document keys (`ConnectorSettings`' settings)
+OWN_KEYS = tuple(str(s.key) for s in settings(ConnectorSettings) if s.key)
+#: every document key's setting, the connector's own first
+SETTINGS = [s for cls in (ConnectorSettings, TransferConfig) for s in settings(cls) if s.key]
