@@ -1,37 +1,57 @@
 """vLLM's registered KV caches, named in kvbridge's layout terms.
 
-vLLM's CPU attention backend gives `register_kv_caches` one tensor per attention
-layer, views of one buffer, each of shape
+vLLM gives `register_kv_caches` one tensor per attention layer, views of one buffer,
+each [num_blocks, num_kv_heads_per_rank, block_size, content] in the model's KV cache
+layout (an order of L, B, H, N, C), and each layer's attention backend reads the
+content its own way. `CacheFormat.of` reads both from vLLM; kvbridge.plan.backends
+maps them to kvbridge's layout letters and checks the tensors are that allocation.
 
-    [num_blocks, num_kv_heads_per_rank, block_size, 2 * head_dim]
-
-whose page (one block, one head) holds the block's K, then its V (the kernel views it
-as [.., 2 * block_size, head_dim] and splits dim 2 in two). Measured with the kernel
+vLLM's CPU attention backend (layout LBHNC only) views a layer's [.., block_size,
+2*head_dim] pages as [.., 2*block_size, head_dim]: K, then V. Measured with the kernel
 that writes the cache (`cpu_attn_reshape_and_cache`), the V half is [token][channel]
-but the K half is [channel][token]. In kvbridge's axis letters that is, per layer,
-B H K N C with a channel-major K half: the layout LBHKNC:K=CN, one region per layer
-(its tensor) at its own address. The planner cuts K and V apart where their orders
-differ, so any pair of block sizes and partial pulls (a prompt's last block, a start
-inside a block) move exactly the prompt's tokens. This module checks the tensors are
-that shape, dense and consistent, and returns the layout, the regions and the block
-count; any other shape is refused with what it is and what would work.
+but the K half is [channel][token]: in kvbridge's letters LBHKNC:K=CN, one region per
+layer. The planner cuts K and V apart where their orders differ, so any pair of block
+sizes and partial pulls move exactly the prompt's tokens. A backend, layout or tensor
+kvbridge does not know is refused at start-up naming it and what works.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.connector import CacheRegions, MemType
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, LayoutError
+from kvbridge.plan.backends import LayerTensor, backend_layout, place_layers
 from kvbridge.plan.geometry import ModelKVSpec, normalize_dtype
-from kvbridge.plan.layout import CacheLayout, InstanceLayout
+from kvbridge.plan.layout import InstanceLayout
 
 #: vLLM's CPU cache, per layer: [block][head][K then V][...], K's page half
 #: [channel][token] (channel-major), V's [token][channel]
-CPU_LAYOUT = CacheLayout("LBHKNC", k_inner="CN")
+CPU_LAYOUT = backend_layout("CPU_ATTN", "LBHNC")
 _LAYER = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    """What made a worker's caches: each layer's attention backend (vLLM's name) and
+    the model's KV cache layout (vLLM's `KVCacheLayout` name)."""
+
+    backends: dict[str, str]
+    order: str
+
+    @classmethod
+    def of(cls, vllm_config: Any, names: Iterable[str]) -> CacheFormat:
+        """Read from vLLM, in the worker process once the caches are allocated."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, names)
+        backends = {name: layer.get_attn_backend().get_name() for name, layer in layers.items()}
+        order = vllm_config.cache_config.get_resolved_kv_cache_layout().name
+        return cls(backends, order)
 
 
 @dataclass(frozen=True)
@@ -55,42 +75,61 @@ def layer_index(name: str) -> int:
 
 
 def describe_kv_caches(
-    kv_caches: dict[str, Any], model: ModelKVSpec, tp_size: int, block_size: int
+    kv_caches: dict[str, Any],
+    model: ModelKVSpec,
+    tp_size: int,
+    block_size: int,
+    made_by: CacheFormat,
 ) -> RegisteredCache:
     """The layout, regions and block count of one worker's `kv_caches` (vLLM's
-    `register_kv_caches` argument); ConfigError if they are not vLLM's CPU layout for
-    `model` at `tp_size` and `block_size`."""
+    `register_kv_caches` argument) as `made_by` made them; ConfigError if they are not
+    one cache per layer of `model` at `tp_size` and `block_size` in a backend's layout
+    kvbridge knows (`kvbridge.plan.backends`)."""
     names = sorted(kv_caches, key=layer_index)
     if len(names) != model.num_layers:
         raise ConfigError(
             f"vLLM registered {len(names)} KV caches; {model.name} has "
             f"{model.num_layers} layers (KVBridgeConnector needs one cache per layer: "
-            "no pipeline parallelism, no cross-layer or hybrid caches)"
+            "no pipeline parallelism, no hybrid caches)"
         )
-    first = kv_caches[names[0]]
-    heads = model.num_kv_heads // tp_size if tp_size <= model.num_kv_heads else 1
-    want = (first.shape[0], heads, block_size, 2 * model.head_dim)
-    addresses, lengths = [], []
-    for name in names:
-        t = kv_caches[name]
-        if tuple(t.shape) != want or not t.is_contiguous() or t.dtype != first.dtype:
-            raise ConfigError(
-                f"vLLM KV cache {name!r} is {tuple(t.shape)} {t.dtype}"
-                f"{'' if t.is_contiguous() else ' (strided)'}; KVBridgeConnector serves "
-                f"vLLM's CPU layout [num_blocks, kv_heads_per_rank, block_size, "
-                f"2*head_dim] = {want}, dense, one dtype: use the CPU attention backend"
+    unknown = [name for name in names if name not in made_by.backends]
+    if unknown:
+        raise ConfigError(
+            f"vLLM names no attention backend for KV cache {unknown[0]!r}; "
+            "KVBridgeConnector serves caches of attention layers only (no hybrid caches)"
+        )
+    backends = {made_by.backends[name] for name in names}
+    tensors = [kv_caches[name] for name in names]
+    try:
+        if len({backend_layout(b, made_by.order) for b in backends}) > 1:
+            raise LayoutError(
+                f"the layers' attention backends {sorted(backends)} read their caches "
+                "differently; KVBridgeConnector needs one layout for every layer"
             )
-        if t.is_cuda:
-            raise ConfigError(
-                f"vLLM KV cache {name!r} is on {t.device}; KVBridgeConnector's vLLM glue "
-                "serves CPU caches for now: use vLLM's CPU build"
-            )
-        addresses.append(int(t.data_ptr()))
-        lengths.append(t.numel() * t.element_size())
-    dtype = normalize_dtype(str(first.dtype).removeprefix("torch."))
+        placed = place_layers(
+            backends.pop(),
+            made_by.order,
+            [
+                LayerTensor(name, t.data_ptr(), tuple(t.shape), t.stride(), t.element_size())
+                for name, t in zip(names, tensors, strict=True)
+            ],
+            model.num_kv_heads // tp_size if tp_size <= model.num_kv_heads else 1,
+            block_size,
+            model.head_dim,
+            model.num_kv_tensors,
+        )
+    except LayoutError as exc:
+        raise ConfigError(f"vLLM's KV caches: {exc}") from None
+    if len({t.dtype for t in tensors}) > 1 or any(t.is_cuda for t in tensors):
+        raise ConfigError(
+            f"vLLM KV caches are {sorted({str(t.dtype) for t in tensors})} on "
+            f"{sorted({str(t.device) for t in tensors})}; KVBridgeConnector's vLLM glue "
+            "serves CPU caches of one dtype for now: use vLLM's CPU build"
+        )
+    dtype = normalize_dtype(str(tensors[0].dtype).removeprefix("torch."))
     layout = InstanceLayout(
-        tp_size=tp_size, block_size=block_size, cache_layout=CPU_LAYOUT, dtype=dtype
+        tp_size=tp_size, block_size=block_size, cache_layout=placed.layout, dtype=dtype
     )
     layout.check(model)
-    regions = CacheRegions(tuple(addresses), tuple(lengths), MemType.DRAM, 0)
-    return RegisteredCache(layout, regions, int(first.shape[0]))
+    regions = CacheRegions(placed.addresses, placed.lengths, MemType.DRAM, 0)
+    return RegisteredCache(layout, regions, placed.num_blocks)

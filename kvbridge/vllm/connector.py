@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvbridge.connector import ConnectorRole, RoleWorkers
 from kvbridge.connector.roles import decode_reports, encode_reports
 from kvbridge.plan.geometry import load_model_spec
-from kvbridge.vllm.cache import describe_kv_caches
+from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
 from kvbridge.vllm.scheduler import Orders, SchedulerSide
 from kvbridge.vllm.settings import ROLES, check_vllm, from_extra_config
 from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
@@ -114,7 +114,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         model = load_model_spec(self._vllm_config.model_config.model)
-        cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size)
+        made_by = CacheFormat.of(self._vllm_config, kv_caches)
+        cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size, made_by)
         rank = get_tensor_model_parallel_rank()
         self.worker = worker_side(self.settings, self.instance_id, self.roles, model, cache, rank)
 

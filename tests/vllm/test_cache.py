@@ -16,7 +16,7 @@ import torch
 from kvbridge.errors import ConfigError
 from kvbridge.plan import from_hf_config, make_plan, verify_plan
 from kvbridge.plan.layout import cache_strides
-from kvbridge.vllm.cache import CPU_LAYOUT, describe_kv_caches
+from kvbridge.vllm.cache import CPU_LAYOUT, CacheFormat, describe_kv_caches
 
 SMOLLM2 = {
     "model_type": "llama",
@@ -34,13 +34,18 @@ def vllm_cpu_caches(layers: int, blocks: int, heads: int, block: int, head_dim: 
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(layers)}
 
 
+def cpu(caches: dict) -> CacheFormat:
+    """What vLLM's CPU build says made `caches`: its CPU attention backend, LBHNC."""
+    return CacheFormat(dict.fromkeys(caches, "CPU_ATTN"), "LBHNC")
+
+
 def test_pages_lie_where_the_layout_says() -> None:
     """Each (block, head, K/V) page half starts where LBHKNC puts it and spans
     block_size x head_dim elements (within it the kernel keeps K channel-major: the
     next test)."""
     model = from_hf_config({**SMOLLM2, "num_hidden_layers": 2})
     caches = vllm_cpu_caches(2, 5, 1, 32, 64)  # tp 3: one head per worker
-    reg = describe_kv_caches(caches, model, tp_size=3, block_size=32)
+    reg = describe_kv_caches(caches, model, 3, 32, cpu(caches))
     assert reg.layout.cache_layout == CPU_LAYOUT and reg.num_blocks == 5
     shard = reg.layout.workers(model)[0]
     strides = cache_strides(model, reg.layout, shard, 1)  # V: token-major
@@ -78,7 +83,8 @@ def test_the_cpu_kernel_writes_each_element_where_the_layout_says(block_size: in
     slots = ids[t // block_size] * block_size + t % block_size
     isa = cpu_attn._get_attn_isa(torch.float32, block_size, hd)
     ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
-    reg = describe_kv_caches({"model.layers.0.attn": cache}, model, 1, block_size)
+    caches = {"model.layers.0.attn": cache}
+    reg = describe_kv_caches(caches, model, 1, block_size, cpu(caches))
     assert reg.layout.cache_layout.name == "LBHKNC:K=CN"
     raw = cache.view(-1)
     shard = reg.layout.workers(model)[0]
@@ -120,12 +126,10 @@ def test_the_matrix_plans_byte_exact(heads, p_tp, d_tp, p_block, d_block) -> Non
     }
     model = from_hf_config(cfg)
     hd = model.head_dim
-    p = describe_kv_caches(
-        vllm_cpu_caches(3, 4, max(heads // p_tp, 1), p_block, hd), model, p_tp, p_block
-    ).layout
-    d = describe_kv_caches(
-        vllm_cpu_caches(3, 4, max(heads // d_tp, 1), d_block, hd), model, d_tp, d_block
-    ).layout
+    p_caches = vllm_cpu_caches(3, 4, max(heads // p_tp, 1), p_block, hd)
+    d_caches = vllm_cpu_caches(3, 4, max(heads // d_tp, 1), d_block, hd)
+    p = describe_kv_caches(p_caches, model, p_tp, p_block, cpu(p_caches)).layout
+    d = describe_kv_caches(d_caches, model, d_tp, d_block, cpu(d_caches)).layout
     plan = make_plan(model, p, d)
     verify_plan(plan, 77)
     verify_plan(plan, 77, start_token=64)
@@ -135,7 +139,13 @@ def test_the_matrix_plans_byte_exact(heads, p_tp, d_tp, p_block, d_block) -> Non
 def test_other_layouts_are_refused_with_what_works() -> None:
     model = from_hf_config({**SMOLLM2, "num_hidden_layers": 2})
     flash = {f"model.layers.{i}.attn": torch.zeros(2, 5, 32, 3, 64) for i in range(2)}
-    with pytest.raises(ConfigError, match=r"vLLM's CPU layout \[num_blocks, kv_heads_per_rank"):
-        describe_kv_caches(flash, model, 1, 32)
+    with pytest.raises(
+        ConfigError, match=r"attention backend CPU_ATTN under layout LBHNC has shape \(2, 5, 32, 3"
+    ):
+        describe_kv_caches(flash, model, 1, 32, cpu(flash))
+    made_by = CacheFormat(dict.fromkeys(flash, "ROCM_AITER_FA"), "LBNHC")
+    with pytest.raises(ConfigError, match=r"backend ROCM_AITER_FA is not one kvbridge knows; "):
+        describe_kv_caches(flash, model, 1, 32, made_by)
+    one = dict(list(vllm_cpu_caches(2, 5, 3, 32, 64).items())[:1])
     with pytest.raises(ConfigError, match=r"registered 1 KV caches; .* has 2 layers"):
-        describe_kv_caches(dict(list(vllm_cpu_caches(2, 5, 3, 32, 64).items())[:1]), model, 1, 32)
+        describe_kv_caches(one, model, 1, 32, cpu(one))
