@@ -102,10 +102,12 @@ def dense_strides(order: str, extents: Mapping[str, int]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class LayerTensor:
-    """One layer's cache as the engine registered it: logical [B, H, N, C] shape and
-    strides in elements, address and element size in bytes."""
+    """One layer's cache as the engine registered it: the attention backend that reads
+    it ("" if none does), logical [B, H, N, C] shape and strides in elements, address
+    and element size in bytes."""
 
     name: str
+    backend: str
     address: int
     shape: tuple[int, ...]
     strides: tuple[int, ...]
@@ -124,7 +126,6 @@ class PlacedCache:
 
 
 def place_layers(
-    backend: str,
     order: str,
     layers: Sequence[LayerTensor],
     num_heads: int,
@@ -132,13 +133,26 @@ def place_layers(
     head_dim: int,
     num_kv_tensors: int,
 ) -> PlacedCache:
-    """Check `layers` (in layer order, every layer's tensor) are `backend`'s caches
+    """Check `layers` (in layer order, every layer's tensor) are their backends' caches
     under `order` for `num_heads` KV heads of `head_dim`, `block_size` tokens a block;
     LayoutError naming the backend, the tensor and what works if not.
 
-    Each tensor must be [num_blocks, num_heads, block_size, num_kv_tensors * head_dim]
-    with the strides of one dense buffer in `order`; B-first orders also need layer l
-    at layer 0's address plus l layer strides (L-first: each layer anywhere)."""
+    Every layer's backend must read its cache as the first layer's does. Each tensor
+    must be [num_blocks, num_heads, block_size, num_kv_tensors * head_dim] with the
+    strides of one dense buffer in `order`; B-first orders also need layer l at layer
+    0's address plus l layer strides (L-first: each layer anywhere)."""
+    backend = layers[0].backend
+    for t in layers:
+        if t.backend not in BACKEND_CONTENT:
+            raise LayoutError(
+                f"KV cache {t.name!r}: attention backend {t.backend or '(none)'} is not one "
+                f"kvbridge knows; {_what_works()}"
+            )
+        if backend_layout(t.backend, order) != backend_layout(backend, order):
+            raise LayoutError(
+                f"KV caches {layers[0].name!r} ({backend}) and {t.name!r} ({t.backend}) "
+                "are read differently; kvbridge needs one layout for every layer"
+            )
     layout = backend_layout(backend, order)
     content = BACKEND_CONTENT[backend]
     if content.num_kv_tensors != num_kv_tensors:

@@ -92,25 +92,19 @@ def describe_kv_caches(
             f"{model.num_layers} layers (KVBridgeConnector needs one cache per layer: "
             "no pipeline parallelism, no hybrid caches)"
         )
-    unknown = [name for name in names if name not in made_by.backends]
-    if unknown:
-        raise ConfigError(
-            f"vLLM names no attention backend for KV cache {unknown[0]!r}; "
-            "KVBridgeConnector serves caches of attention layers only (no hybrid caches)"
-        )
-    backends = {made_by.backends[name] for name in names}
     tensors = [kv_caches[name] for name in names]
     try:
-        if len({backend_layout(b, made_by.order) for b in backends}) > 1:
-            raise LayoutError(
-                f"the layers' attention backends {sorted(backends)} read their caches "
-                "differently; KVBridgeConnector needs one layout for every layer"
-            )
         placed = place_layers(
-            backends.pop(),
             made_by.order,
             [
-                LayerTensor(name, t.data_ptr(), tuple(t.shape), t.stride(), t.element_size())
+                LayerTensor(
+                    name,
+                    made_by.backends.get(name, ""),
+                    t.data_ptr(),
+                    tuple(t.shape),
+                    t.stride(),
+                    t.element_size(),
+                )
                 for name, t in zip(names, tensors, strict=True)
             ],
             model.num_kv_heads // tp_size if tp_size <= model.num_kv_heads else 1,

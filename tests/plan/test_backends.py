@@ -5,6 +5,7 @@ backends write, and moves them through the transfer runtime.)"""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -59,13 +60,16 @@ def test_unknown_backends_and_layouts_are_refused_with_what_works() -> None:
         backend_layout("FLASH_ATTN", "NHD")
 
 
-def tensors(order: str, layers: int, blocks: int, heads: int, block: int, width: int):
+def tensors(
+    order: str, layers: int, blocks: int, heads: int, block: int, width: int, backend="FLASH_ATTN"
+):
     """Per-layer [B, H, N, C] views of one dense buffer in `order` (4-byte elements)."""
     ext = {"L": layers, "B": blocks, "H": heads, "N": block, "C": width}
     st = dense_strides(order, ext)
     return [
         LayerTensor(
             f"model.layers.{i}.attn",
+            backend,
             4096 + 4 * i * st["L"],
             (blocks, heads, block, width),
             tuple(st[a] for a in "BHNC"),
@@ -77,7 +81,7 @@ def tensors(order: str, layers: int, blocks: int, heads: int, block: int, width:
 
 @pytest.mark.parametrize("order", VLLM_ORDERS)
 def test_regions_are_the_layers_heads_or_the_buffer(order: str) -> None:
-    placed = place_layers("FLASH_ATTN", order, tensors(order, 3, 5, 2, 16, 64), 2, 16, 32, 2)
+    placed = place_layers(order, tensors(order, 3, 5, 2, 16, 64), 2, 16, 32, 2)
     page = 2 * 16 * 64 * 4  # heads x tokens x (K and V) channels, bytes
     if order == "LHBNC":  # a region per (layer, head): [B][N][K/V][C]
         assert placed.addresses == tuple(
@@ -95,18 +99,24 @@ def test_regions_are_the_layers_heads_or_the_buffer(order: str) -> None:
 def test_tensors_that_are_not_the_dense_allocation_are_refused() -> None:
     ok = tensors("BLNHC", 2, 5, 2, 16, 64)
     with pytest.raises(LayoutError, match=r"'model.layers.0.attn' of attention backend "):
-        place_layers("FLASH_ATTN", "BLNHC", tensors("LBNHC", 2, 5, 2, 16, 64), 2, 16, 32, 2)
-    apart = [ok[0], LayerTensor(ok[1].name, 1 << 30, ok[1].shape, ok[1].strides, 4)]
+        place_layers("BLNHC", tensors("LBNHC", 2, 5, 2, 16, 64), 2, 16, 32, 2)
+    apart = [ok[0], dataclasses.replace(ok[1], address=1 << 30)]
     with pytest.raises(LayoutError, match="at a separate address"):
-        place_layers("FLASH_ATTN", "BLNHC", apart, 2, 16, 32, 2)
+        place_layers("BLNHC", apart, 2, 16, 32, 2)
     with pytest.raises(LayoutError, match=r"shape \(5, 2, 16, 64\) \[num_blocks"):
-        place_layers("FLASH_ATTN", "BLNHC", tensors("BLNHC", 2, 5, 2, 32, 64), 2, 16, 32, 2)
+        place_layers("BLNHC", tensors("BLNHC", 2, 5, 2, 32, 64), 2, 16, 32, 2)
     with pytest.raises(LayoutError, match="an MLA model needs an MLA backend"):
-        place_layers("CPU_MLA", "LBNHC", tensors("LBNHC", 2, 5, 1, 16, 64), 1, 16, 32, 2)
+        place_layers("LBNHC", tensors("LBNHC", 2, 5, 1, 16, 64, "CPU_MLA"), 1, 16, 32, 2)
+    hnd = tensors("LBHNC", 2, 5, 2, 16, 64)
+    mixed = [hnd[0], dataclasses.replace(hnd[1], backend="CPU_ATTN")]
+    with pytest.raises(LayoutError, match=r"\(FLASH_ATTN\) and 'model.layers.1.attn' \(CPU_ATTN"):
+        place_layers("LBHNC", mixed, 2, 16, 32, 2)
+    with pytest.raises(LayoutError, match=r"'model.layers.1.attn': attention backend \(none\)"):
+        place_layers("BLNHC", [ok[0], dataclasses.replace(ok[1], backend="")], 2, 16, 32, 2)
     # an axis of extent 1 may carry any stride (vLLM's views of one KV head per rank)
     one = tensors("LBHNC", 2, 5, 1, 16, 64)
-    odd = [LayerTensor(t.name, t.address, t.shape, (t.strides[0], 7, 64, 1), 4) for t in one]
-    assert place_layers("FLASH_ATTN", "LBHNC", odd, 1, 16, 32, 2).num_blocks == 5
+    odd = [dataclasses.replace(t, strides=(t.strides[0], 7, 64, 1)) for t in one]
+    assert place_layers("LBHNC", odd, 1, 16, 32, 2).num_blocks == 5
 
 
 GQA = ModelKVSpec(3, 8, 4, 32, "float32", AttentionKind.GQA, "gqa")

@@ -171,7 +171,8 @@ def test_a_layout_it_does_not_know_is_refused_naming_backend_shape_and_what_work
         {**dict.fromkeys(caches, "FLASH_ATTN"), next(iter(caches)): "CPU_ATTN"}, "LBHNC"
     )
     with pytest.raises(
-        ConfigError, match=r"backends \['CPU_ATTN', 'FLASH_ATTN'\] read their caches differently"
+        ConfigError,
+        match=r"\(CPU_ATTN\) and 'model.layers.1.self_attn.attn' \(FLASH_ATTN\) are read differently",
     ):
         describe_kv_caches(caches, GQA, TP, 32, mixed)
 
