@@ -33,7 +33,7 @@ from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.plan.geometry import load_model_spec
-from kvbridge.vllm.cache import describe_kv_caches
+from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
 from kvbridge.vllm.scheduler import SchedulerSide
 from kvbridge.vllm.settings import ROLES
 from kvbridge.vllm.worker import worker_side
@@ -210,7 +210,8 @@ class VLLMInstance:
         }
         for i, t in enumerate(self.caches.values()):  # every element its own value
             t += torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape) * 1e-3 + i
-        cache = describe_kv_caches(self.caches, model, 1, self.BLOCK)
+        made_by = CacheFormat(dict.fromkeys(self.caches, "CPU_ATTN"), "LBHNC")  # vLLM's CPU build
+        cache = describe_kv_caches(self.caches, model, 1, self.BLOCK, made_by)
         settings = ConnectorSettings(transfer=TRANSFER)
         roles = ROLES[kv_role]
         self.side = SchedulerSide(settings, name, roles, self.BLOCK, 1)
