@@ -153,6 +153,8 @@ class Finished(msgspec.Struct, tag=True):
     num_indices: int
     failure: str = ""  # `PullFailure` value of a failed pull that has one
     local_nbytes: int = 0  # copied from a sibling's cache (a fan-out)
+    checked: bool = False  # its bytes were checked against the producers' digests
+    phases: dict[str, float] = {}  # `PullPhases`' fields: where its time went
 
 
 class Verified(msgspec.Struct, tag=True):

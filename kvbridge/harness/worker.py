@@ -9,6 +9,7 @@ The worker exits when told to, when the pipe closes (its parent died) or on SIGI
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -225,6 +226,8 @@ class _Worker:
                                 r.num_indices,
                                 r.failure.value if r.failure is not None else "",
                                 r.local_nbytes,
+                                r.checked,
+                                dataclasses.asdict(r.phases),
                             ),
                         )
         finally:

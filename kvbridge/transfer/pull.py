@@ -11,6 +11,7 @@ that calls the consumer. `DecodeWorker` is what every part knows of the worker.
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,58 @@ class TransferState(enum.Enum):
 
 
 @dataclass(frozen=True)
+class PullPhases:
+    """Where one pull's time went, in seconds of `time.perf_counter`, phase after phase
+    from `KVConsumer.pull` to its outcome (a figure for benchmarks and logs, never for
+    a decision; a phase the pull never reached is 0):
+
+        queued   pull() -> its READs are planned: the handshake, or the next poll
+        post     copy lists, descriptor indices, the READs posted (with UCX's cma
+                 transport the copy runs inside the post: post holds most of a READ)
+        read     posted -> every READ seen done by a poll
+        digest   hashing the bytes read (a checked pull, `integrity.py`)
+        confirm  -> every producer worker read answered held (`ReadAck`): the ReadDone
+                 notification, the producer's fence check (and its digest), the answer
+    """
+
+    queued_s: float = 0.0
+    post_s: float = 0.0
+    read_s: float = 0.0
+    digest_s: float = 0.0
+    confirm_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.queued_s + self.post_s + self.read_s + self.digest_s + self.confirm_s
+
+
+@dataclass
+class PullClock:
+    """The instants a pull reached each phase (`time.perf_counter`), set by the
+    consumer's parts as it goes; `phases` turns them into a `PullPhases`."""
+
+    pulled: float = field(default_factory=time.perf_counter)
+    posting: float = 0.0  # its READs began to be planned
+    posted: float = 0.0  # every READ posted
+    read: float = 0.0  # every READ seen done
+    digest_s: float = 0.0  # hashing what was read
+
+    def phases(self, now: float) -> PullPhases:
+        """The phases up to `now` (the outcome), each the gap to the last mark reached."""
+        marks = [self.pulled, self.posting, self.posted, self.read]
+        reached = [m for m in marks if m]
+        gaps = [b - a for a, b in zip(reached, [*reached[1:], now], strict=True)]
+        gaps += [0.0] * (len(marks) - len(gaps))
+        return PullPhases(
+            queued_s=gaps[0],
+            post_s=gaps[1],
+            read_s=gaps[2],
+            digest_s=self.digest_s,
+            confirm_s=max(gaps[3] - self.digest_s, 0.0),
+        )
+
+
+@dataclass(frozen=True)
 class TransferResult:
     """The outcome of one pull; `local_block_ids` are the caller's again."""
 
@@ -74,6 +127,8 @@ class TransferResult:
     num_indices: int = 0  # prepared-list entries posted (NIXL merges consecutive ones)
     failure: PullFailure | None = None  # FAILED: the cause a counter tells apart
     local_nbytes: int = 0  # copied from a sibling's cache on this host (a fan-out)
+    checked: bool = False  # its bytes were checked against the producers' digests
+    phases: PullPhases = PullPhases()
 
 
 @dataclass
@@ -114,6 +169,7 @@ class ActivePull:
     source_failure: str | None = None  # why its source's pull failed, once told
     told_copiers: bool = False  # a fan-out's source: told its copiers the bytes are here
     local_nbytes: int = 0
+    clock: PullClock = field(default_factory=PullClock)  # where its time went
 
     @property
     def awaiting_acks(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -98,6 +99,7 @@ class PullPlanner:
         workers it reads nothing from, and note its fan-out source, if any."""
         inst = pull.instance
         assert inst.plan is not None
+        pull.clock.posting = time.perf_counter()
         lists = copy_lists(
             inst.plan,
             self.rank,
@@ -161,6 +163,7 @@ class PullPlanner:
         for p, peer in inst.unread.items():
             self._notices.notify(pull, p, peer, self._notices.done(pull, peer))
         pull.stats = (nbytes, ndesc, nunmerged, nidx)
+        pull.clock.posted = time.perf_counter()
         copies = inst.plan.local_copies_for(self.rank)
         if copies:  # a fan-out's copy: from the source's cache once it has the bytes
             pull.source = copies[0].source_rank

@@ -30,6 +30,7 @@ its source's cache are done and the source's pull is confirmed.
 from __future__ import annotations
 
 import logging
+import time
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.transfer.agent import XferState
@@ -180,6 +181,7 @@ class PullProgress:
                 if self._copy_from_source(pull):
                     return
             elif not pull.xfers:
+                pull.clock.read = pull.clock.read or time.perf_counter()
                 if not pull.told_copiers:  # the bytes are here: copiers may copy them now
                     pull.told_copiers = True
                     self._siblings.tell_copiers(pull, TransferState.READING)
@@ -198,8 +200,9 @@ class PullProgress:
         the pull ended."""
         if pull.checked and pull.digests is None:  # while the producers digest theirs
             assert self._views is not None
-            views = self._views
+            views, t0 = self._views, time.perf_counter()
             pull.digests = {p: digest(views, pull.copies[p], "dst") for p in pull.awaiting}
+            pull.clock.digest_s = time.perf_counter() - t0
         for p in sorted(pull.awaiting):
             peer = pull.instance.readers[p]
             ack = peer.acks.get((pull.request_id, pull.generation))
@@ -385,5 +388,7 @@ class PullProgress:
                 nidx,
                 failure,
                 pull.local_nbytes,
+                pull.checked,
+                pull.clock.phases(time.perf_counter()),
             )
         )

@@ -20,6 +20,7 @@ from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.consumer import KVConsumer, PullFailure, TransferState
 from kvbridge.transfer.integrity import SAMPLE_EVERY, Integrity, is_checked
 from kvbridge.transfer.producer import KVProducer
+from kvbridge.transfer.pull import PullClock, PullPhases
 from kvbridge.transfer.regions import CacheRegions
 
 from .fakes import MODEL, NUM_BLOCKS, Clock, FakeTransport, deliver, drive
@@ -105,6 +106,10 @@ def test_the_bytes_read_are_checked_against_the_producers_digest(pair) -> None:
     pull(p, pw, c, dw, "good", [1, 6, 3])  # 20 tokens at block size 8
     (res,) = drive(p, [c])
     assert (res.state, res.failure) == (TransferState.DONE, None), res.reason
+    # the outcome says it was checked, and where its time went: posted, read, digested
+    assert res.checked
+    assert res.phases.post_s > 0 and res.phases.digest_s > 0
+    assert res.phases.total_s >= res.phases.post_s + res.phases.digest_s
     # a partial pull from token 8 (inside the prefill's first block) digests the same way
     pull(p, pw, c, dw, "partial", [4, 7], start=8)
     (res,) = drive(p, [c])
@@ -123,6 +128,16 @@ def test_bytes_that_differ_from_what_was_exposed_fail_the_pull(pair) -> None:
     assert (res.state, res.failure) == (TransferState.FAILED, PullFailure.INTEGRITY)
     assert "integrity check failed" in res.reason and "'bad'" in res.reason
     assert c.num_held_blocks == 0
+
+
+def test_a_pulls_phases_are_the_gaps_between_the_instants_it_reached() -> None:
+    clock = PullClock(pulled=1.0, posting=2.0, posted=5.0, read=6.0, digest_s=0.5)
+    assert clock.phases(8.0) == PullPhases(
+        queued_s=1.0, post_s=3.0, read_s=1.0, digest_s=0.5, confirm_s=1.5
+    )
+    # a pull that failed before it posted anything spent its time queued
+    assert PullClock(pulled=1.0).phases(4.0) == PullPhases(queued_s=3.0)
+    assert PullPhases(queued_s=3.0).total_s == 3.0
 
 
 def test_sampling_picks_the_same_requests_everywhere_and_about_one_in_n() -> None:
