@@ -200,14 +200,18 @@ class _Worker:
         )
         # A producer polls its side channel with a 1 ms timeout (that is its sleep); a
         # consumer sleeps in the pipe poll instead.
+        # After a command the worker polls at once, as new work wakes a connector's
+        # progress thread (`ProgressThread.wake`).
         idle = 0.0 if self.producer is not None else 0.0005
         try:
             while True:
-                while self.conn.poll(idle):
+                wait = idle
+                while self.conn.poll(wait):
                     cmd = cmd_decoder.decode(self.conn.recv_bytes())
                     if isinstance(cmd, Stop):
                         return
                     self._command(cmd)
+                    wait = 0.0
                 if self.producer is not None:
                     self.producer.poll(timeout_ms=1)
                 elif self.consumer is not None:
