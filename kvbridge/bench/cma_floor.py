@@ -8,6 +8,9 @@ with no library in between, for the run size and count of a transfer plan:
               shuffled order (the shape of "half the heads of every block"),
               IOV_MAX runs per call -- fewer calls than UCX makes, so a bound
   contiguous: the same bytes, 64 MiB per call
+  shared:     the same bytes contiguous from shared memory (a memfd mapped read-only,
+              as a KV export process maps its worker's cache), which gets huge pages
+              only where the host allows them for shared memory (`shmem_huge_pages`)
 
 Their ratio is the best any CMA-based transfer of those runs can reach against one
 single-descriptor read on this machine. Linux only; `None` elsewhere or when the
@@ -19,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import mmap
 import multiprocessing as mp
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -40,16 +45,48 @@ class CmaFloor:
     num_runs: int
     scattered_s: float  # best of the repeats
     contiguous_s: float
+    shared_s: float | None = None  # contiguous from shared memory; None if not measured
 
     @property
     def ratio(self) -> float:
         return self.contiguous_s / self.scattered_s
 
+    @property
+    def shared_ratio(self) -> float | None:
+        """Shared memory's read time against private memory's (1.0: no cost)."""
+        return self.shared_s / self.contiguous_s if self.shared_s else None
 
-def _hold(conn: Connection, nbytes: int) -> None:
-    """Child: own a touched buffer, report its address, wait to be told to exit."""
+
+#: where the host says whether shared memory (memfd, tmpfs) gets transparent huge pages
+SHMEM_ENABLED = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+
+
+def shmem_huge_pages() -> str | None:
+    """The host's policy for huge pages in shared memory (`SHMEM_ENABLED`'s chosen word:
+    always, within_size, advise, never, ...), None where it does not say."""
+    try:
+        with open(SHMEM_ENABLED) as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    chosen = [w.strip("[]") for w in words if w.startswith("[")]
+    return chosen[0] if chosen else None
+
+
+def _hold(conn: Connection, nbytes: int, shared_bytes: int) -> None:
+    """Child: own a touched private buffer of `nbytes` and a shared segment of
+    `shared_bytes` mapped read-only (an export process's view), report both addresses,
+    wait to be told to exit."""
     buf = np.full(nbytes, _FILL, dtype=np.uint8)  # touched
-    conn.send(buf.ctypes.data)
+    fd = os.memfd_create("kvbridge-floor")
+    os.ftruncate(fd, shared_bytes)
+    with mmap.mmap(fd, shared_bytes, flags=mmap.MAP_SHARED) as rw:
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # as SharedSegment asks
+            rw.madvise(mmap.MADV_HUGEPAGE)
+        np.frombuffer(rw, dtype=np.uint8).fill(_FILL)
+    ro = mmap.mmap(fd, shared_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    shared = np.frombuffer(ro, dtype=np.uint8)
+    conn.send((buf.ctypes.data, shared.ctypes.data))
     conn.recv()
 
 
@@ -81,13 +118,13 @@ def measure(run_bytes: int, num_runs: int, repeat: int = 3, seed: int = 0) -> Cm
     total = run_bytes * num_runs
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_hold, args=(child, 2 * total), daemon=True)
+    proc = ctx.Process(target=_hold, args=(child, 2 * total, total), daemon=True)
     proc.start()
     child.close()  # ours: so that a child dying at start reads as end-of-file, not a wait
     try:
         if not parent.poll(60):
             return None
-        remote = int(parent.recv())
+        remote, remote_shared = (int(a) for a in parent.recv())
         dst = np.full(total, 0, dtype=np.uint8)  # touched
         order = np.random.default_rng(seed).permutation(num_runs).astype(np.uint64)
         # [num_runs, 2] iovec arrays (base, len): local runs in order, remote ones shuffled
@@ -107,18 +144,21 @@ def measure(run_bytes: int, num_runs: int, repeat: int = 3, seed: int = 0) -> Cm
                     return False
             return True
 
-        def contiguous() -> bool:
+        def contiguous(base: int = remote) -> bool:
             one = np.empty((2, 2), dtype=np.uint64)  # [local iovec, remote iovec]
             for s in range(0, total, _CHUNK):
                 k = min(_CHUNK, total - s)
                 one[0] = (dst.ctypes.data + s, k)
-                one[1] = (remote + s, k)
+                one[1] = (base + s, k)
                 if readv(proc.pid, one.ctypes.data, 1, one.ctypes.data + 16, 1, 0) != k:
                     return False
             return True
 
+        def shared() -> bool:
+            return contiguous(remote_shared)
+
         best = []
-        for fn in (scattered, contiguous):
+        for fn in (scattered, contiguous, shared):
             times = []
             for _ in range(max(1, repeat)):
                 t0 = time.perf_counter()
@@ -129,7 +169,7 @@ def measure(run_bytes: int, num_runs: int, repeat: int = 3, seed: int = 0) -> Cm
                 return None
             dst.fill(0)
             best.append(min(times))
-        return CmaFloor(run_bytes, num_runs, best[0], best[1])
+        return CmaFloor(run_bytes, num_runs, best[0], best[1], best[2])
     finally:
         with contextlib.suppress(OSError):  # the child may already be gone
             parent.send(None)

@@ -107,3 +107,7 @@ def test_cma_floor_reads_every_byte_of_the_runs() -> None:
     assert (floor.run_bytes, floor.num_runs) == (4096, 2500)
     assert floor.scattered_s > 0 and floor.contiguous_s > 0
     assert floor.ratio == floor.contiguous_s / floor.scattered_s
+    # the same bytes from shared memory, as a KV export process maps them (the measure
+    # checks every byte came from the child)
+    assert floor.shared_s is not None and floor.shared_s > 0
+    assert floor.shared_ratio == floor.shared_s / floor.contiguous_s
