@@ -38,6 +38,7 @@ SUBCOMMAND_MODULES = [
     "kvbridge.cli.bench_cmd",
     "kvbridge.cli.transfer_cmd",
     "kvbridge.cli.generate_cmd",
+    "kvbridge.cli.credential_cmd",
 ]
 
 

@@ -170,6 +170,12 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Instan
 
 def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
     _check_pp(args)
+    if getattr(args, "credential_file", None):
+        raise ConfigError(
+            f"--credential-file {args.credential_file} names one instance's credential; "
+            "`kvbridge serve` with all roles enrolls each instance it starts: leave it out, "
+            "or start each role with --role and its own --credential-file"
+        )
     for side in ("prefill", "decode"):
         n = getattr(args, f"{side}_instances", 1)
         if not 1 <= n <= 16:

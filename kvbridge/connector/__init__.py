@@ -54,6 +54,7 @@ if TYPE_CHECKING:
         ConnectorSpec,
         Pull,
     )
+    from kvbridge.transfer.credential import Credential, RootKey
     from kvbridge.transfer.export import SharedSegment
     from kvbridge.transfer.identity import Identity
     from kvbridge.transfer.netdev import device_of as net_device_of
@@ -62,6 +63,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "Identity": "kvbridge.transfer.identity",
+    **dict.fromkeys(["Credential", "RootKey"], "kvbridge.transfer.credential"),
     "SharedSegment": "kvbridge.transfer.export",
     "free_port": "kvbridge.transfer.netdev",
     **dict.fromkeys(["CacheRegions", "MemType"], "kvbridge.transfer.regions"),
@@ -106,6 +108,7 @@ __all__ = [
     "ConnectorRole",
     "ConnectorSettings",
     "ConnectorSpec",
+    "Credential",
     "FanOut",
     "Identity",
     "Integrity",
@@ -124,6 +127,7 @@ __all__ = [
     "RequestState",
     "RoleSchedulers",
     "RoleWorkers",
+    "RootKey",
     "SharedSegment",
     "TransferConfig",
     "free_port",

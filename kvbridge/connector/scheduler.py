@@ -49,6 +49,7 @@ from kvbridge.connector.states import (
     RequestState,
     check_transition,
 )
+from kvbridge.errors import ConfigError
 from kvbridge.settings import DEFAULT_CLAIM_S
 from kvbridge.transfer.capability import (
     Capability,
@@ -68,6 +69,7 @@ from kvbridge.transfer.connector import (
     Expose,
     Pull,
 )
+from kvbridge.transfer.credential import ROLE_NAMES, Credential
 from kvbridge.transfer.errors import AuthError
 
 #: How long the host polls at the busy cadence after an introduction or a decline (their
@@ -87,12 +89,47 @@ class KVConnectorConfig:
     """One instance's connector: the workers' transfer runtime (`spec`) and the
     scheduler side's policy. `claim_s`: a pull capability expires this long after it is
     issued; `exposure_lease_s`: how long exposed blocks stay pinned unread (None: the
-    transfer config's lease); `kv_load_failure`: what a failed pull does."""
+    transfer config's lease); `kv_load_failure`: what a failed pull does; `credential`:
+    the instance's role credential (`credential.py`: a prefill signs its capabilities
+    with it, a decode takes capabilities certified by its root), required with a shared
+    token (None without one: open mode, a throwaway key, any signer trusted)."""
 
     spec: ConnectorSpec
     claim_s: float = DEFAULT_CLAIM_S
     exposure_lease_s: float | None = None
     kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
+    credential: Credential | None = None
+
+    def __post_init__(self) -> None:
+        cred = self.credential
+        if cred is None:
+            if self.spec.transfer.token is not None:
+                raise ConfigError(
+                    f"credential: {ROLE_NAMES[self.role]} instance {self.spec.instance_id!r} "
+                    "has a shared token but no credential, so it could not prove (prefill) "
+                    "or check (decode) who issued a capability; give it one made with "
+                    "`kvbridge credential --root ROOT --role "
+                    f"{ROLE_NAMES[self.role]} --name NAME --out FILE`"
+                )
+            return
+        cred.check_role(self.role, "credential")
+        if cred.instance_id != self.spec.instance_id:
+            raise ConfigError(
+                f"instance_id={self.spec.instance_id!r}, but the credential is for "
+                f"{cred.instance_id!r}: use the credential's instance id"
+            )
+
+    @property
+    def signing(self) -> Credential:
+        """What this instance signs capabilities with (open mode: a throwaway key)."""
+        if self.credential is None:
+            return Credential.ephemeral(self.role, self.spec.instance_id)
+        return self.credential
+
+    @property
+    def root(self) -> bytes | None:
+        """The root whose certificates this instance trusts (None: any, open mode)."""
+        return self.credential.root if self.credential is not None else None
 
     @property
     def role(self) -> ConnectorRole:
@@ -173,6 +210,7 @@ class KVConnectorScheduler:
         self.errors: list[str] = []
         self._meta = _MetaBuilder()
         self._ended: dict[str, KVRequest] = {}  # ended by a call, until `pop_ended`
+        self._signing = config.signing
 
     @property
     def role(self) -> ConnectorRole:
@@ -181,10 +219,6 @@ class KVConnectorScheduler:
     @property
     def instance_id(self) -> str:
         return self.config.spec.instance_id
-
-    @property
-    def token(self) -> bytes | None:
-        return self.config.spec.transfer.token
 
     @property
     def has_transfers(self) -> bool:
@@ -218,17 +252,17 @@ class KVConnectorScheduler:
         return self._new(KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, n, params, cap))
 
     def _check(self, params: RemotePrefill, request_id: str, prompt_ids: list[int]) -> Capability:
-        """The capability, checked: signed with our token, issued to this instance (or to
+        """The capability, checked: signed by a prefill instance our root enrolled, issued to this instance (or to
         no instance in particular: a prefill request that named no reader), unexpired,
         for this request (`params.request_id`, or this id) and its prompt (its token
         ids, not only their number), and not used before (a capability opens one pull)."""
         num_tokens = len(prompt_ids)
         request_id = params.request_id or request_id
         try:
-            cap = check_capability(params.capability, self.token, self.instance_id)
+            cap = check_capability(params.capability, self.config.root, self.instance_id)
         except AuthError as exc:
-            try:  # issued to no reader: any decode instance holding the token may pull
-                cap = check_capability(params.capability, self.token, "")
+            try:  # issued to no reader: any decode instance of the deployment may pull
+                cap = check_capability(params.capability, self.config.root, "")
             except AuthError:
                 raise CapabilityRefused(f"KV capability refused: {exc}") from None
         if cap.block_size <= 0 or not 0 <= cap.start_token <= cap.num_tokens:
@@ -404,7 +438,7 @@ class KVConnectorScheduler:
         rec.capability, rec.block_ids = cap, list(block_ids)
         rec.remaining, rec.started = self.world_size, time.perf_counter()
         self._move(rec, RequestState.EXPOSED)
-        return RemotePrefill(first_token_id, issue(cap, self.token), self.instance_id)
+        return RemotePrefill(first_token_id, issue(cap, self._signing), self.instance_id)
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Release an exposed request nobody will pull (its router gave up); the

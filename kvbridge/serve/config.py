@@ -13,9 +13,11 @@ import enum
 import math
 import ssl
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from kvbridge.connector import (
+    ConnectorRole,
     FanOut,
     Integrity,
     KVExport,
@@ -32,6 +34,9 @@ from kvbridge.serve.api_keys import DEFAULT_TENANT, ApiKeys
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
 from kvbridge.serve.isolation import PrefixCacheIsolation
 from kvbridge.settings import DEFAULT_CLAIM_S, DEFAULT_MODEL, carried, same_as, setting, setting_of
+
+if TYPE_CHECKING:
+    from kvbridge.connector import Credential
 
 
 class Role(enum.Enum):
@@ -187,6 +192,16 @@ class InstanceConfig:
         "instance call. Needed for any address other than loopback. `kvbridge serve` (all "
         "roles) makes one up for its run when none is given",
     )
+    credential_file: str | None = setting(
+        None,
+        flag="--credential-file",
+        metavar="FILE",
+        help="this instance's role credential (mode 600), made with `kvbridge credential "
+        "--root ROOT --role ROLE --name NAME --out FILE`: a prefill instance signs its pull "
+        "capabilities with it, a decode instance takes only capabilities of prefill "
+        "instances the same root enrolled. Needed with a shared token; `kvbridge serve` "
+        "(all roles) makes them for its instances",
+    )
     kv_load_failure: KVLoadFailure = setting(
         KVLoadFailure.RECOMPUTE,
         flag="--kv-load-failure",
@@ -231,6 +246,20 @@ class InstanceConfig:
     def token(self) -> bytes | None:
         """The shared secret (--kv-token-file, else the environment), or None."""
         return load_token(path=self.kv_token_file)
+
+    @property
+    def connector_role(self) -> ConnectorRole:
+        return ConnectorRole.PRODUCER if self.role is Role.PREFILL else ConnectorRole.CONSUMER
+
+    def credential(self) -> Credential | None:
+        """The role credential (--credential-file), or None."""
+        if self.credential_file is None:
+            return None
+        from kvbridge.connector import Credential
+
+        cred = Credential.load(self.credential_file, "--credential-file")
+        cred.check_role(self.connector_role, "--credential-file")
+        return cred
 
     @property
     def serves_tls(self) -> bool:

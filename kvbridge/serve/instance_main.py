@@ -14,7 +14,6 @@ from pathlib import Path
 import uvicorn
 
 from kvbridge.connector import (
-    ConnectorRole,
     ConnectorSpec,
     Identity,
     KVConnectorConfig,
@@ -68,16 +67,16 @@ def run_instance(cfg: InstanceConfig) -> int:
     signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     started_nice = os.getpriority(os.PRIO_PROCESS, 0)  # (tp 1 lowers this thread's)
     role = cfg.role
-    if role is Role.PREFILL:
-        instance_id, identity = f"{role.value}-{uuid.uuid4().hex[:8]}", ""
-        role_name = ConnectorRole.PRODUCER
+    credential = cfg.credential()
+    if credential is not None:  # its id names its key: nobody else can act as it
+        instance_id, key = credential.instance_id, credential.identity
+    elif role is Role.PREFILL:
+        instance_id, key = f"{role.value}-{uuid.uuid4().hex[:8]}", None
     else:  # a key pair of its own, which its id names: nobody else can pull as it
         key = Identity.generate()
-        instance_id, identity = key.bind(role.value), key.secret.decode()
-        role_name = ConnectorRole.CONSUMER
-    spec = ConnectorSpec(
-        role=role_name, instance_id=instance_id, transfer=cfg.transfer_config(), identity=identity
-    )
+        instance_id = key.bind(role.value)
+    identity = key.secret.decode() if key is not None and role is Role.DECODE else ""
+    spec = ConnectorSpec(cfg.connector_role, instance_id, cfg.transfer_config(), identity)
     config = cfg.engine_config()
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -100,6 +99,7 @@ def run_instance(cfg: InstanceConfig) -> int:
         claim_s=cfg.claim_s,
         exposure_lease_s=cfg.exposure_lease_s,
         kv_load_failure=cfg.kv_load_failure,
+        credential=credential,
     )
     engine = LLMEngine(cfg.model, config, progress=_progress, connector=connector)
     loop = EngineLoop(engine, world_size=cfg.tp_size).start()

@@ -25,11 +25,21 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.serve.config import InstanceConfig
+
+if TYPE_CHECKING:
+    from kvbridge.connector import RootKey
+
+
+def _new_root() -> RootKey:
+    from kvbridge.connector import RootKey
+
+    return RootKey.generate()
 
 
 class LaunchError(KVBridgeError):
@@ -92,6 +102,8 @@ class Deployment:
     verify: ssl.SSLContext | None = None
     children: list[Child] = field(default_factory=list)
     _tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvbridge-")))
+    #: the deployment's root key (`kvbridge.connector.RootKey`), made for this run
+    root: RootKey = field(default_factory=lambda: _new_root())
 
     def __post_init__(self) -> None:
         _exit_cleanly_on_signals()
@@ -99,11 +111,18 @@ class Deployment:
     def start_instance(self, name: str, config: InstanceConfig) -> Child:
         """Start one instance process with `config` (its port: any free one, reported
         through a file). The child receives the config as one JSON document in a file
-        only we can read, and binds `config.host`."""
+        only we can read, and binds `config.host`; and, unless the config names one, a
+        credential for its role, enrolled by this deployment's root (`root`), which
+        stays in this process."""
         n = len(self.children)
         port_file = self._tmp / f"{name}-{n}.port"
         config_file = self._tmp / f"{name}-{n}.json"
-        doc = dataclasses.replace(config, port=0, port_file=str(port_file)).to_json()
+        config = dataclasses.replace(config, port=0, port_file=str(port_file))
+        if config.credential_file is None:
+            credential_file = self._tmp / f"{name}-{n}.credential"
+            self.root.enroll((config.connector_role,), name).save(credential_file)
+            config = dataclasses.replace(config, credential_file=str(credential_file))
+        doc = config.to_json()
         fd = os.open(config_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(doc)

@@ -12,8 +12,11 @@ as well as the block range, so it opens the KV of that prompt only: a holder who
 other token ids of the same length is refused. It opens one pull: the reader redeems it
 (`Redeemed`) and refuses it a second time until it expires.
 
-Signed with a key derived from the shared token (`auth.derive`); without a token
-(loopback only) the key is public, so a capability then proves nothing.
+Signed by the prefill instance that issued it, with its own key, and carrying the
+certificate the deployment's root made for that key (`credential.py`): a reader accepts
+it only if its root certified the signer as a prefill instance, and as the producer the
+capability names. Without a root (open mode, loopback only) any certificate is taken, so
+a capability then proves nothing.
 """
 
 from __future__ import annotations
@@ -27,10 +30,16 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from kvbridge.transfer.auth import derive, sign, verify
+from kvbridge.transfer.connector import ConnectorRole
+from kvbridge.transfer.credential import (
+    Credential,
+    check_certificate,
+    ed25519_verify,
+    role_names,
+)
 from kvbridge.transfer.errors import AuthError
 
-_VERSION = 4  # 4: `generation`
+_VERSION = 5  # 5: signed by the producer's certified key
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 
 
@@ -68,7 +77,8 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes:
 class _Signed(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
     v: int
     body: bytes
-    mac: bytes
+    sig: Annotated[bytes, msgspec.Meta(max_length=64)]
+    certificate: Annotated[bytes, msgspec.Meta(max_length=1024)]  # the signer's
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -76,19 +86,16 @@ _signed = msgspec.msgpack.Decoder(_Signed)
 _body = msgspec.msgpack.Decoder(Capability)
 
 
-def _key(token: bytes | None) -> bytes:
-    return derive(token, "kvbridge capability v1")
-
-
-def issue(cap: Capability, token: bytes | None) -> bytes:
-    """The signed bytes of `cap` (opaque to routers)."""
+def issue(cap: Capability, credential: Credential) -> bytes:
+    """The signed bytes of `cap` (opaque to routers), signed by `credential`'s key."""
     body = _encoder.encode(cap)
-    return _encoder.encode(_Signed(_VERSION, body, sign(_key(token), body)))
+    sig = credential.sign(body)
+    return _encoder.encode(_Signed(_VERSION, body, sig, credential.certificate))
 
 
-def check(data: bytes, token: bytes | None, reader: str, now: float | None = None) -> Capability:
-    """The capability in `data` if it is signed with `token`'s key, unexpired and issued
-    to `reader`; AuthError naming what is wrong otherwise."""
+def _signed_by_producer(data: bytes, root: bytes | None) -> Capability:
+    """The capability in `data` if `root` certified its signer as the prefill instance
+    it names (root None: any certificate, open mode); AuthError naming what is wrong."""
     if len(data) > 8 << 20:
         raise AuthError(f"capability of {len(data)} bytes is too large")
     try:
@@ -97,12 +104,35 @@ def check(data: bytes, token: bytes | None, reader: str, now: float | None = Non
         raise AuthError(f"malformed capability: {exc}") from None
     if env.v != _VERSION:
         raise AuthError(f"capability version={env.v}; this side reads version {_VERSION}")
-    if not verify(_key(token), env.body, env.mac):
-        raise AuthError("capability signature is wrong: not issued by a holder of our token")
+    cert = check_certificate(env.certificate, root)
+    if ConnectorRole.PRODUCER not in cert.roles:
+        raise AuthError(
+            f"capability signed by {cert.instance_id!r}, which is enrolled as "
+            f"{role_names(cert.roles)}: only a prefill instance of the deployment issues "
+            "capabilities"
+        )
+    if not ed25519_verify(cert.signing_key, env.sig, env.body):
+        raise AuthError(
+            f"capability signature is wrong: not signed by the key certified for "
+            f"{cert.instance_id!r}"
+        )
     try:
         cap = _body.decode(env.body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise AuthError(f"malformed capability: {exc}") from None
+    if cap.producer != cert.instance_id:
+        raise AuthError(
+            f"capability names producer {cap.producer!r} but is signed by "
+            f"{cert.instance_id!r}: a prefill instance issues capabilities for itself only"
+        )
+    return cap
+
+
+def check(data: bytes, root: bytes | None, reader: str, now: float | None = None) -> Capability:
+    """The capability in `data` if a prefill instance certified by `root` signed it
+    (`signer`), it is unexpired and issued to `reader`; AuthError naming what is wrong
+    otherwise."""
+    cap = _signed_by_producer(data, root)
     if cap.reader != reader:
         raise AuthError(
             f"capability for {cap.request_id!r} was issued to decode instance {cap.reader!r}, "

@@ -58,6 +58,29 @@ def binding_refusal(instance_id: str, public_key: bytes | None) -> str | None:
     )
 
 
+def read_private(path: str | Path, setting: str) -> bytes:
+    """The contents of a key file; refused if others may read it (its key would name
+    anyone who read it)."""
+    try:
+        mode = os.stat(path).st_mode
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{setting}={str(path)!r}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise ConfigError(
+            f"{setting}={str(path)!r} may be read by others (mode {mode & 0o777:o}); "
+            f"make it private: chmod 600 {path}"
+        )
+    return data
+
+
+def write_private(path: str | Path, data: bytes) -> None:
+    """Write `data` to a new file only its owner may read."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 @dataclass(frozen=True)
 class Identity:
     """One instance's CURVE key pair (`secret`: Z85, 40 characters). Every worker of the
@@ -82,28 +105,15 @@ class Identity:
 
     @classmethod
     def load(cls, path: str | Path, setting: str = "identity_file") -> Identity:
-        """The identity whose secret key file `path` holds (see `save`); a file others
-        may read is refused (its key would name anyone who read it)."""
+        """The identity whose secret key file `path` holds (see `save`)."""
         try:
-            mode = os.stat(path).st_mode
-            text = Path(path).read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError(f"{setting}={str(path)!r}: {exc.strerror or exc}") from None
-        if mode & 0o077:
-            raise ConfigError(
-                f"{setting}={str(path)!r} may be read by others (mode {mode & 0o777:o}); "
-                f"make it private: chmod 600 {path}"
-            )
-        try:
-            return cls(text)
+            return cls(read_private(path, setting).strip())
         except ConfigError as exc:
             raise ConfigError(f"{setting}={str(path)!r}: {exc}") from None
 
     def save(self, path: str | Path) -> None:
         """Write the secret key to a new file only its owner may read."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.secret + b"\n")
+        write_private(path, self.secret + b"\n")
 
     @property
     def public(self) -> bytes:

@@ -25,6 +25,7 @@ from kvbridge.connector import (
 from kvbridge.connector.metadata import encode, metadata_decoder, output_decoder
 from kvbridge.connector.states import TRANSITIONS, check_transition
 from kvbridge.transfer.connector import ConnectorEvent
+from tests.credentials import enrolled
 
 TOKEN = b"k" * 32
 BS = 4
@@ -33,16 +34,20 @@ S = RequestState
 
 def producer(world: int = 2) -> KVConnectorScheduler:
     spec = ConnectorSpec(ConnectorRole.PRODUCER, "P", TransferConfig(token=TOKEN))
-    sched = KVConnectorScheduler(KVConnectorConfig(spec, exposure_lease_s=7.0), BS, world)
+    config = KVConnectorConfig(spec, exposure_lease_s=7.0, credential=enrolled(spec.role, "P"))
+    sched = KVConnectorScheduler(config, BS, world)
     sched.set_worker_endpoints(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"][:world])
     return sched
 
 
 def consumer(
-    policy: KVLoadFailure = KVLoadFailure.RECOMPUTE, world: int = 2
+    policy: KVLoadFailure = KVLoadFailure.RECOMPUTE, world: int = 2, instance_id: str = "D"
 ) -> KVConnectorScheduler:
-    spec = ConnectorSpec(ConnectorRole.CONSUMER, "D", TransferConfig(token=TOKEN))
-    return KVConnectorScheduler(KVConnectorConfig(spec, kv_load_failure=policy), BS, world)
+    spec = ConnectorSpec(ConnectorRole.CONSUMER, instance_id, TransferConfig(token=TOKEN))
+    config = KVConnectorConfig(
+        spec, kv_load_failure=policy, credential=enrolled(spec.role, instance_id)
+    )
+    return KVConnectorScheduler(config, BS, world)
 
 
 def report(*events: ConnectorEvent, sending: bool) -> KVWorkerOutput:
@@ -263,8 +268,7 @@ def test_a_capability_issued_to_no_reader_is_taken_by_any_decode_instance() -> N
     p.add_request("r", list(range(10)), RemoteDecode(""))
     params = p.request_finished("r", [5, 6, 7], 42, done=False)[1]
     assert isinstance(params, RemotePrefill)
-    spec = ConnectorSpec(ConnectorRole.CONSUMER, "E", TransferConfig(token=TOKEN))
-    other = KVConnectorScheduler(KVConnectorConfig(spec), BS, 1)
+    other = consumer(world=1, instance_id="E")
     assert other.add_request("r", list(range(10)), params).capability is not None
     c = consumer()
     assert c.add_request("r", list(range(10)), params).capability is not None
@@ -279,8 +283,7 @@ def test_capabilities_are_checked_on_arrival() -> None:
         consumer().add_request("x", list(range(10)), params)
     with pytest.raises(CapabilityRefused, match="KV capability refused"):
         consumer().add_request("r", list(range(10)), RemotePrefill(42, b"forged"))
-    spec = ConnectorSpec(ConnectorRole.CONSUMER, "E", TransferConfig(token=TOKEN))
-    other = KVConnectorScheduler(KVConnectorConfig(spec), BS, 1)
+    other = consumer(world=1, instance_id="E")
     with pytest.raises(CapabilityRefused, match="KV capability refused"):
         other.add_request("r", list(range(10)), params)  # issued to D, not E
     assert not other.requests

@@ -16,6 +16,7 @@ import pytest
 from kvbridge.connector import (
     ConnectorRole,
     ConnectorSpec,
+    Credential,
     KVConnectorConfig,
     KVLoadFailure,
     RemoteDecode,
@@ -179,7 +180,8 @@ def test_failure_from_waiting_recomputes_or_fails_by_policy(
         # the same capability, but its producer's side channel is gone (nobody listens)
         assert isinstance(pre.kv_transfer_params, RemotePrefill)
         cap = check(pre.kv_transfer_params.capability, None, "D")
-        dead = issue(msgspec.structs.replace(cap, endpoint=f"tcp://127.0.0.1:{free_port()}"), None)
+        moved = msgspec.structs.replace(cap, endpoint=f"tcp://127.0.0.1:{free_port()}")
+        dead = issue(moved, Credential.ephemeral(ConnectorRole.PRODUCER, "P"))  # open mode
         params = msgspec.structs.replace(pre.kv_transfer_params, capability=dead)
         decode.add_request(pre.prompt_ids, PARAMS, rid, kv_transfer_params=params)
         drive([prefill, decode], lambda: decode.is_finished(rid))

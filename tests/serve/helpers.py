@@ -15,12 +15,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvbridge.connector import ConnectorRole, Credential
 from kvbridge.serve.config import InstanceConfig, Role
 from kvbridge.serve.demo import colocated_text
 from kvbridge.serve.disagg_backend import DisaggBackend
 from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.http_server import ServerThread
 from kvbridge.serve.proxy import make_app
+from tests.credentials import ROOT
 
 #: The test instances' shared secret, as a deployment has one (`kvbridge serve` makes
 #: one up): their KV plane is encrypted and authenticated, and every call to them is
@@ -41,6 +43,16 @@ atexit.register(_remove_token_dir)
 AUTH = SignedRequests(TOKEN)
 
 
+def credential_file(role: str, name: str | None = None) -> str:
+    """A new credential file for a `role` instance, enrolled by the tests' root (every
+    test instance is of one deployment, whichever `Deployment` started it)."""
+    roles = (ConnectorRole.PRODUCER if role == "prefill" else ConnectorRole.CONSUMER,)
+    name = name or f"{role}-{secrets.token_hex(4)}"
+    path = os.path.join(_TOKEN_DIR, f"{name}.credential")
+    ROOT.enroll(roles, name).save(path)
+    return path
+
+
 def instance_id(url: str) -> str:
     """A test instance's id (the reader a pull capability names)."""
     r = httpx.get(f"{url}/internal/info", auth=AUTH, timeout=30)
@@ -51,6 +63,12 @@ def instance_id(url: str) -> str:
 def colocated(url: str, prompt: str, max_tokens: int) -> str:
     """The request computed entirely on instance `url`."""
     return colocated_text(url, prompt, max_tokens, TOKEN)
+
+
+def credential_of(instance_id: str) -> Credential:
+    """The credential file a test instance was given (`credential_file`)."""
+    name = instance_id.rsplit("@", 1)[0]
+    return Credential.load(os.path.join(_TOKEN_DIR, f"{name}.credential"))
 
 
 def small_instance(
@@ -70,6 +88,7 @@ def small_instance(
         kv_token_file=TOKEN_FILE,
     )
     fields.update(overrides)
+    fields.setdefault("credential_file", credential_file(role))
     return InstanceConfig(Role(role), tp, block_size=block_size, cache_layout=layout, **fields)
 
 

@@ -14,16 +14,17 @@ import msgspec
 import pytest
 
 from kvbridge.cli.main import main
-from kvbridge.connector import RemotePrefill
+from kvbridge.connector import ConnectorRole, RemotePrefill, RootKey
 from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.http_auth import SIGNATURE_HEADER, TIME_HEADER, SignedRequests
 from kvbridge.serve.metrics import metric_value
-from kvbridge.transfer.capability import Capability, issue
+from kvbridge.transfer.capability import Capability, issue, prompt_digest
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
 from kvbridge.transfer.side_channel import SideChannelClient
+from tests.credentials import enrolled
 from tests.listening import is_loopback, listening
-from tests.serve.helpers import AUTH, TOKEN, instance_id
+from tests.serve.helpers import AUTH, TOKEN, credential_of, instance_id
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +67,12 @@ def test_internal_calls_need_a_signature_with_the_shared_token(instances) -> Non
         assert httpx.get(f"{url}{open_path}", timeout=30).status_code == 200
 
 
+ENDPOINT = "tcp://127.0.0.1:1"
+VICTIM = "The secret code is 4812. I repeat, the secret code is"
+P = enrolled(ConnectorRole.PRODUCER, "p")  # a prefill instance of the tests' deployment
+OWN = enrolled(ConnectorRole.PRODUCER, "p", RootKey.generate())  # of another root
+
+
 def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) -> None:
     """The attack of issue #14: /internal/generate given another request's blocks
     continued that request's prompt. Now the decode instance takes the blocks from the
@@ -83,26 +90,20 @@ def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) 
     forged = [
         # another request's capability, replayed for the attacker's request
         (victim.kv, "covers request 'r-victim'"),
-        # a capability made up without the token (the open key)
+        # a capability signed by a prefill key of a root of its own
         (
             RemotePrefill(
                 victim.first_token_id,
-                issue(
-                    Capability("r-attacker", "p", "tcp://127.0.0.1:1", [0], len(ids), me, 1e12),
-                    None,
-                ),
+                issue(Capability("r-attacker", "p", ENDPOINT, [0], len(ids), me, 1e12), OWN),
                 victim.kv.instance_id,
             ),
-            "signature is wrong",
+            "not by this deployment's root",
         ),
-        # signed with the token but issued to another decode instance
+        # signed by an enrolled prefill key but issued to another decode instance
         (
             RemotePrefill(
                 victim.first_token_id,
-                issue(
-                    Capability("r-attacker", "p", "tcp://127.0.0.1:1", [0], len(ids), "x", 1e12),
-                    TOKEN,
-                ),
+                issue(Capability("r-attacker", "p", ENDPOINT, [0], len(ids), "x", 1e12), P),
                 victim.kv.instance_id,
             ),
             "issued to decode instance 'x'",
@@ -111,10 +112,7 @@ def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) 
         (
             RemotePrefill(
                 victim.first_token_id,
-                issue(
-                    Capability("r-attacker", "p", "tcp://127.0.0.1:1", [0], len(ids), me, 1.0),
-                    TOKEN,
-                ),
+                issue(Capability("r-attacker", "p", ENDPOINT, [0], len(ids), me, 1.0), P),
                 victim.kv.instance_id,
             ),
             "expired",
@@ -139,6 +137,59 @@ def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) 
             break
         time.sleep(0.2)
     assert metric_value(text, "kv_pinned_blocks") == 0
+
+
+def _cached_tokens(url: str, rid: str, ids: list[int]) -> int:
+    """The prefix-cache hit instance `url` reports for a colocated request of `ids`."""
+    gen = GenerateRequest(rid, SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=ids)
+    r = _generate(url, gen, None)
+    assert r.status_code == 200, r.text
+    last = [wire.event_decoder.decode(line) for line in r.text.splitlines() if line][-1]
+    return int(last.stages.cached_tokens or 0)
+
+
+def test_a_decode_hosts_files_cannot_plant_a_victims_kv_under_other_ids(instances) -> None:
+    """The prefix-cache poisoning attack: a party holding everything a decode host
+    holds (the shared token, the host's own credential) asks the prefill instance for a
+    victim's prompt, then re-signs the capability for token ids of its own choosing, so
+    that the decode instance would keep the victim's KV under those ids. Refused (403),
+    nothing pulled, nothing cached under those ids; the victim's own request is served."""
+    prefill, decode = instances[("prefill", 1)], instances[("decode", 3)]
+    me = instance_id(decode)
+    held = credential_of(me)  # the decode host's credential file
+    sampling = SamplingParams(max_tokens=4, temperature=0.0)
+    victim_gen = GenerateRequest("r-planted-victim", sampling, prompt=VICTIM, kv_reader=me)
+    victim = _prefill(prefill, victim_gen)
+    assert victim.kv is not None
+    own = [1000 + 7 * i for i in range(len(victim.prompt_token_ids))]  # the attacker's ids
+    v, body, _sig, certificate = msgspec.msgpack.decode(victim.kv.capability)
+    cap = msgspec.msgpack.decode(body, type=Capability)
+    planted = msgspec.structs.replace(cap, request_id="r-plant", prompt_digest=prompt_digest(own))
+    signed = msgspec.msgpack.encode(planted)
+    attacks = [
+        # re-signed with the decode host's key, the prefill's certificate kept
+        (msgspec.msgpack.encode([v, signed, held.sign(signed), certificate]), "not signed by"),
+        # signed with the decode host's credential, as its own producer
+        (issue(msgspec.structs.replace(planted, producer=me), held), "enrolled as a decode"),
+    ]
+    before = metric_value(httpx.get(f"{decode}/metrics", timeout=30).text, "kv_bytes_total")
+    attacker = GenerateRequest("r-plant", sampling, prompt_token_ids=own, kv_reader=me)
+    for data, words in attacks:
+        kv = RemotePrefill(victim.first_token_id, data, victim.kv.instance_id)
+        result = wire.PrefillResult("r-plant", own, victim.first_token_id, "", None, kv, 1.0)
+        r = _generate(decode, attacker, result)
+        assert r.status_code == 403, r.text
+        err = r.json()["error"]
+        assert err["code"] == "capability_refused" and words in err["message"], err
+    after = metric_value(httpx.get(f"{decode}/metrics", timeout=30).text, "kv_bytes_total")
+    assert after == before  # nothing pulled
+    assert _cached_tokens(decode, "r-plant-probe", own) == 0  # nothing cached for those ids
+    # the victim's own request is served, and its KV is cached under its own ids only
+    r = _generate(decode, victim_gen, victim)
+    assert (
+        r.status_code == 200 and wire.event_decoder.decode(r.text.splitlines()[-1]).stages.kv_bytes
+    )
+    assert _cached_tokens(decode, "r-victim-probe", victim.prompt_token_ids) >= 16
 
 
 def test_a_replayed_handshake_is_refused_and_counted_in_metrics(instances) -> None:
