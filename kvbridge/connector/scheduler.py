@@ -252,8 +252,9 @@ class KVConnectorScheduler:
         return self._new(KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, n, params, cap))
 
     def _check(self, params: RemotePrefill, request_id: str, prompt_ids: list[int]) -> Capability:
-        """The capability, checked: signed by a prefill instance our root enrolled, issued to this instance (or to
-        no instance in particular: a prefill request that named no reader), unexpired,
+        """The capability, checked: signed by a prefill instance our root enrolled,
+        issued to this instance (or to no instance in particular: a prefill request that
+        named no reader), unexpired,
         for this request (`params.request_id`, or this id) and its prompt (its token
         ids, not only their number), and not used before (a capability opens one pull)."""
         num_tokens = len(prompt_ids)
@@ -261,10 +262,7 @@ class KVConnectorScheduler:
         try:
             cap = check_capability(params.capability, self.config.root, self.instance_id)
         except AuthError as exc:
-            try:  # issued to no reader: any decode instance of the deployment may pull
-                cap = check_capability(params.capability, self.config.root, "")
-            except AuthError:
-                raise CapabilityRefused(f"KV capability refused: {exc}") from None
+            raise CapabilityRefused(f"KV capability refused: {exc}") from None
         if cap.block_size <= 0 or not 0 <= cap.start_token <= cap.num_tokens:
             raise CapabilityRefused(
                 f"KV capability refused: block_size={cap.block_size} and start_token="

@@ -129,11 +129,12 @@ def _signed_by_producer(data: bytes, root: bytes | None) -> Capability:
 
 
 def check(data: bytes, root: bytes | None, reader: str, now: float | None = None) -> Capability:
-    """The capability in `data` if a prefill instance certified by `root` signed it
-    (`signer`), it is unexpired and issued to `reader`; AuthError naming what is wrong
+    """The capability in `data` if a prefill instance certified by `root` signed it,
+    it is unexpired and issued to `reader` (or to no reader in particular: a prefill
+    request that named none, as vLLM's proxies send); AuthError naming what is wrong
     otherwise."""
     cap = _signed_by_producer(data, root)
-    if cap.reader != reader:
+    if cap.reader not in (reader, ""):
         raise AuthError(
             f"capability for {cap.request_id!r} was issued to decode instance {cap.reader!r}, "
             f"not to this one ({reader!r})"

@@ -27,6 +27,7 @@ and a decode instance without a root trusts any certificate.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -44,6 +45,11 @@ from kvbridge.transfer.identity import Identity, read_private, write_private
 _VERSION = 1
 Key32 = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 ROLE_NAMES = {ConnectorRole.PRODUCER: "prefill", ConnectorRole.CONSUMER: "decode"}
+
+
+@functools.lru_cache(maxsize=8)
+def _private_key(secret: bytes) -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.from_private_bytes(secret)
 
 
 def role_names(roles: tuple[ConnectorRole, ...]) -> str:
@@ -84,6 +90,7 @@ def ed25519_verify(public_key: bytes, sig: bytes, body: bytes) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=256)  # a decode instance meets the same few prefills
 def check_certificate(data: bytes, root: bytes | None) -> Certificate:
     """The certificate in `data` if the root with public key `root` signed it (None: any
     root, open mode); AuthError naming what is wrong otherwise."""
@@ -135,7 +142,7 @@ class Credential(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         return Identity(self.curve_secret)
 
     def sign(self, body: bytes) -> bytes:
-        return Ed25519PrivateKey.from_private_bytes(self.signing_secret).sign(body)
+        return _private_key(self.signing_secret).sign(body)
 
     def check_role(self, role: ConnectorRole, setting: str) -> None:
         """Refuse a credential not made for `role` (a misconfiguration)."""
