@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,8 @@ class ThreeHosts:
     prefill: TestHost
     decode: TestHost
     proxy: TestHost
+    #: each instance host's credential file (by host name), as the operator gave it
+    credentials: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def start(cls, net: HostNetwork, timeout_s: float = 900) -> ThreeHosts:
@@ -72,6 +74,8 @@ class ThreeHosts:
     def start_instance(self, host: TestHost, role: str, tp: int, **overrides: Any) -> None:
         config = small_instance(role, tp, kv_cache_mb=128, host=host.address, port=PORT)
         config = dataclasses.replace(config, **overrides)
+        assert config.credential_file is not None
+        self.credentials[host.name] = config.credential_file
         path = os.path.join(os.path.dirname(TOKEN_FILE), f"{host.name}.json")
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(config.to_json())

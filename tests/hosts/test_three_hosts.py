@@ -24,6 +24,7 @@ from kvbridge.serve.wire import DecodeRequest
 from kvbridge.transfer.identity import bound_fingerprint
 from tests.conftest import smollm2_gguf
 from tests.hosts.helpers import LONG_PROMPT, MAX_QUEUED, VERIFY, ThreeHosts
+from tests.plant_kv import check_refused
 from tests.serve.helpers import AUTH, TOKEN_FILE, complete
 
 pytestmark = pytest.mark.slow
@@ -121,6 +122,16 @@ def test_a_token_holder_cannot_claim_the_decode_instances_id(three_hosts: ThreeH
     assert replies[0]["kind"] == "auth" and decode_id in replies[0]["reason"], replies
     assert replies[1]["kind"] == "incompatible", replies  # the control: only the binding
     assert dep.complete("Still served:", 4)["choices"][0]["text"]
+
+
+def test_the_decode_hosts_files_cannot_plant_a_victims_kv(three_hosts: ThreeHosts) -> None:
+    """The prefix-cache poisoning attack (tests/plant_kv.py) made on the decode host
+    with only the files that host was given (the token, its credential): each forged
+    capability refused, nothing pulled or cached under the attacker's ids."""
+    dep = three_hosts
+    argv = ["-m", "tests.plant_kv", dep.url(dep.prefill), dep.url(dep.decode), TOKEN_FILE]
+    out = dep.decode.run([sys.executable, *argv, dep.credentials["decode"]], timeout_s=300)
+    check_refused(json.loads(out.splitlines()[-1]))
 
 
 def _cmdline(pid: int) -> bytes:

@@ -19,11 +19,12 @@ from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.http_auth import SIGNATURE_HEADER, TIME_HEADER, SignedRequests
 from kvbridge.serve.metrics import metric_value
-from kvbridge.transfer.capability import Capability, issue, prompt_digest
+from kvbridge.transfer.capability import Capability, issue
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
 from kvbridge.transfer.side_channel import SideChannelClient
 from tests.credentials import enrolled
 from tests.listening import is_loopback, listening
+from tests.plant_kv import check_refused, plant
 from tests.serve.helpers import AUTH, TOKEN, credential_of, instance_id
 
 pytestmark = pytest.mark.slow
@@ -68,7 +69,6 @@ def test_internal_calls_need_a_signature_with_the_shared_token(instances) -> Non
 
 
 ENDPOINT = "tcp://127.0.0.1:1"
-VICTIM = "The secret code is 4812. I repeat, the secret code is"
 P = enrolled(ConnectorRole.PRODUCER, "p")  # a prefill instance of the tests' deployment
 OWN = enrolled(ConnectorRole.PRODUCER, "p", RootKey.generate())  # of another root
 
@@ -139,57 +139,14 @@ def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) 
     assert metric_value(text, "kv_pinned_blocks") == 0
 
 
-def _cached_tokens(url: str, rid: str, ids: list[int]) -> int:
-    """The prefix-cache hit instance `url` reports for a colocated request of `ids`."""
-    gen = GenerateRequest(rid, SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=ids)
-    r = _generate(url, gen, None)
-    assert r.status_code == 200, r.text
-    last = [wire.event_decoder.decode(line) for line in r.text.splitlines() if line][-1]
-    return int(last.stages.cached_tokens or 0)
-
-
 def test_a_decode_hosts_files_cannot_plant_a_victims_kv_under_other_ids(instances) -> None:
-    """The prefix-cache poisoning attack: a party holding everything a decode host
-    holds (the shared token, the host's own credential) asks the prefill instance for a
-    victim's prompt, then re-signs the capability for token ids of its own choosing, so
-    that the decode instance would keep the victim's KV under those ids. Refused (403),
-    nothing pulled, nothing cached under those ids; the victim's own request is served."""
+    """The prefix-cache poisoning attack (tests/plant_kv.py): a party holding everything
+    a decode host holds (the shared token, the host's own credential) asks the prefill
+    instance for a victim's prompt and re-signs the capability for token ids of its own,
+    so that the decode instance would keep the victim's KV under those ids. Refused
+    (403), nothing pulled, nothing cached under those ids; the victim is served."""
     prefill, decode = instances[("prefill", 1)], instances[("decode", 3)]
-    me = instance_id(decode)
-    held = credential_of(me)  # the decode host's credential file
-    sampling = SamplingParams(max_tokens=4, temperature=0.0)
-    victim_gen = GenerateRequest("r-planted-victim", sampling, prompt=VICTIM, kv_reader=me)
-    victim = _prefill(prefill, victim_gen)
-    assert victim.kv is not None
-    own = [1000 + 7 * i for i in range(len(victim.prompt_token_ids))]  # the attacker's ids
-    v, body, _sig, certificate = msgspec.msgpack.decode(victim.kv.capability)
-    cap = msgspec.msgpack.decode(body, type=Capability)
-    planted = msgspec.structs.replace(cap, request_id="r-plant", prompt_digest=prompt_digest(own))
-    signed = msgspec.msgpack.encode(planted)
-    attacks = [
-        # re-signed with the decode host's key, the prefill's certificate kept
-        (msgspec.msgpack.encode([v, signed, held.sign(signed), certificate]), "not signed by"),
-        # signed with the decode host's credential, as its own producer
-        (issue(msgspec.structs.replace(planted, producer=me), held), "enrolled as a decode"),
-    ]
-    before = metric_value(httpx.get(f"{decode}/metrics", timeout=30).text, "kv_bytes_total")
-    attacker = GenerateRequest("r-plant", sampling, prompt_token_ids=own, kv_reader=me)
-    for data, words in attacks:
-        kv = RemotePrefill(victim.first_token_id, data, victim.kv.instance_id)
-        result = wire.PrefillResult("r-plant", own, victim.first_token_id, "", None, kv, 1.0)
-        r = _generate(decode, attacker, result)
-        assert r.status_code == 403, r.text
-        err = r.json()["error"]
-        assert err["code"] == "capability_refused" and words in err["message"], err
-    after = metric_value(httpx.get(f"{decode}/metrics", timeout=30).text, "kv_bytes_total")
-    assert after == before  # nothing pulled
-    assert _cached_tokens(decode, "r-plant-probe", own) == 0  # nothing cached for those ids
-    # the victim's own request is served, and its KV is cached under its own ids only
-    r = _generate(decode, victim_gen, victim)
-    assert (
-        r.status_code == 200 and wire.event_decoder.decode(r.text.splitlines()[-1]).stages.kv_bytes
-    )
-    assert _cached_tokens(decode, "r-victim-probe", victim.prompt_token_ids) >= 16
+    check_refused(plant(prefill, decode, TOKEN, credential_of(instance_id(decode))))
 
 
 def test_a_replayed_handshake_is_refused_and_counted_in_metrics(instances) -> None:
