@@ -41,7 +41,7 @@ class Client:
 
     def kv_bytes(self, url: str) -> float:
         text = httpx.get(f"{url}/metrics", verify=self.verify, timeout=30).text
-        return metric_value(text, "kv_bytes_total")
+        return metric_value(text, "kv_instance_bytes_total")
 
     def generate(self, url: str, gen: GenerateRequest, pf: wire.PrefillResult | None) -> Any:
         """(status, the error object or the last event)."""
