@@ -19,7 +19,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.settings import from_mapping, setting, setting_of, settings
 from kvbridge.transfer.config import TransferConfig, load_token
 from kvbridge.transfer.connector import ConnectorRole, ConnectorSpec
-from kvbridge.transfer.identity import Identity
+from kvbridge.transfer.credential import Credential
 
 #: document keys that are `TransferConfig`'s settings (the token comes from token_file)
 TRANSFER_KEYS = tuple(str(s.key) for s in settings(TransferConfig) if s.key)
@@ -33,7 +33,7 @@ class ConnectorSettings:
     `transfer` is the runtime's settings: the document may set any of `TRANSFER_KEYS`,
     each declared and checked by `TransferConfig`. The other settings are the
     connector's own (`kvbridge.settings`), under the keys `OWN_KEYS`; `SETTINGS` lists
-    both, as docs/vllm.md's table shows them. `identity` is the key `identity_file`
+    both, as docs/vllm.md's table shows them. `credential` is what `credential_file`
     holds, read with the document.
     """
 
@@ -53,16 +53,16 @@ class ConnectorSettings:
     claim_s: float = setting(
         120.0, help="how long a pull capability stays valid after the prefill (seconds)"
     )
-    identity_file: str | None = setting(
+    credential_file: str | None = setting(
         None,
-        help="a file (mode 600) holding this instance's own key (`Identity.save`; "
-        "`kvbridge.vllm.launch` makes one per instance): the instance id becomes bound to "
-        "it (`instance_id@fingerprint`), and with a token the prefill refuses anyone "
-        "else's handshake in that name, and keeps room for its handshakes while a request "
-        "names it; without it the id is unbound: any token holder may claim it, and its "
-        "handshakes compete with everyone's for a prefill worker's shared pool of sessions",
+        help="this instance's role credential (mode 600), made with `kvbridge credential "
+        "--root ROOT --role prefill|decode|both --name NAME --out FILE` "
+        "(`kvbridge.vllm.launch` makes one per instance): it names the instance "
+        "(`NAME@fingerprint` of its own key, which only it can present), a prefill signs "
+        "its pull capabilities with it, and a decode takes only capabilities of prefill "
+        "instances the same root enrolled. Required with a token",
     )
-    identity: Identity | None = None
+    credential: Credential | None = None
 
     def __post_init__(self) -> None:
         if not self.claim_s > 0:
@@ -76,28 +76,37 @@ class ConnectorSettings:
         document = from_mapping(values, (cls, TransferConfig), where, what)
         own = document[cls]
         token = load_token(path=own.get("token_file"))
-        path = own.get("identity_file")
-        identity = Identity.load(path, f"{where}.identity_file") if path else None
+        path = own.get("credential_file")
+        credential = Credential.load(path, f"{where}.credential_file") if path else None
+        if credential is not None and own.get("instance_id") is not None:
+            raise ConfigError(
+                f"{where}.instance_id={own['instance_id']!r}: the credential names this "
+                f"instance ({credential.instance_id!r}); leave instance_id out"
+            )
         return cls(
-            TransferConfig(**document[TransferConfig], token=token), **own, identity=identity
+            TransferConfig(**document[TransferConfig], token=token), **own, credential=credential
         )
 
     def bound_instance_id(self, engine_id: str) -> str:
-        """This instance's id: `instance_id`, else the host's own (`engine_id`), bound to
-        `identity` where there is one (every process reads the same key: all agree)."""
-        instance_id = self.instance_id or engine_id
-        return self.identity.bind(instance_id) if self.identity is not None else instance_id
+        """This instance's id: its credential's (every process reads the same file: all
+        agree), else `instance_id`, else the host's own (`engine_id`)."""
+        if self.credential is not None:
+            return self.credential.instance_id
+        return self.instance_id or engine_id
 
     def configs(self, instance_id: str, roles: Iterable[ConnectorRole]) -> list[KVConnectorConfig]:
         """The hand-over contract's config of each role; a consumer's workers present
-        the instance's own key (`identity`)."""
-        secret = self.identity.secret.decode() if self.identity else ""
+        the instance's own key (its credential's)."""
+        cred = self.credential
+        secret = cred.curve_secret.decode() if cred is not None else ""
 
         def spec(role: ConnectorRole) -> ConnectorSpec:
             identity = secret if role is ConnectorRole.CONSUMER else ""
             return ConnectorSpec(role, instance_id, self.transfer, identity=identity)
 
-        return [KVConnectorConfig(spec(role), claim_s=self.claim_s) for role in roles]
+        return [
+            KVConnectorConfig(spec(role), claim_s=self.claim_s, credential=cred) for role in roles
+        ]
 
 
 #: the connector's own document keys (`ConnectorSettings`' settings)

@@ -24,11 +24,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbridge.connector import free_port
 from kvbridge.errors import ConfigError
 from kvbridge.settings import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from kvbridge.connector import RootKey
 
 #: vLLM's CPU build: the KV cache space per instance (GiB) unless the caller set it.
 KVCACHE_SPACE_GIB = "1"
@@ -73,17 +76,22 @@ def kv_transfer_config(
     )
 
 
-def new_identity_file(name: str) -> str:
-    """A fresh instance key (`Identity`) in a new private directory: the
-    `identity_file` of one vLLM instance (remove it with `remove_identity_file`)."""
-    from kvbridge.connector import Identity  # ZMQ: not in the base install
+#: each P/D role's kv_role
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
-    path = os.path.join(tempfile.mkdtemp(prefix="kvbridge-identity-"), f"{name}.key")
-    Identity.generate().save(path)
+
+def new_credential_file(root: RootKey, kv_role: str, name: str) -> str:
+    """A credential `root` enrolls for a vLLM instance of `kv_role`, in a new private
+    directory: the `credential_file` of one instance (remove it with
+    `remove_credential_file`)."""
+    from kvbridge.vllm.settings import ROLES
+
+    path = os.path.join(tempfile.mkdtemp(prefix="kvbridge-credential-"), f"{name}.credential")
+    root.enroll(ROLES[kv_role], name).save(path)
     return path
 
 
-def remove_identity_file(path: str) -> None:
+def remove_credential_file(path: str) -> None:
     shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
@@ -256,6 +264,7 @@ def demo(cfg: VLLMDemoConfig) -> int:
     prompt's KV (from its log). Returns 0, or 1 naming what failed; stops everything."""
     import httpx
 
+    from kvbridge.connector import RootKey
     from kvbridge.serve.config import Engine, ProxyConfig
     from kvbridge.serve.http_server import ServerThread
     from kvbridge.serve.proxy_main import proxy_app
@@ -269,12 +278,15 @@ def demo(cfg: VLLMDemoConfig) -> int:
     secret = {"KVBRIDGE_TRANSFER_TOKEN": secrets.token_hex(32)}
     server: ServerThread | None = None
     keys: list[str] = []
+    root = RootKey.generate()  # the deployment's: it stays in this process
     try:
         for name, core in (("prefill", 0), ("decode", 1)):
             tp, block = getattr(cfg, f"{name}_tp"), getattr(cfg, f"{name}_block_size")
             port = free_port()
-            keys.append(new_identity_file(name))
-            kv = kv_transfer_config(extra={**LOADED_HOST_SETTINGS, "identity_file": keys[-1]})
+            kv_role = KV_ROLES[name]  # each enrolled for its role only
+            keys.append(new_credential_file(root, kv_role, name))
+            settings = {**LOADED_HOST_SETTINGS, "credential_file": keys[-1]}
+            kv = kv_transfer_config(kv_role, settings)
             cmd = vllm_command(model, port, tp, block, kv, *SMALL_HOST_ARGS)
             env = vllm_env(tp, core, cfg.prefill_tp + cfg.decode_tp) | secret
             procs.append(start(cmd, env, open(logs / f"{name}.log", "wb")))  # noqa: SIM115
@@ -327,4 +339,4 @@ def demo(cfg: VLLMDemoConfig) -> int:
         for proc in reversed(procs):
             stop(proc)
         for key in keys:
-            remove_identity_file(key)
+            remove_credential_file(key)

@@ -8,7 +8,9 @@ vLLM-adapter decode worker pulled are compared with the prefill's."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -16,16 +18,20 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Protocol
 
+import msgspec
 import pytest
 import torch
 
 from kvbridge.connector import (
+    CapabilityRefused,
     ConnectorRole,
     ConnectorSpec,
+    Identity,
     KVConnectorConfig,
     KVConnectorScheduler,
     RemoteDecode,
     RequestState,
+    RootKey,
     TransferConfig,
 )
 from kvbridge.connector.settings import ConnectorSettings
@@ -33,10 +39,12 @@ from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.plan.geometry import load_model_spec
+from kvbridge.transfer.capability import Capability, issue
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
-from kvbridge.vllm.scheduler import SchedulerSide
+from kvbridge.vllm.scheduler import CAPABILITY_KEY, SchedulerSide
 from kvbridge.vllm.settings import ROLES
 from kvbridge.vllm.worker import worker_side
+from tests.credentials import ROOT, enrolled
 
 pytestmark = pytest.mark.slow
 
@@ -91,6 +99,7 @@ class Host(Protocol):
     def cancel(self, rid: str) -> None: ...
     def decode(self, rid: str, handover: Any, abort: bool = False) -> None: ...
     def pinned(self) -> bool: ...
+    def refused(self, rid: str, handover: Any, capability: bytes) -> str: ...  # the reason
 
 
 def moves(kv: KVConnectorScheduler, rid: str) -> Moves:
@@ -113,7 +122,8 @@ def until(done: Callable[[], bool], step: Callable[[], None], timeout: float = 6
 class EngineHost:
     def __init__(self) -> None:
         def make(role: ConnectorRole, name: str) -> LLMEngine:
-            config = KVConnectorConfig(ConnectorSpec(role, name, TRANSFER), claim_s=30.0)
+            spec = ConnectorSpec(role, name, TRANSFER)
+            config = KVConnectorConfig(spec, claim_s=30.0, credential=enrolled(role, name))
             return LLMEngine("smollm2-135m", EngineConfig(num_blocks=24), connector=config)
 
         self.p = make(P, "P")
@@ -152,6 +162,12 @@ class EngineHost:
             self.d.abort(rid)
         self._drive(lambda: self.d.is_finished(rid))
         self.d.pop(rid)
+
+    def refused(self, rid: str, handover: Any, capability: bytes) -> str:
+        forged = msgspec.structs.replace(handover, capability=capability)
+        with pytest.raises(CapabilityRefused) as refusal:
+            self.d.add_request(PROMPT, SamplingParams(max_tokens=2), rid, kv_transfer_params=forged)
+        return str(refusal.value)
 
     def pinned(self) -> bool:
         self._drive(lambda: not self.p.scheduler.held and not self.d.scheduler.held)
@@ -212,8 +228,9 @@ class VLLMInstance:
             t += torch.arange(t.numel(), dtype=t.dtype).reshape(t.shape) * 1e-3 + i
         made_by = CacheFormat(dict.fromkeys(self.caches, "CPU_ATTN"), "LBHNC")  # vLLM's CPU build
         cache = describe_kv_caches(self.caches, model, 1, self.BLOCK, made_by)
-        settings = ConnectorSettings(transfer=TRANSFER)
         roles = ROLES[kv_role]
+        credential = ROOT.certify(roles, name, Identity.generate())
+        settings = ConnectorSettings(transfer=TRANSFER, credential=credential)
         self.side = SchedulerSide(settings, name, roles, self.BLOCK, 1)
         self.worker = worker_side(settings, name, roles, model, cache, 0)
         endpoint, sibling = self.worker.get_handshake_metadata()
@@ -271,6 +288,21 @@ class VLLMHost:
         self.d.side.after_alloc(req, [7, 1, 4], count)
         self._drive(lambda: self.decode_kv.state(rid) is None)
 
+    def refused(self, rid: str, handover: Any, capability: bytes) -> str:
+        forged = {**handover, CAPABILITY_KEY: base64.b64encode(capability).decode()}
+        req = vllm_request(rid, forged)
+        warnings: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = warnings.append  # type: ignore[method-assign]
+        logging.getLogger("vllm.kvbridge").addHandler(handler)
+        try:
+            self.d.side.on_new_request(req)
+        finally:
+            logging.getLogger("vllm.kvbridge").removeHandler(handler)
+        assert forged["do_remote_prefill"] is False  # vLLM computes the prompt itself
+        assert self.d.side.num_new_matched_tokens(req, 0) == (0, False)
+        return warnings[-1].getMessage()
+
     def pinned(self) -> bool:
         self._drive(lambda: not self.prefill_kv.requests)
         return self.prefill_kv.pinned_blocks > 0 or self.decode_kv.pinned_blocks > 0
@@ -311,6 +343,43 @@ def test_both_hosts_move_the_states_the_table_says(host: Host, scenario: Scenari
     assert scenario.prefill_reason in last_reason(host.prefill_kv, rid)
     if scenario.decode_reason:
         assert scenario.decode_reason in last_reason(host.decode_kv, rid)
+
+
+def capability_of(handover: Any) -> bytes:
+    if isinstance(handover, dict):  # vLLM's kv_transfer_params
+        return base64.b64decode(handover[CAPABILITY_KEY])
+    return bytes(handover.capability)
+
+
+def test_both_hosts_take_capabilities_only_from_enrolled_prefill_instances(host: Host) -> None:
+    """What a party holding a decode host's files can make of a real capability:
+    re-signed for another prompt with the decode's key, pointed to an endpoint of its
+    own, signed as its own by a decode credential: each refused at arrival with its
+    reason, the same on both hosts; nothing pulled, nothing pinned."""
+    handover = host.prefill("forged")
+    v, body, sig, certificate = msgspec.msgpack.decode(capability_of(handover))
+    cap = msgspec.msgpack.decode(body, type=Capability)
+    decode = enrolled(C, "D")  # the decode host's own credential
+
+    def resigned(**changes: Any) -> bytes:
+        changed = msgspec.msgpack.encode(msgspec.structs.replace(cap, **changes))
+        return msgspec.msgpack.encode([v, changed, decode.sign(changed), certificate])
+
+    forgeries = [
+        (resigned(prompt_digest=b"x" * 16), "not signed by the key certified for 'P'"),
+        (resigned(endpoint="tcp://10.9.9.9:1"), "not signed by the key certified for 'P'"),
+        (
+            issue(msgspec.structs.replace(cap, producer="D", endpoint="tcp://10.9.9.9:1"), decode),
+            "enrolled as a decode instance",
+        ),
+        (issue(cap, enrolled(P, "P", RootKey.generate())), "not by this deployment's root"),
+    ]
+    for data, words in forgeries:
+        assert words in host.refused("forged", handover, data)
+        assert host.decode_kv.state("forged") is None and not host.decode_kv.has_transfers
+    assert msgspec.msgpack.decode(capability_of(handover))[2] == sig  # the real one intact
+    host.cancel("forged")
+    assert not host.pinned()
 
 
 def test_a_vllm_decode_worker_holds_the_prefill_bytes_after_its_pull() -> None:

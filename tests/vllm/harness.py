@@ -20,14 +20,15 @@ from typing import Any
 
 import httpx
 
+from kvbridge.connector import RootKey
 from kvbridge.serve.metrics import metric_value
 from kvbridge.vllm.launch import (
     LOADED_HOST_SETTINGS,
     SMALL_HOST_ARGS,
     free_port,
     kv_transfer_config,
-    new_identity_file,
-    remove_identity_file,
+    new_credential_file,
+    remove_credential_file,
     start,
     stop,
     vllm_command,
@@ -37,6 +38,8 @@ from kvbridge.vllm.launch import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the test deployment's root key: it enrolls every test instance (`credential_file`)
+CREDENTIAL_ROOT = RootKey.generate()
 MODELS = Path(os.environ.get("KVBRIDGE_VLLM_MODELS", ROOT / ".cache" / "vllm-models"))
 #: "kvbridge decode worker R pulled ID: tokens [S, N), B bytes in T ms"
 PULLED = re.compile(
@@ -75,10 +78,10 @@ class VLLMServer:
         self.log_path = log_path
         self.tp_size = tp_size
         kv = None
-        self.identity_file: str | None = None
-        if kv_role is not None:
-            self.identity_file = new_identity_file(model)
-            settings = {**LOADED_HOST_SETTINGS, "identity_file": self.identity_file}
+        self.credential_file: str | None = None
+        if kv_role is not None:  # every test instance of one deployment (CREDENTIAL_ROOT)
+            self.credential_file = new_credential_file(CREDENTIAL_ROOT, kv_role, model)
+            settings = {**LOADED_HOST_SETTINGS, "credential_file": self.credential_file}
             settings |= extra or {}
             kv = kv_transfer_config(kv_role, settings, failure_policy)
         cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *SMALL_HOST_ARGS)
@@ -132,8 +135,8 @@ class VLLMServer:
     def stop(self) -> None:
         stop(self.proc)
         self._log.close()
-        if self.identity_file:
-            remove_identity_file(self.identity_file)
+        if self.credential_file:
+            remove_credential_file(self.credential_file)
 
 
 class Proxy:

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
+from kvbridge.connector import RootKey
 from kvbridge.connector.settings import OWN_KEYS, TRANSFER_KEYS, ConnectorSettings
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.config import TransferConfig
-from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.integrity import Integrity
-from kvbridge.vllm.settings import EXTRA_CONFIG, from_extra_config
+from kvbridge.vllm.settings import EXTRA_CONFIG, ROLES, from_extra_config
 
 
 def test_each_key_is_a_fields_declaration_with_its_default() -> None:
@@ -20,7 +20,7 @@ def test_each_key_is_a_fields_declaration_with_its_default() -> None:
     field's default."""
     fields = tuple(f.name for f in dataclasses.fields(TransferConfig) if f.name != "token")
     assert fields == TRANSFER_KEYS
-    assert OWN_KEYS == ("instance_id", "token_file", "claim_s", "identity_file")
+    assert OWN_KEYS == ("instance_id", "token_file", "claim_s", "credential_file")
     assert [s.key for s in EXTRA_CONFIG] == [*OWN_KEYS, *TRANSFER_KEYS]
     empty = from_extra_config({})
     assert empty == ConnectorSettings() and empty.transfer == TransferConfig()
@@ -39,7 +39,7 @@ def test_transfer_keys_reach_the_runtime_config() -> None:
     [
         (
             {"lease": 3},
-            r"kv_connector_extra_config.lease=3 is not a KVBridgeConnector setting; use any of instance_id, token_file, claim_s, identity_file, host",
+            r"kv_connector_extra_config.lease=3 is not a KVBridgeConnector setting; use any of instance_id, token_file, claim_s, credential_file, host",
         ),
         ({"lease_s": 0}, r"lease_s=0 must be a positive number of seconds"),
         ({"claim_s": "x"}, r"kv_connector_extra_config.claim_s='x' must be a number"),
@@ -58,21 +58,35 @@ def test_bad_settings_are_refused_with_what_works(extra: dict, words: str) -> No
         from_extra_config(extra)
 
 
-def test_an_identity_file_binds_the_instance_id_to_its_key(tmp_path) -> None:
-    """`identity_file` (issue #21 item 3): every process of the instance reads the same
-    key, so they agree on the bound id; a file others may read, or not a key, is refused
-    at start-up naming the setting."""
-    key = Identity.generate()
-    path = tmp_path / "decode.key"
-    key.save(path)
-    s = from_extra_config({"identity_file": str(path)})
-    assert s.identity == key and s.identity.bind("engine-1") == key.bind("engine-1")
-    assert key.bind("engine-1").startswith("engine-1@")
+def test_a_credential_file_names_the_instance_and_its_roles(tmp_path) -> None:
+    """`credential_file`: every process of the instance reads the same file, so they
+    agree on its id (the credential's, bound to its key); each role's contract config
+    carries it; a file others may read, or not a credential, or a token without one, is
+    refused at start-up naming the setting."""
+    root = RootKey.generate()
+    cred = root.enroll(ROLES["kv_consumer"], "decode-a")
+    path = tmp_path / "decode.credential"
+    cred.save(path)
+    s = from_extra_config({"credential_file": str(path)})
+    assert s.credential == cred and s.bound_instance_id("engine-1") == cred.instance_id
+    assert cred.instance_id.startswith("decode-a@")
+    (config,) = s.configs(cred.instance_id, ROLES["kv_consumer"])
+    assert config.root == root.public and config.spec.identity == cred.curve_secret.decode()
+    with pytest.raises(ConfigError, match="not for a prefill instance"):
+        s.configs(cred.instance_id, ROLES["kv_both"])  # enrolled as a decode only
+    with pytest.raises(ConfigError, match="the credential names this instance"):
+        from_extra_config({"credential_file": str(path), "instance_id": "x"})
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    plain = from_extra_config({"token_file": str(token)})
+    with pytest.raises(ConfigError, match="has a shared token but no credential"):
+        plain.configs("engine-1", ROLES["kv_consumer"])
     path.chmod(0o644)
-    with pytest.raises(ConfigError, match=r"identity_file=.* may be read by others.*chmod 600"):
-        from_extra_config({"identity_file": str(path)})
-    bad = tmp_path / "bad.key"
-    bad.write_bytes(b"not a key")
+    with pytest.raises(ConfigError, match=r"credential_file=.* may be read by others.*chmod 600"):
+        from_extra_config({"credential_file": str(path)})
+    bad = tmp_path / "bad.credential"
+    bad.write_bytes(b"not a credential")
     bad.chmod(0o600)
-    with pytest.raises(ConfigError, match=r"identity_file=.*not a CURVE secret key"):
-        from_extra_config({"identity_file": str(bad)})
+    with pytest.raises(ConfigError, match=r"credential_file=.*not a kvbridge credential"):
+        from_extra_config({"credential_file": str(bad)})
