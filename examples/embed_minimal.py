@@ -22,7 +22,6 @@ import os
 import secrets
 import sys
 import time
-import uuid
 from multiprocessing.connection import Connection
 
 import msgspec
@@ -39,6 +38,7 @@ from kvbridge.connector import (
     RemoteDecode,
     RemotePrefill,
     RequestState,
+    RootKey,
 )
 from kvbridge.connector.metadata import encode, metadata_decoder, output_decoder
 from kvbridge.connector.worker import KVConnectorWorker
@@ -206,10 +206,14 @@ def worker_main(conn: Connection, spec_bytes: bytes, rank: int) -> None:
 # 5. The driver's view of one instance: the connector's scheduler side, and the workers,
 # called all at once, answers in rank order.
 class Instance:
-    def __init__(self, role: ConnectorRole, layout: kvbridge.InstanceLayout) -> None:
+    def __init__(self, role: ConnectorRole, layout: kvbridge.InstanceLayout, root: RootKey) -> None:
         self.role, self.layout = role, layout
-        self.instance_id = f"{role.value}-{uuid.uuid4().hex[:8]}"
-        self.spec = ConnectorSpec(role, self.instance_id, transfer_config())
+        # its role credential, enrolled by the deployment's root: a prefill instance signs
+        # its capabilities and handshakes with it, a decode instance takes only those of
+        # prefill instances the root enrolled; its id names the instance's own key
+        credential = root.enroll((role,), role.value)
+        self.instance_id = credential.instance_id
+        self.spec = ConnectorSpec(role, self.instance_id, transfer_config(), credential.packed())
         # a decode instance of this toy engine cannot compute a prompt: a failed pull
         # fails the request (an engine that can says KVLoadFailure.RECOMPUTE)
         config = KVConnectorConfig(self.spec, kv_load_failure=KVLoadFailure.FAIL)
@@ -335,12 +339,14 @@ def run(prefill: Instance, decode: Instance) -> None:
 
 
 def main() -> int:
-    # one secret for the deployment; spawned workers get it in their ConnectorSpec
+    # one secret for the deployment, and its root key (the operator's: it enrolls each
+    # instance); spawned workers get their instance's credential in their ConnectorSpec
     os.environ.setdefault("KVBRIDGE_TRANSFER_TOKEN", secrets.token_hex(32))
+    root = RootKey.generate()
     instances: list[Instance] = []
     try:
-        prefill = Instance(ConnectorRole.PRODUCER, PREFILL)  # a bad token fails here
-        decode = Instance(ConnectorRole.CONSUMER, DECODE)
+        prefill = Instance(ConnectorRole.PRODUCER, PREFILL, root)  # a bad token fails here
+        decode = Instance(ConnectorRole.CONSUMER, DECODE, root)
         instances += [decode, prefill]
         prefill.start()
         decode.start()

@@ -27,6 +27,7 @@ host frees or uses its blocks: the connector never frees a block itself.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import time
 from collections.abc import Iterable
@@ -89,16 +90,19 @@ class KVConnectorConfig:
     """One instance's connector: the workers' transfer runtime (`spec`) and the
     scheduler side's policy. `claim_s`: a pull capability expires this long after it is
     issued; `exposure_lease_s`: how long exposed blocks stay pinned unread (None: the
-    transfer config's lease); `kv_load_failure`: what a failed pull does; `credential`:
-    the instance's role credential (`credential.py`: a prefill signs its capabilities
-    with it, a decode takes capabilities certified by its root), required with a shared
-    token (None without one: open mode, a throwaway key, any signer trusted)."""
+    transfer config's lease); `kv_load_failure`: what a failed pull does. The spec's
+    role credential (`credential.py`: a prefill signs its capabilities with it, a decode
+    takes capabilities certified by its root) is required with a shared token (none
+    without one: open mode, a throwaway key, any signer trusted)."""
 
     spec: ConnectorSpec
     claim_s: float = DEFAULT_CLAIM_S
     exposure_lease_s: float | None = None
     kv_load_failure: KVLoadFailure = KVLoadFailure.RECOMPUTE
-    credential: Credential | None = None
+
+    @functools.cached_property
+    def credential(self) -> Credential | None:
+        return Credential.unpacked(self.spec.credential)
 
     def __post_init__(self) -> None:
         cred = self.credential

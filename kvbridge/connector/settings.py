@@ -95,17 +95,15 @@ class ConnectorSettings:
         return self.instance_id or engine_id
 
     def configs(self, instance_id: str, roles: Iterable[ConnectorRole]) -> list[KVConnectorConfig]:
-        """The hand-over contract's config of each role; a consumer's workers present
-        the instance's own key (its credential's)."""
-        cred = self.credential
-        secret = cred.curve_secret.decode() if cred is not None else ""
-
-        def spec(role: ConnectorRole) -> ConnectorSpec:
-            identity = secret if role is ConnectorRole.CONSUMER else ""
-            return ConnectorSpec(role, instance_id, self.transfer, identity=identity)
-
+        """The hand-over contract's config of each role, each carrying the instance's
+        credential (its workers present the key it holds)."""
+        packed = self.credential.packed() if self.credential is not None else b""
         return [
-            KVConnectorConfig(spec(role), claim_s=self.claim_s, credential=cred) for role in roles
+            KVConnectorConfig(
+                ConnectorSpec(role, instance_id, self.transfer, credential=packed),
+                claim_s=self.claim_s,
+            )
+            for role in roles
         ]
 
 

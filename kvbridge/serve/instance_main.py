@@ -69,14 +69,14 @@ def run_instance(cfg: InstanceConfig) -> int:
     role = cfg.role
     credential = cfg.credential()
     if credential is not None:  # its id names its key: nobody else can act as it
-        instance_id, key = credential.instance_id, credential.identity
+        instance_id, packed, identity = credential.instance_id, credential.packed(), ""
     elif role is Role.PREFILL:
-        instance_id, key = f"{role.value}-{uuid.uuid4().hex[:8]}", None
+        instance_id, packed, identity = f"{role.value}-{uuid.uuid4().hex[:8]}", b"", ""
     else:  # a key pair of its own, which its id names: nobody else can pull as it
         key = Identity.generate()
-        instance_id = key.bind(role.value)
-    identity = key.secret.decode() if key is not None and role is Role.DECODE else ""
-    spec = ConnectorSpec(cfg.connector_role, instance_id, cfg.transfer_config(), identity)
+        instance_id, packed, identity = key.bind(role.value), b"", key.secret.decode()
+    transfer = cfg.transfer_config()
+    spec = ConnectorSpec(cfg.connector_role, instance_id, transfer, packed, identity)
     config = cfg.engine_config()
     sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -99,7 +99,6 @@ def run_instance(cfg: InstanceConfig) -> int:
         claim_s=cfg.claim_s,
         exposure_lease_s=cfg.exposure_lease_s,
         kv_load_failure=cfg.kv_load_failure,
-        credential=credential,
     )
     engine = LLMEngine(cfg.model, config, progress=_progress, connector=connector)
     loop = EngineLoop(engine, world_size=cfg.tp_size).start()

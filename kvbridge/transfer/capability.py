@@ -30,13 +30,7 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
-from kvbridge.transfer.connector import ConnectorRole
-from kvbridge.transfer.credential import (
-    Credential,
-    check_certificate,
-    ed25519_verify,
-    role_names,
-)
+from kvbridge.transfer.credential import Credential, signed_by_prefill
 from kvbridge.transfer.errors import AuthError
 
 _VERSION = 5  # 5: signed by the producer's certified key
@@ -104,18 +98,7 @@ def _signed_by_producer(data: bytes, root: bytes | None) -> Capability:
         raise AuthError(f"malformed capability: {exc}") from None
     if env.v != _VERSION:
         raise AuthError(f"capability version={env.v}; this side reads version {_VERSION}")
-    cert = check_certificate(env.certificate, root)
-    if ConnectorRole.PRODUCER not in cert.roles:
-        raise AuthError(
-            f"capability signed by {cert.instance_id!r}, which is enrolled as "
-            f"{role_names(cert.roles)}: only a prefill instance of the deployment issues "
-            "capabilities"
-        )
-    if not ed25519_verify(cert.signing_key, env.sig, env.body):
-        raise AuthError(
-            f"capability signature is wrong: not signed by the key certified for "
-            f"{cert.instance_id!r}"
-        )
+    cert = signed_by_prefill(env.certificate, env.sig, env.body, root, "capability")
     try:
         cap = _body.decode(env.body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

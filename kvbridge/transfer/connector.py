@@ -94,9 +94,14 @@ class ConnectorSpec(msgspec.Struct, frozen=True):
     role: ConnectorRole
     instance_id: str
     transfer: TransferConfig = TransferConfig()
-    #: a decode instance's CURVE secret key (Z85; `identity.Identity`), shared by its
-    #: workers: their side-channel connections present it, and `instance_id` names it
-    #: (`Identity.bind`); "" for none (an ephemeral key per connection, an unbound id)
+    #: the instance's role credential (msgpack of `credential.Credential`; b"": none, open
+    #: mode): a prefill worker signs its Welcomes with it, a decode worker takes Welcomes
+    #: only from prefill instances its root enrolled, and presents the instance's key
+    credential: bytes = b""
+    #: without a credential, a decode instance's CURVE secret key (Z85;
+    #: `identity.Identity`), shared by its workers: their side-channel connections present
+    #: it, and `instance_id` names it (`Identity.bind`); "" for none (an ephemeral key per
+    #: connection, an unbound id)
     identity: str = ""
 
     @property
@@ -274,6 +279,7 @@ class WorkerConnector:
     ) -> None:
         from kvbridge.transfer.agent import NixlTransport
         from kvbridge.transfer.consumer import KVConsumer
+        from kvbridge.transfer.credential import Credential
         from kvbridge.transfer.identity import Identity
         from kvbridge.transfer.netdev import device_of
         from kvbridge.transfer.producer import KVProducer
@@ -304,8 +310,11 @@ class WorkerConnector:
         )
         try:
             runtime: KVProducer | KVConsumer
+            cred = Credential.unpacked(spec.credential)
             if self.role is ConnectorRole.PRODUCER:
-                runtime = KVProducer(**common)
+                runtime = KVProducer(**common, credential=cred)
+            elif cred is not None:
+                runtime = KVConsumer(**common, identity=cred.identity, root=cred.root)
             else:
                 identity = Identity(spec.identity.encode()) if spec.identity else None
                 runtime = KVConsumer(**common, identity=identity)

@@ -82,6 +82,7 @@ class KVConsumer:
         instance_id: str,
         clock: Callable[[], float] = time.monotonic,
         identity: Identity | None = None,
+        root: bytes | None = None,
     ) -> None:
         if identity is not None:
             identity.check_id(instance_id)
@@ -124,6 +125,7 @@ class KVConsumer:
             hello=hello,
             clock=clock,
             identity=identity,
+            root=root,
             decode_hosts=self._siblings.fan_out_hosts,
         )
         self._notices = ProducerNotices(worker)

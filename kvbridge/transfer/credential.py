@@ -8,14 +8,17 @@ instance id (``NAME@FINGERPRINT`` of
 the instance's CURVE key, `identity.py`) and the instance's own Ed25519 public key. The
 instance gets a `Credential`: that certificate, its secret keys and the root's public key.
 
-A prefill instance signs each capability with its own key and sends its certificate
-with it (`capability.issue`); a decode instance accepts a capability only if the
-certificate is signed by its root, certifies the prefill role, and certifies the key that
-signed the capability for the instance the capability names as its producer
-(`capability.check`). So a party that holds everything a decode host or the proxy holds
+A prefill instance signs each capability, and each Welcome its workers answer a
+handshake with, with its own key and sends its certificate along (`capability.issue`,
+`producer.py`); a decode instance accepts one only if the certificate is signed by its
+root, certifies the prefill role, and certifies the key that signed it for the instance
+it speaks for (`signed_by_prefill`): the producer a capability names, the instance a
+Welcome names. So a party that holds everything a decode host or the proxy holds
 (their credentials, the shared token) cannot sign a capability any decode instance
 accepts, nor point one at an endpoint of its own: only the root's holder can enroll a
-prefill instance, and only that instance holds its key.
+prefill instance, and only that instance holds its key. Nor can it answer a decode
+worker's handshake in a prefill instance's place (at an address it took over): the
+Welcome, which carries the NIXL metadata the decode worker reads from, is signed too.
 
 `kvbridge credential` makes the root and one credential per host; `kvbridge serve`
 (all in one) and `kvbridge.vllm.launch` make them for the instances they start. Without
@@ -45,6 +48,26 @@ from kvbridge.transfer.identity import Identity, read_private, write_private
 _VERSION = 1
 Key32 = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 ROLE_NAMES = {ConnectorRole.PRODUCER: "prefill", ConnectorRole.CONSUMER: "decode"}
+
+
+def signed_by_prefill(
+    certificate: bytes, sig: bytes, body: bytes, root: bytes | None, what: str
+) -> Certificate:
+    """The certificate of the prefill instance that signed `body` (a `what`: capability,
+    Welcome), if `root` certified it (None: any root, open mode) for the prefill role and
+    its key made `sig`; AuthError naming what is wrong otherwise. The caller checks the
+    certificate's instance id is the one `body` speaks for."""
+    cert = check_certificate(certificate, root)
+    if ConnectorRole.PRODUCER not in cert.roles:
+        raise AuthError(
+            f"{what} signed by {cert.instance_id!r}, which is enrolled as "
+            f"{role_names(cert.roles)}: only a prefill instance of the deployment signs one"
+        )
+    if not ed25519_verify(cert.signing_key, sig, body):
+        raise AuthError(
+            f"{what} signature is wrong: not signed by the key certified for {cert.instance_id!r}"
+        )
+    return cert
 
 
 @functools.lru_cache(maxsize=8)
@@ -174,6 +197,15 @@ class Credential(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
     def save(self, path: str | Path) -> None:
         write_private(path, msgspec.json.encode(self) + b"\n")
+
+    def packed(self) -> bytes:
+        """As `ConnectorSpec.credential` carries it to the workers (`unpacked`)."""
+        return _msgpack.encode(self)
+
+    @classmethod
+    def unpacked(cls, data: bytes) -> Credential | None:
+        """The credential `packed` made (None for b"": none)."""
+        return msgspec.msgpack.decode(data, type=cls) if data else None
 
 
 class RootKey:

@@ -149,6 +149,10 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=
     worker_endpoints: Annotated[list[Name], msgspec.Meta(max_length=MAX_WORKERS)]
     hello_nonce: Nonce
     nonce: Nonce
+    #: the prefill instance's certificate, and its key's signature over this Welcome
+    #: with `signature` empty (`credential.signed_by_prefill`); empty without a credential
+    certificate: Annotated[bytes, msgspec.Meta(max_length=1024)] = b""
+    signature: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class Refused(msgspec.Struct, frozen=True, tag="refused", forbid_unknown_fields=True):
@@ -328,6 +332,11 @@ MAX_SIBLING_BYTES = 17 << 20
 
 def encode_sibling(info: Sibling) -> bytes:
     return _encoder.encode(info)
+
+
+def welcome_body(welcome: Welcome) -> bytes:
+    """What a Welcome's signature covers: the Welcome with its signature empty."""
+    return _encoder.encode(msgspec.structs.replace(welcome, signature=b""))
 
 
 def decode_sibling(data: bytes) -> Sibling:

@@ -31,8 +31,9 @@ from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.auth import session_id, session_key
 from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.credential import signed_by_prefill
 from kvbridge.transfer.descriptors import unit_descs
-from kvbridge.transfer.errors import ProtocolError
+from kvbridge.transfer.errors import AuthError, ProtocolError
 from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.messages import (
     Hello,
@@ -43,6 +44,7 @@ from kvbridge.transfer.messages import (
     Welcome,
     encode,
     spec_error,
+    welcome_body,
 )
 from kvbridge.transfer.regions import CacheRegions, MemType
 from kvbridge.transfer.side_channel import SideChannelClient
@@ -142,6 +144,7 @@ class ProducerDirectory:
         hello: Hello,
         clock: Callable[[], float],
         identity: Identity | None = None,
+        root: bytes | None = None,
         decode_hosts: Callable[[str], tuple[str, ...] | None] = lambda endpoint: None,
     ) -> None:
         self.model, self.layout, self.rank = model, layout, rank
@@ -149,6 +152,8 @@ class ProducerDirectory:
         self._decode_hosts = decode_hosts
         self.transport, self.config, self._hello, self._clock = transport, config, hello, clock
         self.identity = identity  # the key pair every side-channel connection presents
+        #: the root whose prefill instances may answer our handshakes (None: any, open mode)
+        self.root = root
         self._workers: dict[str, ProducerWorker] = {}
         self._instances: dict[str, ProducerInstance] = {}
 
@@ -374,6 +379,8 @@ class ProducerDirectory:
                 f"{len(welcome.worker_endpoints)} worker endpoints for an "
                 f"instance of {layout.world_size} workers"
             )
+        if self.root is not None:
+            self._check_signed(w, welcome)
         agent = self.transport.add_peer(welcome.agent_metadata)
         if agent != welcome.agent_name:
             self.transport.remove_peer(agent)  # loaded above: unload before refusing
@@ -396,6 +403,24 @@ class ProducerDirectory:
             welcome.device_id,
         )
         w.state = PeerState.READY
+
+    def _check_signed(self, w: ProducerWorker, welcome: Welcome) -> None:
+        """Refuse a Welcome no prefill instance our root enrolled signed, or one signed
+        for another instance than it names: its NIXL metadata would have us read
+        someone else's memory as that instance's KV."""
+        if not welcome.certificate:
+            raise AuthError(
+                f"prefill worker at {w.endpoint} sent no certificate: it runs without a "
+                "credential, and this decode instance takes only prefill instances its "
+                "root enrolled; give the prefill instance its credential"
+            )
+        body = welcome_body(welcome)
+        cert = signed_by_prefill(welcome.certificate, welcome.signature, body, self.root, "Welcome")
+        if cert.instance_id != welcome.instance_id:
+            raise AuthError(
+                f"the Welcome from {w.endpoint} names instance {welcome.instance_id!r} but is "
+                f"signed by {cert.instance_id!r}"
+            )
 
     def _plan(self, inst: ProducerInstance) -> None:
         w0 = inst.worker0.welcome

@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
@@ -52,6 +53,7 @@ from kvbridge.plan.layout import InstanceLayout
 from kvbridge.plan.planner import TransferPlan, make_plan
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.credential import Credential
 from kvbridge.transfer.errors import ProtocolError, TransferError
 from kvbridge.transfer.identity import binding_refusal, bound_fingerprint
 from kvbridge.transfer.integrity import digest, region_views
@@ -69,6 +71,7 @@ from kvbridge.transfer.messages import (
     Welcome,
     decode_signed,
     spec_error,
+    welcome_body,
 )
 from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
 from kvbridge.transfer.sessions import Session, SessionRefused, SessionTable
@@ -145,6 +148,7 @@ class KVProducer:
         instance_id: str,
         on_release: Callable[[Release], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        credential: Credential | None = None,
     ) -> None:
         self.model, self.layout, self.rank = model, layout, rank
         self.shard = worker_shard_checked(model, layout, "prefill", rank, regions, num_blocks)
@@ -153,6 +157,8 @@ class KVProducer:
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self.on_release = on_release
         self._clock = clock
+        #: the instance's credential: signs each Welcome (None: open mode, unsigned)
+        self.credential = credential
         self._exposed: dict[str, _Exposure] = {}
         # how many pinned exposures name each bound reader id (its Hellos get reserved
         # room in the session table: sessions.py)
@@ -559,7 +565,8 @@ class KVProducer:
             )
             return Refused(kind=exc.kind, reason=str(exc))
         exported = self.transport.peer_regions(self.regions)
-        return Welcome(
+        cred = self.credential
+        welcome = Welcome(
             instance_id=self.instance_id,
             rank=self.rank,
             model=ModelWire.of(self.model),
@@ -573,7 +580,11 @@ class KVProducer:
             worker_endpoints=self.worker_endpoints,
             hello_nonce=msg.nonce,
             nonce=nonce,
+            certificate=cred.certificate if cred is not None else b"",
         )
+        if cred is None:
+            return welcome
+        return msgspec.structs.replace(welcome, signature=cred.sign(welcome_body(welcome)))
 
     def _is_reading(self, instance_id: str) -> bool:
         """Whether decode instance `instance_id` reads (or may read) a pinned request."""

@@ -122,8 +122,8 @@ def until(done: Callable[[], bool], step: Callable[[], None], timeout: float = 6
 class EngineHost:
     def __init__(self) -> None:
         def make(role: ConnectorRole, name: str) -> LLMEngine:
-            spec = ConnectorSpec(role, name, TRANSFER)
-            config = KVConnectorConfig(spec, claim_s=30.0, credential=enrolled(role, name))
+            spec = ConnectorSpec(role, name, TRANSFER, enrolled(role, name).packed())
+            config = KVConnectorConfig(spec, claim_s=30.0)
             return LLMEngine("smollm2-135m", EngineConfig(num_blocks=24), connector=config)
 
         self.p = make(P, "P")

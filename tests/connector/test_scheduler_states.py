@@ -33,8 +33,9 @@ S = RequestState
 
 
 def producer(world: int = 2) -> KVConnectorScheduler:
-    spec = ConnectorSpec(ConnectorRole.PRODUCER, "P", TransferConfig(token=TOKEN))
-    config = KVConnectorConfig(spec, exposure_lease_s=7.0, credential=enrolled(spec.role, "P"))
+    credential = enrolled(ConnectorRole.PRODUCER, "P").packed()
+    spec = ConnectorSpec(ConnectorRole.PRODUCER, "P", TransferConfig(token=TOKEN), credential)
+    config = KVConnectorConfig(spec, exposure_lease_s=7.0)
     sched = KVConnectorScheduler(config, BS, world)
     sched.set_worker_endpoints(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"][:world])
     return sched
@@ -43,10 +44,11 @@ def producer(world: int = 2) -> KVConnectorScheduler:
 def consumer(
     policy: KVLoadFailure = KVLoadFailure.RECOMPUTE, world: int = 2, instance_id: str = "D"
 ) -> KVConnectorScheduler:
-    spec = ConnectorSpec(ConnectorRole.CONSUMER, instance_id, TransferConfig(token=TOKEN))
-    config = KVConnectorConfig(
-        spec, kv_load_failure=policy, credential=enrolled(spec.role, instance_id)
+    credential = enrolled(ConnectorRole.CONSUMER, instance_id).packed()
+    spec = ConnectorSpec(
+        ConnectorRole.CONSUMER, instance_id, TransferConfig(token=TOKEN), credential
     )
+    config = KVConnectorConfig(spec, kv_load_failure=policy)
     return KVConnectorScheduler(config, BS, world)
 
 

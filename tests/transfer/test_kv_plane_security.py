@@ -23,6 +23,7 @@ from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.connector import ConnectorRole
 from kvbridge.transfer.consumer import KVConsumer, TransferState
+from kvbridge.transfer.credential import Credential, RootKey
 from kvbridge.transfer.identity import Identity
 from kvbridge.transfer.integrity import Integrity
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
@@ -48,7 +49,11 @@ TP2 = InstanceLayout(tp_size=2)
 
 
 def make_producer(
-    clock: Clock, released: list[Release], rank: int = 0, layout: InstanceLayout = TP2
+    clock: Clock,
+    released: list[Release],
+    rank: int = 0,
+    layout: InstanceLayout = TP2,
+    credential: Credential | None = None,
 ) -> KVProducer:
     return KVProducer(
         model=MODEL,
@@ -61,6 +66,7 @@ def make_producer(
         instance_id="P",
         on_release=released.append,
         clock=clock,
+        credential=credential,
     )
 
 
@@ -76,7 +82,11 @@ def closes_consumers() -> Iterator[None]:
 
 
 def make_consumer(
-    clock: Clock, instance_id: str = "D", rank: int = 0, identity: Identity | None = None
+    clock: Clock,
+    instance_id: str = "D",
+    rank: int = 0,
+    identity: Identity | None = None,
+    root: bytes | None = None,
 ) -> KVConsumer:
     consumer = KVConsumer(
         model=MODEL,
@@ -91,6 +101,7 @@ def make_consumer(
         instance_id=instance_id,
         clock=clock,
         identity=identity,
+        root=root,
     )
     _CONSUMERS.append(consumer)
     return consumer
@@ -237,6 +248,50 @@ def test_an_instance_id_bound_to_a_key_is_refused_to_every_other_key(pair) -> No
     deliver(p0, notif)
     p0.poll()
     assert [(r.request_id, r.cause) for r in released] == [("victim", ReleaseCause.COMPLETED)]
+
+
+@pytest.mark.parametrize(
+    ("signer", "words"),
+    [
+        (enrolled(ConnectorRole.PRODUCER, "P"), ""),  # the deployment's prefill instance
+        (None, "sent no certificate"),
+        (enrolled(ConnectorRole.PRODUCER, "P", RootKey.generate()), "not by this deployment"),
+        (enrolled(ConnectorRole.CONSUMER, "P"), "enrolled as a decode instance"),
+        (enrolled(ConnectorRole.PRODUCER, "Q"), "names instance 'P' but is signed by 'Q'"),
+    ],
+    ids=["enrolled", "no credential", "another root", "a decode key", "another prefill"],
+)
+def test_a_decode_worker_meets_only_prefill_instances_its_root_enrolled(
+    signer: Credential | None, words: str
+) -> None:
+    """A party holding the token could answer a decode worker's handshake in a prefill
+    instance's place (at an address it took over): its Welcome's NIXL metadata would
+    have the decode worker read its memory as that instance's KV. A decode worker with
+    a root takes only Welcomes signed by a prefill instance its root enrolled, for the
+    instance they name; the pull fails naming why, before anything is read."""
+    clock: Clock = Clock()
+    ps = [make_producer(clock, [], r, credential=signer) for r in (0, 1)]
+    try:
+        for p in ps:
+            p.set_worker_endpoints([q.endpoint for q in ps])
+            p.expose("r1", [3], 4)
+        c = make_consumer(clock, root=ROOT.public)
+        c.pull("r1", ps[0].endpoint, [3], [5], 4)
+        results = []
+        for _ in range(40):
+            for p in ps:
+                p.poll(5)
+            results += c.poll()
+        assert isinstance(c.transport, FakeTransport)
+        if not words:
+            assert c.transport.reads and not results  # met, reading
+            return
+        (failed,) = results
+        assert failed.state is TransferState.FAILED and words in failed.reason, failed
+        assert not c.transport.reads
+    finally:
+        for p in ps:
+            p.close()
 
 
 def test_a_hello_cannot_replace_another_instances_plan(pair) -> None:

@@ -43,6 +43,7 @@ from kvbridge.transfer.connector import (
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.progress import ProgressThread
 from kvbridge.transfer.regions import CacheRegions
+from tests.credentials import ROOT
 
 from .fakes import MODEL, NUM_BLOCKS, PREFILL, FakeTransport, regions
 from .test_embed_example import EXAMPLE, load_example
@@ -74,7 +75,7 @@ def example(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setenv("KVBRIDGE_TRANSFER_TOKEN", "progress-thread-test-token")
     monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # spawned workers import it by name
     ex = load_example()
-    prefill = ex.Instance(ConnectorRole.PRODUCER, ex.PREFILL)
+    prefill = ex.Instance(ConnectorRole.PRODUCER, ex.PREFILL, ROOT)
     try:
         yield ex, prefill.start()
     finally:
@@ -89,7 +90,9 @@ def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(examp
     cache = np.zeros(cache_shape(ex.MODEL, decode, shard, 8), dtype=ex.MODEL.dtype)
     cache_regions = CacheRegions.from_array(cache, num_regions(ex.MODEL, decode, shard))
     config = dataclasses.replace(ex.transfer_config(), liveness_timeout_s=2.0)
-    spec = ConnectorSpec(ConnectorRole.CONSUMER, "decode-progress", config)
+    # enrolled by the same root: it meets the prefill only on a Welcome the prefill signed
+    cred = ROOT.enroll((ConnectorRole.CONSUMER,), "decode-progress")
+    spec = ConnectorSpec(ConnectorRole.CONSUMER, cred.instance_id, config, cred.packed())
     conn = WorkerConnector(spec, ex.MODEL, decode, 0, cache_regions, 8)
     progress, consumer = conn.progress, conn.consumer
     assert progress is not None and consumer is not None
@@ -98,7 +101,7 @@ def test_a_pull_completes_while_the_engine_thread_computes_and_never_polls(examp
         # scheduler side; we pull with what its capability says (endpoint, blocks,
         # generation), as a decode instance's scheduler side would order
         p_ids, d_ids, n = [9, 2, 5], [6, 1], ex.NUM_TOKENS
-        prefill.kv.add_request("r1", list(range(n)), RemoteDecode(reader="decode-progress"))
+        prefill.kv.add_request("r1", list(range(n)), RemoteDecode(reader=cred.instance_id))
         prefill.call(ex.Prefill(p_ids, n))
         prefill.kv.request_finished("r1", p_ids, ex.FIRST_TOKEN, done=False)
         assert prefill.step() == []  # exposed: pinned until our pull's notification

@@ -71,7 +71,7 @@ def test_a_credential_file_names_the_instance_and_its_roles(tmp_path) -> None:
     assert s.credential == cred and s.bound_instance_id("engine-1") == cred.instance_id
     assert cred.instance_id.startswith("decode-a@")
     (config,) = s.configs(cred.instance_id, ROLES["kv_consumer"])
-    assert config.root == root.public and config.spec.identity == cred.curve_secret.decode()
+    assert config.root == root.public and config.credential == cred
     with pytest.raises(ConfigError, match="not for a prefill instance"):
         s.configs(cred.instance_id, ROLES["kv_both"])  # enrolled as a decode only
     with pytest.raises(ConfigError, match="the credential names this instance"):
