@@ -48,7 +48,7 @@ class ConnectorSettings:
         env=_TOKEN_ENV,
         help=f"a file holding the shared secret (else {_TOKEN_ENV[0]}, else the file named "
         f"by {_TOKEN_ENV[1]}), at least 16 bytes: the side channel is CURVE-encrypted, "
-        "capabilities and notifications are signed; required unless `host` is loopback",
+        "notifications are signed; required unless `host` is loopback (with `credential_file`)",
     )
     claim_s: float = setting(
         120.0, help="how long a pull capability stays valid after the prefill (seconds)"

@@ -10,7 +10,8 @@ With a shared token (`--kv-token-file` / KVBRIDGE_TRANSFER_TOKEN):
     completion notifications (`ReadDone`, sent over NIXL, not the side channel) are
     signed with it and name their receiver, so they cannot be forged, moved to another
     worker, or replayed into another session.
-  * capabilities (`capability.py`) are signed with a key derived from the token.
+  * capabilities (`capability.py`) are not: a prefill instance signs them with its own
+    key, which the deployment's root certified (`credential.py`).
 
 Without a token (loopback only) the same derivations run on a fixed public key:
 messages are checked for integrity and bound to their session, but anyone who can

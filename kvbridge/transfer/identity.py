@@ -103,18 +103,6 @@ class Identity:
     def generate(cls) -> Identity:
         return cls(zmq.curve_keypair()[1])
 
-    @classmethod
-    def load(cls, path: str | Path, setting: str = "identity_file") -> Identity:
-        """The identity whose secret key file `path` holds (see `save`)."""
-        try:
-            return cls(read_private(path, setting).strip())
-        except ConfigError as exc:
-            raise ConfigError(f"{setting}={str(path)!r}: {exc}") from None
-
-    def save(self, path: str | Path) -> None:
-        """Write the secret key to a new file only its owner may read."""
-        write_private(path, self.secret + b"\n")
-
     @property
     def public(self) -> bytes:
         return zmq.curve_public(self.secret)
