@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -104,63 +105,24 @@ def test_a_credential_file_is_private_and_names_its_role(tmp_path) -> None:
         Credential.load(other)
 
 
+def make(root: Path, role: str, name: str, out: Path) -> int:
+    """`kvbridge credential`, as the operator runs it for one host."""
+    return cli(
+        ["credential", "--root", str(root), "--role", role, "--name", name, "--out", str(out)]
+    )
+
+
 def test_one_command_makes_each_hosts_credential(tmp_path, capsys) -> None:
-    root, out = tmp_path / "root.key", tmp_path / "d.cred"
-    assert (
-        cli(
-            [
-                "credential",
-                "--root",
-                str(root),
-                "--role",
-                "prefill",
-                "--name",
-                "p",
-                "--out",
-                str(tmp_path / "p.cred"),
-            ]
-        )
-        == 0
-    )
+    root, p_file, d_file = tmp_path / "root.key", tmp_path / "p.cred", tmp_path / "d.cred"
+    assert make(root, "prefill", "p", p_file) == 0
     assert "made the deployment's root key" in capsys.readouterr().out
-    assert (
-        cli(
-            [
-                "credential",
-                "--root",
-                str(root),
-                "--role",
-                "decode",
-                "--name",
-                "d",
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert make(root, "decode", "d", d_file) == 0
     assert oct(root.stat().st_mode & 0o777) == "0o600"
-    prefill, decode = Credential.load(tmp_path / "p.cred"), Credential.load(out)
+    prefill, decode = Credential.load(p_file), Credential.load(d_file)
     assert prefill.root == decode.root == RootKey.load(root).public
     assert decode.roles == (DECODE,) and prefill.roles == (PREFILL,)
-    # the decode host's file holds no secret of the root
-    assert RootKey.load(root)._key.private_bytes_raw() not in out.read_bytes()
-    assert (
-        cli(
-            [
-                "credential",
-                "--root",
-                str(root),
-                "--role",
-                "decode",
-                "--name",
-                "d",
-                "--out",
-                str(out),
-            ]
-        )
-        == 2
-    )  # never overwritten
+    assert root.read_bytes().strip() not in d_file.read_bytes()  # no secret of the root
+    assert make(root, "decode", "d", d_file) == 2  # a credential is never overwritten
     data = issue(capability(producer=prefill.instance_id), prefill)
     assert check(data, decode.root, "D").producer == prefill.instance_id
 
