@@ -20,6 +20,7 @@ from kvbridge.cli.serve_cmd import (
     instance_config,
     proxy_config,
 )
+from kvbridge.connector import ConnectorRole, Credential, RootKey
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.cpu_share import COMPUTE_NICE
 from kvbridge.errors import ConfigError
@@ -154,15 +155,19 @@ def test_every_flag_reaches_its_instances_config_and_the_kv_runtimes(tmp_path) -
     KV runtime every setting it carries from TransferConfig."""
     token = tmp_path / "token"
     token.write_text("0123456789abcdef0123")
+    credential = tmp_path / "decode.cred"
+    RootKey.generate().enroll((ConnectorRole.CONSUMER,), "decode").save(credential)
     argv = shlex.split(
         "serve --role decode --tp 2 --port 8411 --model m.gguf --kv-cache-mb 64 "
         "--no-prefix-caching --max-queued-requests 5 --no-cpu-priority --host 127.0.0.3 "
         "--max-body-mb 2.5 --insecure --kv-host 127.0.0.2 --kv-port 7000 "
         "--kv-advertise-host 127.0.0.4 --kv-load-failure fail --kv-claim-s 7 --lease-s 60 "
         "--transfer-timeout-s 20 --liveness-timeout-s 3 --handshake-timeout-s 9 "
-        f"--kv-integrity on --kv-export inline --kv-fan-out off --kv-token-file {token}"
+        f"--kv-integrity on --kv-export inline --kv-fan-out off --kv-token-file {token} "
+        f"--credential-file {credential}"
     )
     cfg = instance_config(build_parser().parse_args(argv))
+    assert cfg.credential() == Credential.load(credential)
     assert (cfg.role, cfg.tp_size, cfg.port, cfg.model, cfg.kv_cache_mb) == (
         Role.DECODE,
         2,
