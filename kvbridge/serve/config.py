@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from kvbridge.connector import (
-    ConnectorRole,
     FanOut,
     Integrity,
     KVExport,
@@ -36,7 +35,7 @@ from kvbridge.serve.isolation import PrefixCacheIsolation
 from kvbridge.settings import DEFAULT_CLAIM_S, DEFAULT_MODEL, carried, same_as, setting, setting_of
 
 if TYPE_CHECKING:
-    from kvbridge.connector import Credential
+    from kvbridge.connector import ConnectorRole, Credential
 
 
 class Role(enum.Enum):
@@ -248,6 +247,8 @@ class InstanceConfig:
 
     @property
     def connector_role(self) -> ConnectorRole:
+        from kvbridge.connector import ConnectorRole  # msgspec: not in the base install
+
         return ConnectorRole.PRODUCER if self.role is Role.PREFILL else ConnectorRole.CONSUMER
 
     def credential(self) -> Credential | None:
