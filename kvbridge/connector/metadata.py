@@ -7,12 +7,17 @@
 `KVTransferParams` is a request's hand-over record (vLLM's `kv_transfer_params`):
 `RemoteDecode` asks a prefill instance to expose a request's KV for a reader;
 `RemotePrefill` is the prefill instance's answer, which a decode instance is given to
-pull the KV (the signed capability and the first token).
+pull the KV (the signed capability and the first token). `encode_transfer_params` and
+`decode_transfer_params` write and read them as vLLM's JSON dict, in vLLM's P/D keys
+(`do_remote_decode`, `do_remote_prefill`, `remote_engine_id`, `remote_request_id`) and
+kvbridge's own (`CAPABILITY_KEY`, `READER_KEY`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import base64
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import msgspec
 
@@ -43,6 +48,43 @@ class RemotePrefill(msgspec.Struct, frozen=True, tag="remote_prefill"):
 
 
 KVTransferParams = RemoteDecode | RemotePrefill
+
+#: kv_transfer_params key carrying the capability (base64 of its signed bytes)
+CAPABILITY_KEY = "kvbridge_capability"
+#: kv_transfer_params key a proxy may set on the prefill request: the decode instance
+#: id that alone may pull it (without it, any holder of the token may)
+READER_KEY = "kvbridge_reader"
+
+
+def encode_transfer_params(params: KVTransferParams, request_id: str = "") -> dict[str, Any]:
+    """`params` as `kv_transfer_params`: a `RemoteDecode` as a proxy sends it to a prefill
+    instance (its reader; the prefill exposes the whole prompt), a `RemotePrefill` as
+    the prefill instance answers it for the request `request_id` there (no first
+    token: vLLM samples it again)."""
+    if isinstance(params, RemoteDecode):
+        return {"do_remote_decode": True} | ({READER_KEY: params.reader} if params.reader else {})
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        CAPABILITY_KEY: base64.b64encode(params.capability).decode(),
+        "remote_engine_id": params.instance_id,
+        "remote_request_id": params.request_id or request_id,
+    }
+
+
+def decode_transfer_params(params: Mapping[str, Any]) -> KVTransferParams | None:
+    """The hand-over `kv_transfer_params` ask for (`encode_transfer_params`); None for
+    none (a decode request computing its prompt: `do_remote_prefill` false).
+    ValueError (binascii.Error) for a capability that is not base64."""
+    if params.get("do_remote_decode"):
+        return RemoteDecode(params.get(READER_KEY) or "")
+    if params.get("do_remote_prefill") and CAPABILITY_KEY in params:
+        return RemotePrefill(
+            capability=base64.b64decode(params[CAPABILITY_KEY], validate=True),
+            instance_id=str(params.get("remote_engine_id") or ""),
+            request_id=str(params.get("remote_request_id") or ""),
+        )
+    return None
 
 
 class ConnectorMetadata(msgspec.Struct, frozen=True):

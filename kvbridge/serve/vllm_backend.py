@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from kvbridge.connector.metadata import RemoteDecode, encode_transfer_params
 from kvbridge.serve.backend import (
     Backend,
     BackendError,
@@ -264,7 +265,7 @@ class VLLMBackend(Backend):
         causes: list[str] = []
         for _ in self.prefill_urls:
             url = self.prefill_urls[next(self._prefills)]
-            kv = {"do_remote_decode": True}
+            kv = encode_transfer_params(RemoteDecode())
             try:
                 body = vllm_body(request, await self._served_model(url))
                 body |= {"max_tokens": 1, "stream": False, "kv_transfer_params": kv}

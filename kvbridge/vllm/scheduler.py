@@ -12,8 +12,6 @@ attributes).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
 from typing import Any
 
@@ -24,6 +22,7 @@ from kvbridge.connector import (
     RemotePrefill,
     RoleSchedulers,
 )
+from kvbridge.connector.metadata import decode_transfer_params, encode_transfer_params
 from kvbridge.connector.roles import Orders
 from kvbridge.connector.settings import ConnectorSettings
 
@@ -37,11 +36,6 @@ log = logging.getLogger("vllm.kvbridge")
 #: instead returns the moment a transfer finishes; a request that arrives meanwhile
 #: waits at most this long for its first step.
 EMPTY_STEP_WAIT_S = 0.02
-#: kv_transfer_params key carrying the capability (base64 of its signed bytes)
-CAPABILITY_KEY = "kvbridge_capability"
-#: kv_transfer_params key a proxy may set on the prefill request: the decode instance
-#: id that alone may pull it (without it, any holder of the token may)
-READER_KEY = "kvbridge_reader"
 
 
 class SchedulerSide(RoleSchedulers):
@@ -66,21 +60,15 @@ class SchedulerSide(RoleSchedulers):
         if not params:
             return
         rid = request.request_id
-        if params.get("do_remote_decode") and self.producer is not None:
-            reader = params.get(READER_KEY) or ""
-            self.producer.add_request(rid, list(request.prompt_token_ids), RemoteDecode(reader))
-        elif params.get("do_remote_prefill") and CAPABILITY_KEY in params and self.consumer:
-            try:
-                raw = base64.b64decode(params[CAPABILITY_KEY], validate=True)
-                handover = RemotePrefill(
-                    capability=raw,
-                    instance_id=str(params.get("remote_engine_id") or ""),
-                    request_id=str(params.get("remote_request_id") or ""),
-                )
+        try:
+            handover = decode_transfer_params(params)
+            if isinstance(handover, RemoteDecode) and self.producer is not None:
+                self.producer.add_request(rid, list(request.prompt_token_ids), handover)
+            elif isinstance(handover, RemotePrefill) and self.consumer is not None:
                 self.consumer.add_request(rid, list(request.prompt_token_ids), handover)
-            except (CapabilityRefused, binascii.Error, ValueError) as exc:
-                log.warning("request %s: %s; computing the prompt", rid, exc)
-                params["do_remote_prefill"] = False
+        except (CapabilityRefused, ValueError) as exc:  # binascii.Error: not base64
+            log.warning("request %s: %s; computing the prompt", rid, exc)
+            params["do_remote_prefill"] = False
 
     # -- decode --------------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -129,15 +117,7 @@ class SchedulerSide(RoleSchedulers):
         done = not finished_ok or request.num_computed_tokens < request.num_prompt_tokens
         first = request.output_token_ids[0] if request.output_token_ids else None
         delay, params = self.producer.request_finished(rid, block_ids, first, done)
-        if not isinstance(params, RemotePrefill):
-            return delay, None
-        return delay, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            CAPABILITY_KEY: base64.b64encode(params.capability).decode(),
-            "remote_engine_id": params.instance_id,
-            "remote_request_id": rid,
-        }
+        return delay, encode_transfer_params(params, rid) if params is not None else None
 
     # -- every step ----------------------------------------------------------------------
     def build_orders(self, num_scheduled_tokens: int) -> Orders:

@@ -34,6 +34,7 @@ from kvbridge.connector import (
     RootKey,
     TransferConfig,
 )
+from kvbridge.connector.metadata import CAPABILITY_KEY
 from kvbridge.connector.settings import ConnectorSettings
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import LLMEngine
@@ -41,7 +42,7 @@ from kvbridge.engine.sampling import SamplingParams
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.transfer.capability import Capability, issue
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
-from kvbridge.vllm.scheduler import CAPABILITY_KEY, SchedulerSide
+from kvbridge.vllm.scheduler import SchedulerSide
 from kvbridge.vllm.settings import ROLES
 from kvbridge.vllm.worker import worker_side
 from tests.credentials import ROOT, enrolled

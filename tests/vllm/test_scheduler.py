@@ -13,9 +13,10 @@ import msgspec
 import pytest
 
 from kvbridge.connector import ConnectorRole
+from kvbridge.connector.metadata import CAPABILITY_KEY
 from kvbridge.connector.settings import ConnectorSettings
 from kvbridge.transfer.connector import Pull
-from kvbridge.vllm.scheduler import CAPABILITY_KEY, EMPTY_STEP_WAIT_S, SchedulerSide
+from kvbridge.vllm.scheduler import EMPTY_STEP_WAIT_S, SchedulerSide
 from kvbridge.vllm.settings import ROLES
 
 PROMPT = list(range(100, 187))  # 87 tokens: 2 prefill blocks of 64, 3 decode blocks of 32
