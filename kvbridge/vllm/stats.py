@@ -4,22 +4,12 @@ Each decode worker records its pulls as figures (`kvbridge.connector.stats`, thr
 `RoleWorkers.take_pulls`); vLLM collects them after every step
 (`get_kv_connector_stats`), sums them over the TP workers (`aggregate`), logs a summary
 with its throughput line ("KV Transfer metrics: ...", `reduce`) and feeds its Prometheus
-registry (`KVBridgePromMetrics.observe`), so a
-vLLM deployment's /metrics carries, next to vLLM's own series:
-
-    vllm:kvbridge_pull_time_seconds   histogram: one decode worker's pull, from the
-                                      order to every byte in place (a first pull
-                                      includes the handshake with the producer)
-    vllm:kvbridge_pull_bytes          histogram: the bytes one decode worker pulled
-    vllm:kvbridge_failed_pulls_total  counter: pulls that failed (reported to vLLM as
-                                      load errors: recomputed or failed by its policy)
-
-All values in one observation list are per decode worker and pull.
+registry (`KVBridgePromMetrics.observe`): a vLLM deployment's /metrics carries `SERIES`
+next to vLLM's own, one observation per decode worker and pull.
 """
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,11 +37,6 @@ class KVBridgeConnectorStats(KVConnectorStats):
     def reset(self) -> None:
         self.data: dict[str, list[float]] = no_pulls()
 
-    def clone_and_reset(self) -> KVBridgeConnectorStats:
-        old = copy.copy(self)
-        self.reset()
-        return old
-
     def is_empty(self) -> bool:
         return not has_pulls(self.data)
 
@@ -69,8 +54,32 @@ _TIME_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 _BYTE_BUCKETS = [float(2 ** (11 + 2 * i)) for i in range(12)]
 
 
+#: each of the contract's pull figures (`PULL_KEYS`) as a series of vLLM's /metrics:
+#: (name, help, buckets of a histogram; None: a counter, `_total`, of the pulls)
+SERIES: dict[str, tuple[str, str, list[float] | None]] = {
+    # a first pull includes the handshake with the producer
+    "pull_seconds": (
+        "vllm:kvbridge_pull_time_seconds",
+        "One decode worker's KV pull with KVBridgeConnector, from the order to every "
+        "byte in place.",
+        _TIME_BUCKETS,
+    ),
+    "pull_bytes": (
+        "vllm:kvbridge_pull_bytes",
+        "Bytes one decode worker pulled with KVBridgeConnector.",
+        _BYTE_BUCKETS,
+    ),
+    # reported to vLLM as load errors too: recomputed or failed by its policy
+    "failed_pulls": (
+        "vllm:kvbridge_failed_pulls",
+        "KV pulls with KVBridgeConnector that failed (reported to vLLM as load errors).",
+        None,
+    ),
+}
+
+
 class KVBridgePromMetrics(KVConnectorPromMetrics):
-    """The series above, one child per vLLM engine (vLLM's `engine` label)."""
+    """`SERIES`, one child per vLLM engine (vLLM's `engine` label)."""
 
     def __init__(
         self,
@@ -80,37 +89,20 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-        def histogram(name: str, doc: str, buckets: list[float]) -> dict[int, Any]:
-            metric = self._histogram_cls(
-                name=name, documentation=doc, buckets=buckets, labelnames=labelnames
+        self.series: dict[str, dict[int, Any]] = {}
+        for key, (name, doc, buckets) in SERIES.items():
+            metric = (
+                self._histogram_cls(
+                    name=name, documentation=doc, buckets=buckets, labelnames=labelnames
+                )
+                if buckets
+                else self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             )
-            return create_metric_per_engine(metric, self.per_engine_labelvalues)
-
-        self.pull_time = histogram(
-            "vllm:kvbridge_pull_time_seconds",
-            "One decode worker's KV pull with KVBridgeConnector, from the order to every "
-            "byte in place.",
-            _TIME_BUCKETS,
-        )
-        self.pull_bytes = histogram(
-            "vllm:kvbridge_pull_bytes",
-            "Bytes one decode worker pulled with KVBridgeConnector.",
-            _BYTE_BUCKETS,
-        )
-        failed = self._counter_cls(
-            name="vllm:kvbridge_failed_pulls",
-            documentation="KV pulls with KVBridgeConnector that failed (reported to vLLM as "
-            "load errors).",
-            labelnames=labelnames,
-        )
-        self.failed_pulls = create_metric_per_engine(failed, self.per_engine_labelvalues)
+            self.series[key] = create_metric_per_engine(metric, self.per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for seconds in transfer_stats_data.get("pull_seconds", []):
-            self.pull_time[engine_idx].observe(seconds)
-        for nbytes in transfer_stats_data.get("pull_bytes", []):
-            self.pull_bytes[engine_idx].observe(nbytes)
-        failed = len(transfer_stats_data.get("failed_pulls", []))
-        if failed:
-            self.failed_pulls[engine_idx].inc(failed)
+        for key, (_, _, buckets) in SERIES.items():
+            child = self.series[key][engine_idx]
+            record = child.observe if buckets else child.inc  # a failed pull's figure: 1
+            for value in transfer_stats_data.get(key, []):
+                record(value)
