@@ -20,10 +20,19 @@ name the layout (`backend_layout`):
 vLLM's letters are not kvbridge's five-letter names: its C is K and V together, so its
 LBNHC is kvbridge's LBNHKC, not kvbridge's LBNHC (= LKBNHC, K outermost within a layer).
 
+vLLM's CPU attention backend (layout LBHNC only) views a layer's [.., block_size,
+2*head_dim] pages as [.., 2*block_size, head_dim]: K, then V. Measured with the kernel
+that writes the cache (`cpu_attn_reshape_and_cache`), the V half is [token][channel]
+but the K half is [channel][token]: in kvbridge's letters LBHKNC:K=CN (`CPU_LAYOUT`),
+one region per layer. The planner cuts K and V apart where their orders differ, so any
+pair of block sizes and partial pulls move exactly the prompt's tokens.
+
 `place_layers` checks the tensors an engine registered are that dense allocation (shape,
 strides, the layers' addresses) and returns the regions kvbridge registers: one per
-combination of the axes before B (a layer, or a layer and head; B-first: the buffer).
-Any backend, order or tensor it does not know is refused naming it and what works.
+combination of the axes before B (a layer, or a layer and head; B-first: the buffer);
+`place_cache` does so for one worker's caches of a model and names their
+`InstanceLayout`. Any backend, order or tensor it does not know is refused naming it
+and what works.
 """
 
 from __future__ import annotations
@@ -33,8 +42,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvbridge.errors import LayoutError
-from kvbridge.plan.layout import CacheLayout
+from kvbridge.errors import ConfigError, LayoutError
+from kvbridge.plan.geometry import ModelKVSpec, normalize_dtype
+from kvbridge.plan.layout import CacheLayout, InstanceLayout
 
 #: vLLM's KV cache layouts (`KVCacheLayout`), over its logical axes L, B, H, N, C
 VLLM_ORDERS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
@@ -91,6 +101,11 @@ def backend_layout(backend: str, order: str) -> CacheLayout:
     return CacheLayout(order[:-1] + "KC")
 
 
+#: vLLM's CPU cache, per layer: [block][head][K then V][...], K's page half
+#: [channel][token] (channel-major), V's [token][channel]
+CPU_LAYOUT = backend_layout("CPU_ATTN", "LBHNC")
+
+
 def dense_strides(order: str, extents: Mapping[str, int]) -> dict[str, int]:
     """Element strides of a dense array whose axes lie in `order`, outermost first."""
     out, step = {}, 1
@@ -104,7 +119,7 @@ def dense_strides(order: str, extents: Mapping[str, int]) -> dict[str, int]:
 class LayerTensor:
     """One layer's cache as the engine registered it: the attention backend that reads
     it ("" if none does), logical [B, H, N, C] shape and strides in elements, address
-    and element size in bytes."""
+    and element size in bytes, element type (torch's name or kvbridge's)."""
 
     name: str
     backend: str
@@ -112,6 +127,7 @@ class LayerTensor:
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     itemsize: int
+    dtype: str
 
 
 @dataclass(frozen=True)
@@ -190,3 +206,34 @@ def place_layers(
         addresses.append(layers[idx.get("L", 0)].address + idx.get("H", 0) * byte["H"])
     length = ext["B"] * byte["B"]  # a region is dense, B outermost
     return PlacedCache(layout, tuple(addresses), (length,) * len(addresses), ext["B"])
+
+
+def place_cache(
+    order: str,
+    layers: Sequence[LayerTensor],
+    model: ModelKVSpec,
+    tp_size: int,
+    block_size: int,
+) -> tuple[InstanceLayout, PlacedCache]:
+    """One worker's caches of `model` at `tp_size` and `block_size` (every layer's, in
+    layer order) placed (`place_layers`), and the instance layout they make; ConfigError
+    if they are not one per layer or the layout does not serve `model`."""
+    if len(layers) != model.num_layers:
+        raise ConfigError(
+            f"vLLM registered {len(layers)} KV caches; {model.name} has "
+            f"{model.num_layers} layers (KVBridgeConnector needs one cache per layer: "
+            "no pipeline parallelism, no hybrid caches)"
+        )
+    # a worker holds H/tp heads, or one replicated head when tp > H (`kv_head_range`)
+    num_heads = model.num_kv_heads // tp_size if tp_size <= model.num_kv_heads else 1
+    placed = place_layers(
+        order, layers, num_heads, block_size, model.head_dim, model.num_kv_tensors
+    )
+    layout = InstanceLayout(
+        tp_size=tp_size,
+        block_size=block_size,
+        cache_layout=placed.layout,
+        dtype=normalize_dtype(layers[0].dtype),
+    )
+    layout.check(model)
+    return layout, placed

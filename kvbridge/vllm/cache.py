@@ -4,15 +4,9 @@ vLLM gives `register_kv_caches` one tensor per attention layer, views of one buf
 each [num_blocks, num_kv_heads_per_rank, block_size, content] in the model's KV cache
 layout (an order of L, B, H, N, C), and each layer's attention backend reads the
 content its own way. `CacheFormat.of` reads both from vLLM; kvbridge.plan.backends
-maps them to kvbridge's layout letters and checks the tensors are that allocation.
-
-vLLM's CPU attention backend (layout LBHNC only) views a layer's [.., block_size,
-2*head_dim] pages as [.., 2*block_size, head_dim]: K, then V. Measured with the kernel
-that writes the cache (`cpu_attn_reshape_and_cache`), the V half is [token][channel]
-but the K half is [channel][token]: in kvbridge's letters LBHKNC:K=CN, one region per
-layer. The planner cuts K and V apart where their orders differ, so any pair of block
-sizes and partial pulls move exactly the prompt's tokens. A backend, layout or tensor
-kvbridge does not know is refused at start-up naming it and what works.
+maps them to kvbridge's layout letters (vLLM's CPU pages included) and checks the
+tensors are that allocation. A backend, layout or tensor kvbridge does not know is
+refused at start-up naming it and what works.
 """
 
 from __future__ import annotations
@@ -24,13 +18,10 @@ from typing import Any
 
 from kvbridge.connector import CacheRegions, MemType
 from kvbridge.errors import ConfigError, LayoutError
-from kvbridge.plan.backends import LayerTensor, backend_layout, place_layers
-from kvbridge.plan.geometry import ModelKVSpec, normalize_dtype
+from kvbridge.plan.backends import LayerTensor, place_cache
+from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 
-#: vLLM's CPU cache, per layer: [block][head][K then V][...], K's page half
-#: [channel][token] (channel-major), V's [token][channel]
-CPU_LAYOUT = backend_layout("CPU_ATTN", "LBHNC")
 _LAYER = re.compile(r"\.(\d+)\.")
 
 
@@ -86,44 +77,28 @@ def describe_kv_caches(
     one cache per layer of `model` at `tp_size` and `block_size` in a backend's layout
     kvbridge knows (`kvbridge.plan.backends`)."""
     names = sorted(kv_caches, key=layer_index)
-    if len(names) != model.num_layers:
-        raise ConfigError(
-            f"vLLM registered {len(names)} KV caches; {model.name} has "
-            f"{model.num_layers} layers (KVBridgeConnector needs one cache per layer: "
-            "no pipeline parallelism, no hybrid caches)"
-        )
     tensors = [kv_caches[name] for name in names]
-    try:
-        placed = place_layers(
-            made_by.order,
-            [
-                LayerTensor(
-                    name,
-                    made_by.backends.get(name, ""),
-                    t.data_ptr(),
-                    tuple(t.shape),
-                    t.stride(),
-                    t.element_size(),
-                )
-                for name, t in zip(names, tensors, strict=True)
-            ],
-            model.num_kv_heads // tp_size if tp_size <= model.num_kv_heads else 1,
-            block_size,
-            model.head_dim,
-            model.num_kv_tensors,
-        )
-    except LayoutError as exc:
-        raise ConfigError(f"vLLM's KV caches: {exc}") from None
     if len({t.dtype for t in tensors}) > 1 or any(t.is_cuda for t in tensors):
         raise ConfigError(
             f"vLLM KV caches are {sorted({str(t.dtype) for t in tensors})} on "
             f"{sorted({str(t.device) for t in tensors})}; KVBridgeConnector's vLLM glue "
             "serves CPU caches of one dtype for now: use vLLM's CPU build"
         )
-    dtype = normalize_dtype(str(tensors[0].dtype).removeprefix("torch."))
-    layout = InstanceLayout(
-        tp_size=tp_size, block_size=block_size, cache_layout=placed.layout, dtype=dtype
-    )
-    layout.check(model)
+    layers = [
+        LayerTensor(
+            name,
+            made_by.backends.get(name, ""),
+            t.data_ptr(),
+            tuple(t.shape),
+            t.stride(),
+            t.element_size(),
+            str(t.dtype),
+        )
+        for name, t in zip(names, tensors, strict=True)
+    ]
+    try:
+        layout, placed = place_cache(made_by.order, layers, model, tp_size, block_size)
+    except LayoutError as exc:
+        raise ConfigError(f"vLLM's KV caches: {exc}") from None
     regions = CacheRegions(placed.addresses, placed.lengths, MemType.DRAM, 0)
     return RegisteredCache(layout, regions, placed.num_blocks)

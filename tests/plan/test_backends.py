@@ -74,6 +74,7 @@ def tensors(
             (blocks, heads, block, width),
             tuple(st[a] for a in "BHNC"),
             4,
+            "float32",
         )
         for i in range(layers)
     ]

@@ -15,8 +15,9 @@ import torch
 
 from kvbridge.errors import ConfigError
 from kvbridge.plan import from_hf_config, make_plan, verify_plan
+from kvbridge.plan.backends import CPU_LAYOUT
 from kvbridge.plan.layout import cache_strides
-from kvbridge.vllm.cache import CPU_LAYOUT, CacheFormat, describe_kv_caches
+from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
 
 SMOLLM2 = {
     "model_type": "llama",
