@@ -27,7 +27,7 @@ from kvbridge.connector.stats import PullFigures, has_pulls, no_pulls, record_pu
 from kvbridge.connector.worker import KVConnectorWorker
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
-from kvbridge.transfer.connector import ConnectorEvent, ConnectorRole, ConnectorSpec, Pull
+from kvbridge.transfer.connector import ConnectorEvent, ConnectorRole, Pull
 
 if TYPE_CHECKING:
     from kvbridge.transfer.regions import CacheRegions
@@ -124,7 +124,7 @@ class RoleWorkers:
 
     def __init__(
         self,
-        specs: Iterable[ConnectorSpec],
+        configs: Iterable[KVConnectorConfig],
         model: ModelKVSpec,
         layout: InstanceLayout,
         rank: int,
@@ -132,7 +132,7 @@ class RoleWorkers:
     ) -> None:
         self.rank = rank
         self.log = log
-        self.sides = {s.role: KVConnectorWorker(s, model, layout, rank) for s in specs}
+        self.sides = {c.role: KVConnectorWorker(c.spec, model, layout, rank) for c in configs}
         self._pulls: dict[str, Pull] = {}  # in flight, by the host's id (for the log line)
         self._figures = no_pulls()
 

@@ -2,13 +2,14 @@
 contract (`kvbridge.connector`).
 
 vLLM builds it once per engine with role SCHEDULER (in the EngineCore process:
-`scheduler.SchedulerSide`) and once per worker with role WORKER (`worker.worker_side`,
-built when vLLM registers the KV caches). Each side holds the contract's own objects,
-one per role the instance plays: the scheduler side's orders reach the workers as the
-connector metadata, the workers' reports come back as the connector worker metadata.
-Transfers are asynchronous: loads complete between steps (`get_finished`); failed loads
-are reported as blocks (`get_block_ids_with_load_errors`) so vLLM recomputes them or
-fails the request, as its `kv_load_failure_policy` says.
+`scheduler.SchedulerSide`) and once per worker with role WORKER (the contract's
+`RoleWorkers` over the caches vLLM registers, `cache.describe_kv_caches`). Each side
+holds the contract's own objects, one per role the instance plays: the scheduler side's
+orders reach the workers as the connector metadata, the workers' reports come back as
+the connector worker metadata. Transfers are asynchronous: loads complete between steps
+(`get_finished`); failed loads are reported as blocks (`get_block_ids_with_load_errors`)
+so vLLM recomputes them or fails the request, as its `kv_load_failure_policy` says; each
+pull's figures feed vLLM's metrics (`stats.py`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,9 @@ from kvbridge.connector import ConnectorRole, RoleWorkers
 from kvbridge.connector.roles import decode_reports, encode_reports
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
-from kvbridge.vllm.scheduler import Orders, SchedulerSide
+from kvbridge.vllm.scheduler import Orders, SchedulerSide, log
 from kvbridge.vllm.settings import ROLES, check_vllm, from_extra_config
 from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
-from kvbridge.vllm.worker import worker_side
 
 if TYPE_CHECKING:
     import torch
@@ -116,8 +116,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         model = load_model_spec(self._vllm_config.model_config.model)
         made_by = CacheFormat.of(self._vllm_config, kv_caches)
         cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size, made_by)
+        configs = self.settings.configs(self.instance_id, self.roles)
         rank = get_tensor_model_parallel_rank()
-        self.worker = worker_side(self.settings, self.instance_id, self.roles, model, cache, rank)
+        self.worker = RoleWorkers(configs, model, cache.layout, rank, log)
+        # a prefill cache moves into shared memory where its KV is exported (`adopt`)
+        self.worker.register_regions(cache.regions, cache.num_blocks, adopt=True)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         if self.worker is None:

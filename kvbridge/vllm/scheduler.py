@@ -26,6 +26,7 @@ from kvbridge.connector.metadata import decode_transfer_params, encode_transfer_
 from kvbridge.connector.roles import Orders
 from kvbridge.connector.settings import ConnectorSettings
 
+#: the adapter's logger, under vLLM's "vllm" logger so vLLM's handlers print it
 log = logging.getLogger("vllm.kvbridge")
 
 #: How long a worker may wait in an empty step (no token scheduled) for a transfer in

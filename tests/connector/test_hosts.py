@@ -31,6 +31,7 @@ from kvbridge.connector import (
     KVConnectorScheduler,
     RemoteDecode,
     RequestState,
+    RoleWorkers,
     RootKey,
     TransferConfig,
 )
@@ -44,7 +45,6 @@ from kvbridge.transfer.capability import Capability, issue
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
 from kvbridge.vllm.scheduler import SchedulerSide
 from kvbridge.vllm.settings import ROLES
-from kvbridge.vllm.worker import worker_side
 from tests.credentials import ROOT, enrolled
 
 pytestmark = pytest.mark.slow
@@ -233,7 +233,8 @@ class VLLMInstance:
         credential = ROOT.certify(roles, name, Identity.generate())
         settings = ConnectorSettings(transfer=TRANSFER, credential=credential)
         self.side = SchedulerSide(settings, name, roles, self.BLOCK, 1)
-        self.worker = worker_side(settings, name, roles, model, cache, 0)
+        self.worker = RoleWorkers(settings.configs(name, roles), model, cache.layout, 0)
+        self.worker.register_regions(cache.regions, cache.num_blocks, adopt=True)
         endpoint, sibling = self.worker.get_handshake_metadata()
         self.side.set_worker_endpoints([endpoint], [sibling])
         self.load_errors: set[int] = set()
