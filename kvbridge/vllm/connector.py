@@ -96,18 +96,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         check_vllm(vllm_config)
-        self.settings = from_extra_config(dict(kv.kv_connector_extra_config))
-        self.instance_id = self.settings.bound_instance_id(str(kv.engine_id))
-        self.roles = ROLES[str(kv.kv_role)]
+        settings = from_extra_config(dict(kv.kv_connector_extra_config))
+        instance_id = settings.bound_instance_id(str(kv.engine_id))
+        self.configs = settings.configs(instance_id, ROLES[str(kv.kv_role)])  # one per role
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.scheduler: SchedulerSide | None = None
         self.worker: RoleWorkers | None = None
         self._report = KVBridgeWorkerMeta()  # this step's, until vLLM takes it
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(
-                self.settings, self.instance_id, self.roles, self.block_size, self.tp_size
-            )
+            self.scheduler = SchedulerSide(self.configs, self.block_size, self.tp_size, log)
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -116,9 +114,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
         model = load_model_spec(self._vllm_config.model_config.model)
         made_by = CacheFormat.of(self._vllm_config, kv_caches)
         cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size, made_by)
-        configs = self.settings.configs(self.instance_id, self.roles)
         rank = get_tensor_model_parallel_rank()
-        self.worker = RoleWorkers(configs, model, cache.layout, rank, log)
+        self.worker = RoleWorkers(self.configs, model, cache.layout, rank, log)
         # a prefill cache moves into shared memory where its KV is exported (`adopt`)
         self.worker.register_regions(cache.regions, cache.num_blocks, adopt=True)
 

@@ -5,9 +5,9 @@ on the hand-over contract (`kvbridge.connector.KVConnectorScheduler`), one per r
 instance plays (`kv_role`; `kvbridge.connector.RoleSchedulers`), which checks and
 issues capabilities, orders exposes, pulls and declines, and keeps each request's
 `RequestState` (docs/architecture.md maps each vLLM hook to its call). The workers'
-reports reach it as vLLM's connector worker metadata. vLLM owns every block: a decode request aborted while pulling
-waits in vLLM's own scheduler. Nothing here imports vLLM (requests are read by their
-attributes).
+reports reach it as vLLM's connector worker metadata. vLLM owns every block: a decode
+request aborted while pulling waits in vLLM's own scheduler. Nothing here imports vLLM
+(requests are read by their attributes).
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ from typing import Any
 
 from kvbridge.connector import (
     CapabilityRefused,
-    ConnectorRole,
     RemoteDecode,
     RemotePrefill,
     RoleSchedulers,
 )
 from kvbridge.connector.metadata import decode_transfer_params, encode_transfer_params
 from kvbridge.connector.roles import Orders
-from kvbridge.connector.settings import ConnectorSettings
 
 #: the adapter's logger, under vLLM's "vllm" logger so vLLM's handlers print it
 log = logging.getLogger("vllm.kvbridge")
@@ -40,18 +38,9 @@ EMPTY_STEP_WAIT_S = 0.02
 
 
 class SchedulerSide(RoleSchedulers):
-    """The engine's hand-over contracts, one per role, reading vLLM's requests; called
-    from vLLM's scheduler thread only (`KVBridgeConnector`'s scheduler-role methods)."""
-
-    def __init__(
-        self,
-        settings: ConnectorSettings,
-        instance_id: str,
-        roles: tuple[ConnectorRole, ...],
-        block_size: int,
-        world_size: int,
-    ) -> None:
-        super().__init__(settings.configs(instance_id, roles), block_size, world_size, log)
+    """The engine's hand-over contracts, one per role (`RoleSchedulers`: each role's
+    config, vLLM's block size and TP size, `log`), reading vLLM's requests; called from
+    vLLM's scheduler thread only (`KVBridgeConnector`'s scheduler-role methods)."""
 
     # -- arrival -------------------------------------------------------------------------
     def on_new_request(self, request: Any) -> None:

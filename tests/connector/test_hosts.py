@@ -232,8 +232,9 @@ class VLLMInstance:
         roles = ROLES[kv_role]
         credential = ROOT.certify(roles, name, Identity.generate())
         settings = ConnectorSettings(transfer=TRANSFER, credential=credential)
-        self.side = SchedulerSide(settings, name, roles, self.BLOCK, 1)
-        self.worker = RoleWorkers(settings.configs(name, roles), model, cache.layout, 0)
+        configs = settings.configs(name, roles)
+        self.side = SchedulerSide(configs, self.BLOCK, 1)
+        self.worker = RoleWorkers(configs, model, cache.layout, 0)
         self.worker.register_regions(cache.regions, cache.num_blocks, adopt=True)
         endpoint, sibling = self.worker.get_handshake_metadata()
         self.side.set_worker_endpoints([endpoint], [sibling])

@@ -35,7 +35,7 @@ def request(rid: str, params: dict | None) -> SimpleNamespace:
 
 
 def side(name: str, block_size: int) -> SchedulerSide:
-    out = SchedulerSide(ConnectorSettings(), name, ROLES["kv_both"], block_size, 1)
+    out = SchedulerSide(ConnectorSettings().configs(name, ROLES["kv_both"]), block_size, 1)
     out.set_worker_endpoints(["tcp://127.0.0.1:5000"], ["c2libGluZyAw"])
     return out
 
