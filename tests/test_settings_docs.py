@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvbridge.cli.serve_cmd import SETTINGS
+from kvbridge.connector.settings import SETTINGS as CONNECTOR_SETTINGS
 from kvbridge.settings import settings_table
-from kvbridge.vllm.settings import EXTRA_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ TABLES: list[tuple[str, str, Callable[[], str]]] = [
     (
         "docs/vllm.md",
         "kv_connector_extra_config",
-        lambda: settings_table(EXTRA_CONFIG, ("key", "default", "meaning")),
+        lambda: settings_table(CONNECTOR_SETTINGS, ("key", "default", "meaning")),
     ),
 ]
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbridge.connector import ConnectorRole
-from kvbridge.connector.settings import SETTINGS, ConnectorSettings
+from kvbridge.connector.settings import ConnectorSettings
 from kvbridge.errors import ConfigError
 
 #: kv_role -> the hand-over roles the instance plays
@@ -21,8 +21,12 @@ ROLES = {
     "kv_consumer": (ConnectorRole.CONSUMER,),
     "kv_both": (ConnectorRole.PRODUCER, ConnectorRole.CONSUMER),
 }
-#: every extra-config key, as docs/vllm.md's table lists them
-EXTRA_CONFIG = SETTINGS
+#: vLLM's parallel_config sizes the connector serves at 1 only
+UNSERVED_PARALLELISM = (
+    "pipeline_parallel_size",
+    "decode_context_parallel_size",
+    "prefill_context_parallel_size",
+)
 
 
 def from_extra_config(extra: Mapping[str, Any]) -> ConnectorSettings:
@@ -41,25 +45,12 @@ def check_vllm(vllm_config: Any) -> None:
             f"kv_transfer_config.kv_role={kv.kv_role!r} is not served by KVBridgeConnector; "
             f"use one of {', '.join(ROLES)}"
         )
-    par = vllm_config.parallel_config
-    checks = [
-        ("parallel_config.pipeline_parallel_size", par.pipeline_parallel_size, 1),
-        (
-            "parallel_config.decode_context_parallel_size",
-            getattr(par, "decode_context_parallel_size", 1),
-            1,
-        ),
-        (
-            "parallel_config.prefill_context_parallel_size",
-            getattr(par, "prefill_context_parallel_size", 1),
-            1,
-        ),
-    ]
-    for name, value, ok in checks:
-        if value != ok:
+    for name in UNSERVED_PARALLELISM:
+        value = getattr(vllm_config.parallel_config, name, 1)
+        if value != 1:
             raise ConfigError(
-                f"{name}={value} is not supported by KVBridgeConnector yet; use {ok} "
-                "(kvbridge's planner handles pp, this connector does not wire it up)"
+                f"parallel_config.{name}={value} is not supported by KVBridgeConnector yet; "
+                "use 1 (kvbridge's planner handles pp, this connector does not wire it up)"
             )
     if getattr(vllm_config.model_config, "use_mla", False):
         raise ConfigError(

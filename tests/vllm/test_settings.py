@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
 from kvbridge.connector import RootKey
-from kvbridge.connector.settings import OWN_KEYS, TRANSFER_KEYS, ConnectorSettings
+from kvbridge.connector.settings import OWN_KEYS, SETTINGS, TRANSFER_KEYS, ConnectorSettings
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.integrity import Integrity
-from kvbridge.vllm.settings import EXTRA_CONFIG, ROLES, from_extra_config
+from kvbridge.vllm.settings import ROLES, check_vllm, from_extra_config
 
 
 def test_each_key_is_a_fields_declaration_with_its_default() -> None:
@@ -21,7 +22,7 @@ def test_each_key_is_a_fields_declaration_with_its_default() -> None:
     fields = tuple(f.name for f in dataclasses.fields(TransferConfig) if f.name != "token")
     assert fields == TRANSFER_KEYS
     assert OWN_KEYS == ("instance_id", "token_file", "claim_s", "credential_file")
-    assert [s.key for s in EXTRA_CONFIG] == [*OWN_KEYS, *TRANSFER_KEYS]
+    assert [s.key for s in SETTINGS] == [*OWN_KEYS, *TRANSFER_KEYS]
     empty = from_extra_config({})
     assert empty == ConnectorSettings() and empty.transfer == TransferConfig()
     assert empty.claim_s == ConnectorSettings.claim_s == 120.0
@@ -90,3 +91,28 @@ def test_a_credential_file_names_the_instance_and_its_roles(tmp_path) -> None:
     bad.chmod(0o600)
     with pytest.raises(ConfigError, match=r"credential_file=.*not a kvbridge credential"):
         from_extra_config({"credential_file": str(bad)})
+
+
+def test_vllm_settings_the_connector_does_not_serve_are_refused_at_start_up() -> None:
+    """kv_role, pipeline or context parallelism and MLA models: refused naming the
+    field, the value and what works (vLLM's config read by its attributes)."""
+
+    def vllm_config(kv_role: str = "kv_both", use_mla: bool = False, **parallel: int):
+        sizes = {"pipeline_parallel_size": 1, "decode_context_parallel_size": 1} | parallel
+        return SimpleNamespace(
+            kv_transfer_config=SimpleNamespace(kv_role=kv_role),
+            parallel_config=SimpleNamespace(**sizes),
+            model_config=SimpleNamespace(model="m", use_mla=use_mla),
+        )
+
+    check_vllm(vllm_config())
+    with pytest.raises(ConfigError, match=r"kv_role='kv_none' .* use one of kv_producer, "):
+        check_vllm(vllm_config("kv_none"))
+    with pytest.raises(
+        ConfigError, match=r"^parallel_config.pipeline_parallel_size=2 is not supported .* use 1"
+    ):
+        check_vllm(vllm_config(pipeline_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"^parallel_config.prefill_context_parallel_size=2 "):
+        check_vllm(vllm_config(prefill_context_parallel_size=2))
+    with pytest.raises(ConfigError, match=r"model 'm' uses MLA"):
+        check_vllm(vllm_config(use_mla=True))
