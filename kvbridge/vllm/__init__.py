@@ -8,9 +8,10 @@ Load it with::
                            "kv_connector_extra_config": {...}}'
 
 vLLM's `KVConnectorFactory` imports this module and takes `KVBridgeConnector`; vLLM is
-imported only then (this package's other modules need none of it: `models.py` makes
-model folders, `settings.py` reads the extra config, `cache.py` names vLLM's caches
-in kvbridge's layout terms). docs/vllm.md says what it supports and how to switch.
+imported only then (`connector.py` and `stats.py` subclass vLLM's classes; the other
+modules need none of it: `models.py` makes model folders, `settings.py` reads the extra
+config, `cache.py` names vLLM's caches in kvbridge's layout terms, `scheduler.py` reads
+its requests by their attributes). docs/vllm.md says what it supports and how to switch.
 """
 
 from __future__ import annotations
