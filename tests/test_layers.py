@@ -24,6 +24,8 @@ FORBIDDEN: dict[str, frozenset[str]] = {
     # vLLM's adapter, beside serve: it hosts the connector (its launcher starts serve's
     # proxy)
     "vllm": frozenset({"transfer", "engine", "bench", "cli"}),
+    # the Ray Serve LLM launcher, beside vllm's: it deploys vLLM with the connector
+    "ray": frozenset({"transfer", "engine", "serve", "bench", "cli"}),
     "bench": frozenset({"cli"}),
 }
 #: plan imports nothing of kvbridge but these
