@@ -89,7 +89,7 @@ RAY_STAMP := $(VLLM_VENV)/.ray-installed
 RAY_LLM_DEPS := 'pyarrow>=17.0.0' 'pandas>=2.2.3' 'jsonref>=1.1.0' hf_transfer pybind11 meson \
 	fsspec jsonschema ninja typer
 
-.PHONY: ray-setup demo-ray
+.PHONY: ray-setup demo-ray test-ray
 
 $(RAY_STAMP): $(VLLM_STAMP)
 	$(VLLM_BIN)/pip install -q 'ray[serve]==2.60.0' $(RAY_LLM_DEPS)
@@ -102,6 +102,11 @@ ray-setup: $(RAY_STAMP)
 # one question through Serve's ingress, checked against colocated vLLM; needs root.
 demo-ray: ray-setup vllm-models
 	flock /tmp/kvbridge-heavy.lock $(VLLM_BIN)/python -m kvbridge.ray.demo
+
+# Faults under Ray (a killed prefill replica restarted, a pull it cut recomputed) on the
+# same three hosts, under the heavy lock (the cluster takes about 8 GiB); needs root.
+test-ray: ray-setup vllm-models
+	flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x tests/ray
 
 # KVBridgeConnector next to vLLM's NixlConnector (the `nixl` package, installed above
 # without its CUDA 13 wheel) and colocated vLLM, one pair at a time (docs/vllm.md).

@@ -12,7 +12,8 @@ restarts the vLLM engines, the connector in each engine is the one `kvbridge.vll
   (`KVConnectorBackendFactory`): it binds the side channel to the node's address and
   claims the replica's credential.
 - `deploy.py`: the Ray driver (`python -m kvbridge.ray.deploy APP.json`).
-- `demo.py`: `make demo-ray`, a Ray cluster over three test hosts.
+- `cluster.py`: a Ray cluster over three test hosts running the application
+  (`make demo-ray`, `demo.py`; `make test-ray`, tests/ray/test_cluster.py).
 
 docs/ray.md says how to deploy it on a real cluster and what was verified here.
 """
