@@ -50,7 +50,8 @@ PULLED = re.compile(
 )
 #: a decode worker's log line for a failed pull: its rank, the request, the reason
 PULL_FAILED = re.compile(r"kvbridge decode worker (\d+) failed to pull (\S+): (.*)")
-#: each host's custom resource (16 units: more than any replica's bundles ask for)
+#: the custom resource of each kind of host; a prefill or decode node offers as many units
+#: as one replica's bundles ask for (its tp_size), so it runs one replica at most
 RESOURCES = {"head": "kvbridge_head", "prefill": "kvbridge_prefill", "decode": "kvbridge_decode"}
 #: logical CPUs each Ray node declares: a tp-n deployment needs n + 1, the ingress 1, and
 #: Serve's controller and proxy some; the host's real cores are shared by all
@@ -75,9 +76,10 @@ class Pull:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """The model folder, each deployment's tp_size and replicas, vLLM's
-    `kv_load_failure_policy`, how many credentials each pool holds (one per replica
-    start, restarts included), the head's ports and the deployment's time bound."""
+    """The model folder, each deployment's tp_size, the prefill replicas (one host
+    each: ``prefill``, ``prefill-2``, ...), vLLM's `kv_load_failure_policy`, how many
+    credentials each pool holds (one per replica start, restarts included), the head's
+    ports and the deployment's time bound."""
 
     model: str
     prefill_tp: int = 1
@@ -90,12 +92,14 @@ class ClusterConfig:
     deploy_timeout_s: float = 1800
 
 
-def ray_start(address: str, name: str, temp_dir: Path, head: str | None, port: int) -> list[str]:
-    """Host `name`'s `ray start --block` command line: a node joining the head at `head`
-    (HOST:PORT), or the head itself (on `port`) when `head` is None."""
+def ray_start(
+    address: str, resources: dict[str, int], temp_dir: Path, head: str | None, port: int
+) -> list[str]:
+    """A host's `ray start --block` command line: a node offering `resources` joining the
+    head at `head` (HOST:PORT), or the head itself (on `port`) when `head` is None."""
     ray = str(Path(sys.executable).parent / "ray")
     cmd = [ray, "start", "--block", "--node-ip-address", address]
-    cmd += ["--num-cpus", str(NODE_CPUS), "--resources", json.dumps({RESOURCES[name]: 16})]
+    cmd += ["--num-cpus", str(NODE_CPUS), "--resources", json.dumps(resources)]
     cmd += ["--temp-dir", str(temp_dir), "--disable-usage-stats"]
     if head is None:
         return [*cmd, "--head", "--port", str(port), "--include-dashboard=false"]
@@ -170,14 +174,17 @@ class RayCluster:
         doc = {"serving_args": pd_serving_args(app), "name": APP_NAME, "http_port": cfg.http_port}
         (run / "app.json").write_text(json.dumps(doc, indent=1))
         self.net = HostNetwork(log_dir=self.log_dir)
-        for name in ("head", "prefill", "decode"):
+        prefills = ["prefill"] + [f"prefill-{i}" for i in range(2, cfg.num_prefill_replicas + 1)]
+        units = {"head": 16, "prefill": cfg.prefill_tp, "decode": cfg.decode_tp}
+        for name in ("head", *prefills, "decode"):
             self.hosts[name] = self.net.add(name)
         head_address = f"{self.hosts['head'].address}:{cfg.ray_port}"
         for name, host in self.hosts.items():
+            kind = name.split("-")[0]
             head = None if name == "head" else head_address
-            host.start(
-                ray_start(host.address, name, run / f"r-{name}", head, cfg.ray_port), self.env
-            )
+            resources = {RESOURCES[kind]: units[kind]}
+            cmd = ray_start(host.address, resources, run / f"r-{name}", head, cfg.ray_port)
+            host.start(cmd, self.env)
             print(f"{name}: Ray node at {host.address} (log {host.log_path})", flush=True)
         deploy = ["ip", "netns", "exec", self.hosts["head"].netns, sys.executable]
         deploy += ["-m", "kvbridge.ray.deploy", str(run / "app.json")]
@@ -197,15 +204,23 @@ class RayCluster:
             tail = (self.log_dir / "deploy.log").read_text(errors="replace")[-3000:]
             raise ClusterError(f"the deployment exited {done.returncode}:\n{tail}")
 
-    def complete(self, body: dict[str, Any], timeout_s: float = 900) -> tuple[int, Any, int]:
+    def side_hosts(self, side: Side) -> dict[str, TestHost]:
+        """The hosts of `side`'s replicas, by name."""
+        return {n: h for n, h in self.hosts.items() if n.split("-")[0] == side.value}
+
+    def complete(
+        self, body: dict[str, Any], timeout_s: float = 900
+    ) -> tuple[int, Any, dict[str, int]]:
         """POST /v1/completions through Serve's ingress (from the head host): the
-        status, the JSON answer (or text) and the bytes the prefill host sent meanwhile."""
+        status, the JSON answer (or text) and the bytes each prefill host sent meanwhile
+        (by host name)."""
         import httpx
 
-        sent = self.hosts["prefill"].bytes_sent()
+        prefills = self.side_hosts(Side.PREFILL)
+        sent = {name: host.bytes_sent() for name, host in prefills.items()}
         with self.hosts["head"].inside():
             r = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
-        link = self.hosts["prefill"].bytes_sent() - sent
+        link = {name: host.bytes_sent() - sent[name] for name, host in prefills.items()}
         try:
             answer = r.json()
         except ValueError:
@@ -232,12 +247,11 @@ class RayCluster:
         return found
 
     def replica_pids(self, side: Side) -> list[int]:
-        """This host's pids of `side`'s replica actors (Ray names their processes
+        """This machine's pids of `side`'s replica actors (Ray names their processes
         ``ray::ServeReplica:APP:Prefill:MODEL``)."""
-        host = self.hosts[side.value]
         tag = f"ServeReplica:{APP_NAME}:{side.value.capitalize()}:"
         found = []
-        for pid in host.pids():
+        for pid in (p for host in self.side_hosts(side).values() for p in host.pids()):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
             except OSError:
@@ -251,7 +265,7 @@ class RayCluster:
         processes under it follow it down); the pids killed."""
         pids = self.replica_pids(side)
         if not pids:
-            raise ClusterError(f"no {side.value} replica runs on host {side.value}")
+            raise ClusterError(f"no {side.value} replica runs on {list(self.side_hosts(side))}")
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         return pids

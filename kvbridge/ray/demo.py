@@ -114,7 +114,7 @@ def demo(cfg: RayDemoConfig) -> int:
             print(
                 f"KV: {over_link:,} bytes read over the link by {len(ranks)} decode workers "
                 f"({local:,} copied between them on the decode host); the prefill host sent "
-                f"{link:,} bytes during the request (KV, Ray and HTTP)"
+                f"{link['prefill']:,} bytes during the request (KV, Ray and HTTP)"
             )
     except ClusterError as exc:
         print(f"FAILED: {exc}")

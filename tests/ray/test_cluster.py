@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvbridge.harness.hosts import missing
 from kvbridge.ray.app import Side
-from kvbridge.ray.cluster import MODEL_ID, ClusterConfig, RayCluster
-from kvbridge.settings import DEFAULT_MODEL
-from kvbridge.vllm.models import DEFAULT_DIR, make
+from kvbridge.ray.cluster import MODEL_ID, RayCluster
 
 pytestmark = pytest.mark.timeout(3600)
+#: the `cluster` fixture's settings (tests/ray/conftest.py)
+CLUSTER: dict[str, Any] = {"failure_policy": "recompute", "pool_size": 4}
 
 QUESTION = {"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 10}
 #: a prompt whose KV (about 20 MB) takes long enough over a slowed link to be cut mid-pull
@@ -28,17 +26,6 @@ LONG = {
 }
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    reason = missing()
-    if reason:
-        pytest.fail(f"the Ray cluster tests need test hosts: {reason}")
-    model = str(make(DEFAULT_MODEL, DEFAULT_DIR).resolve())
-    cfg = ClusterConfig(model, failure_policy="recompute", pool_size=4)
-    with RayCluster(cfg, Path(tmp_path_factory.mktemp("ray"))) as c:
-        yield c
-
-
 def complete(cluster: RayCluster, body: dict[str, Any]) -> tuple[str, list[Any], int]:
     """The answer, the pulls its request made (every decode worker's) and the bytes the
     prefill host sent meanwhile."""
@@ -46,7 +33,7 @@ def complete(cluster: RayCluster, body: dict[str, Any]) -> tuple[str, list[Any],
     status, answer, link = cluster.complete({**body, "temperature": 0})
     assert status == 200, answer
     new = [p for p in cluster.pulls() if p.request_id not in before]
-    return answer["choices"][0]["text"], new, link
+    return answer["choices"][0]["text"], new, link["prefill"]
 
 
 def new_replica(cluster: RayCluster, side: Side, num_claims: int) -> dict[str, Any]:

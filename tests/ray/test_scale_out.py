@@ -1,0 +1,49 @@
+"""Scale-out under Ray Serve LLM: two prefill replicas (one per host) and one decode
+replica (tp 3); Ray's router spreads the prefills over both, and each request's KV comes
+from the replica that computed it, over that replica's link. Needs root; `make test-ray`."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from kvbridge.ray.app import Side
+from kvbridge.ray.cluster import MODEL_ID, RayCluster
+
+pytestmark = pytest.mark.timeout(3600)
+#: the `cluster` fixture's settings (tests/ray/conftest.py)
+CLUSTER: dict[str, Any] = {"num_prefill_replicas": 2}
+
+#: a prompt whose KV (about 10 MB) dwarfs what a prefill host sends besides (Ray's own
+#: traffic, replies: under 1 MB a request)
+PROMPT = " ".join(f"Step {i}: add {i * 3 % 11} to the total." for i in range(20))
+
+
+def test_prefills_spread_over_both_replicas_and_each_pull_reads_from_its_own(
+    cluster: RayCluster,
+) -> None:
+    claims = cluster.claims(Side.PREFILL)
+    hosts = cluster.side_hosts(Side.PREFILL)
+    assert sorted(c["node"] for c in claims) == sorted(h.address for h in hosts.values())
+    served: Counter[str] = Counter()
+    answers = set()
+    for i in range(12):
+        before = {p.request_id for p in cluster.pulls()}
+        body = {"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+        status, answer, link = cluster.complete({**body, "cache_salt": f"request-{i}"})
+        assert status == 200, answer
+        answers.add(answer["choices"][0]["text"])
+        pulls = [p for p in cluster.pulls() if p.request_id not in before]
+        assert sorted(p.rank for p in pulls) == [0, 1, 2]  # every prompt token pulled
+        kv = sum(p.link_bytes for p in pulls)
+        # the KV left exactly one prefill host: the one whose replica computed it
+        carried = [name for name, n in link.items() if n >= kv]
+        assert len(carried) == 1, (kv, link)
+        assert all(n < kv // 4 for name, n in link.items() if name != carried[0]), (kv, link)
+        served[carried[0]] += 1
+        if len(served) == 2 and i >= 3:
+            break
+    assert set(served) == set(hosts), served
+    assert len(answers) == 1  # the same tokens through either replica
