@@ -103,8 +103,9 @@ ray-setup: $(RAY_STAMP)
 demo-ray: ray-setup vllm-models
 	flock /tmp/kvbridge-heavy.lock $(VLLM_BIN)/python -m kvbridge.ray.demo
 
-# Faults under Ray (a killed prefill replica restarted, a pull it cut recomputed) on the
-# same three hosts, under the heavy lock (the cluster takes about 8 GiB); needs root.
+# Under Ray, one cluster at a time under the heavy lock (about 8 GiB; 10 with two prefill
+# replicas): a killed prefill replica restarted, a pull it cut recomputed, and two prefill
+# replicas (a fourth host) each serving its own KV; needs root.
 test-ray: ray-setup vllm-models
 	flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x tests/ray
 
