@@ -6,7 +6,10 @@ is converted once into an HF safetensors folder: transformers dequantizes it
 directly (`save_pretrained` refuses a GGUF-loaded model) next to a config.json
 without `quantization_config`. Tiny random Llama models (fixed seed) cover the head
 counts SmolLM2 cannot: 1 KV head (replication at tp 2) and 6 KV heads with 6 query
-heads (tp 2 <-> tp 3, sizes that are not multiples). They share SmolLM2's tokenizer.
+heads (tp 2 <-> tp 3, sizes that are not multiples). A tiny random DeepSeek-V2 (fixed
+seed) is an MLA model: its cache is the 576-wide latent vLLM's CPU MLA backend takes
+(kv_lora_rank 512 + qk_rope_head_dim 64), every layer's MLP dense (no experts), 6
+query heads (tp 1, 2, 3). They share SmolLM2's tokenizer.
 
 Run in the vLLM environment: ``python -m kvbridge.vllm.models [--out DIR] [NAME ...]``.
 A folder that exists (its ``.complete`` marker written) is kept. Nothing is downloaded.
@@ -44,11 +47,32 @@ class TinyLlama:
     initializer_range: float = 0.08
 
 
+@dataclass(frozen=True)
+class TinyDeepseek:
+    """A random DeepSeek-V2 geometry (MLA; SmolLM2's vocabulary and tokenizer). The
+    latent (`kv_lora_rank` + `qk_rope_head_dim`) is what vLLM's CPU MLA backend takes:
+    576 wide. Every layer's MLP is dense (`first_k_dense_replace` = the layer count): the
+    config still names experts, transformers requires them, none is made."""
+
+    num_attention_heads: int = 6  # tp 1, 2 and 3
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    qk_nope_head_dim: int = 32
+    v_head_dim: int = 32
+    hidden_size: int = 384
+    num_hidden_layers: int = 4
+    intermediate_size: int = 768
+    seed: int = 0
+    initializer_range: float = 0.08  # as TinyLlama's
+
+
 TINY = {
     "tiny-kv1": TinyLlama(num_attention_heads=4, num_key_value_heads=1),
     "tiny-kv6": TinyLlama(num_attention_heads=6, num_key_value_heads=6),
 }
-NAMES = (DEFAULT_MODEL, *TINY)  # DEFAULT_MODEL: converted from the shipped GGUF
+TINY_MLA = {"tiny-mla": TinyDeepseek()}
+#: DEFAULT_MODEL: converted from the shipped GGUF
+NAMES = (DEFAULT_MODEL, *TINY, *TINY_MLA)
 
 
 def smollm2_gguf() -> Path:
@@ -81,7 +105,7 @@ def _write(out: Path, model: object, tokenizer: object) -> None:
     cfg = config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = "float32"
-    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["architectures"] = [type(model).__name__]
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tokenizer.save_pretrained(str(tmp))  # type: ignore[attr-defined]
     (tmp / _DONE).write_text("")
@@ -95,7 +119,7 @@ def make(name: str, root: Path = DEFAULT_DIR) -> Path:
     if (out / _DONE).exists():
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model: Any
     gguf = smollm2_gguf()
@@ -105,28 +129,73 @@ def make(name: str, root: Path = DEFAULT_DIR) -> Path:
             str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.float32
         )
     elif name in TINY:
-        t = TINY[name]
-        torch.manual_seed(t.seed)
-        geometry: dict[str, Any] = dict(
-            vocab_size=len(tokenizer),
+        model = _tiny_llama(TINY[name], tokenizer)
+    elif name in TINY_MLA:
+        model = _tiny_deepseek(TINY_MLA[name], tokenizer)
+    else:
+        raise SystemExit(f"model={name!r} is not one of {', '.join(NAMES)}")
+    _write(out, model, tokenizer)
+    return out
+
+
+def _tokens(tokenizer: Any) -> dict[str, Any]:
+    """The config fields every tiny model takes from SmolLM2's tokenizer, and float32."""
+    return dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+
+
+def _tiny_llama(t: TinyLlama, tokenizer: Any) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(t.seed)
+    return LlamaForCausalLM(
+        LlamaConfig(
             hidden_size=t.num_attention_heads * t.head_dim,
             intermediate_size=t.intermediate_size,
             num_hidden_layers=t.num_hidden_layers,
             num_attention_heads=t.num_attention_heads,
             num_key_value_heads=t.num_key_value_heads,
             head_dim=t.head_dim,
-            max_position_embeddings=2048,
             initializer_range=t.initializer_range,
-            tie_word_embeddings=False,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            torch_dtype="float32",
+            **_tokens(tokenizer),
         )
-        model = LlamaForCausalLM(LlamaConfig(**geometry))
-    else:
-        raise SystemExit(f"model={name!r} is not one of {', '.join(NAMES)}")
-    _write(out, model, tokenizer)
-    return out
+    )
+
+
+def _tiny_deepseek(t: TinyDeepseek, tokenizer: Any) -> Any:
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(t.seed)
+    return DeepseekV2ForCausalLM(
+        DeepseekV2Config(
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_hidden_layers=t.num_hidden_layers,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_attention_heads,
+            q_lora_rank=None,  # q projected directly
+            kv_lora_rank=t.kv_lora_rank,
+            qk_rope_head_dim=t.qk_rope_head_dim,
+            qk_nope_head_dim=t.qk_nope_head_dim,
+            v_head_dim=t.v_head_dim,
+            head_dim=t.qk_rope_head_dim,
+            first_k_dense_replace=t.num_hidden_layers,  # every MLP dense
+            n_routed_experts=1,
+            num_experts_per_tok=1,
+            n_shared_experts=1,
+            moe_intermediate_size=t.intermediate_size,
+            initializer_range=t.initializer_range,
+            **_tokens(tokenizer),
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
