@@ -50,6 +50,12 @@ SMALL_HOST_ARGS = (
     "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
     "--seed", "0", "--enforce-eager", "--num-gpu-blocks-override", "128",
 )  # fmt: skip
+#: vLLM arguments for MLA models on its CPU build: its rotary_embedding kernel rotates a
+#: query of shape [tokens, heads, rope_dim] wrongly (only [tokens, heads * rope_dim]
+#: right), and MLA hands it [tokens, heads per rank, qk_rope_head_dim]: greedy tokens
+#: then differ with tp_size and from transformers'. torch's own rotation (the custom op
+#: off) gives the same tokens at tp 1, 2 and 3 as transformers (docs/vllm.md).
+MLA_ARGS = ("--compilation-config", '{"custom_ops": ["all", "-rotary_embedding"]}')
 #: What vLLM's processes leave in /dev/shm when they are ended: shm_broadcast's
 #: SharedMemory segments, multiprocessing's named semaphores and the CPU backend's
 #: tensor-parallel buffers (`stop` removes them).

@@ -38,7 +38,9 @@ def from_extra_config(extra: Mapping[str, Any]) -> ConnectorSettings:
 
 
 def check_vllm(vllm_config: Any) -> None:
-    """Refuse vLLM settings the connector does not serve (field, value, what works)."""
+    """Refuse vLLM settings the connector does not serve (field, value, what works).
+    MLA models are served: their caches are the MLA backends' latent
+    (`kvbridge.plan.backends`), which every decode worker holds whole."""
     kv = vllm_config.kv_transfer_config
     if kv.kv_role not in ROLES:
         raise ConfigError(
@@ -52,8 +54,3 @@ def check_vllm(vllm_config: Any) -> None:
                 f"parallel_config.{name}={value} is not supported by KVBridgeConnector yet; "
                 "use 1 (kvbridge's planner handles pp, this connector does not wire it up)"
             )
-    if getattr(vllm_config.model_config, "use_mla", False):
-        raise ConfigError(
-            f"model {vllm_config.model_config.model!r} uses MLA, which KVBridgeConnector "
-            "does not serve in vLLM yet; use a model with standard attention (MHA/GQA/MQA)"
-        )

@@ -71,6 +71,7 @@ class VLLMServer:
         first_core: int = 0,
         failure_policy: str = "fail",
         workers_on_host: int | None = None,
+        vllm_args: tuple[str, ...] = (),
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -84,7 +85,9 @@ class VLLMServer:
             settings = {**LOADED_HOST_SETTINGS, "credential_file": self.credential_file}
             settings |= extra or {}
             kv = kv_transfer_config(kv_role, settings, failure_policy)
-        cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *SMALL_HOST_ARGS)
+        cmd = vllm_command(
+            self.model, self.port, tp_size, block_size, kv, *SMALL_HOST_ARGS, *vllm_args
+        )
         env = vllm_env(tp_size, first_core, workers_on_host)
         env["PYTHONPATH"] = str(ROOT)
         self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)

@@ -7,21 +7,25 @@ two-step P/D request, and checks that
     so nothing they hold from the P/D request is reused);
   * the decode workers pulled exactly the prompt's KV (tokens [0, prompt_tokens), a
     partial last block included; bytes logged per worker, summed, equal tokens x
-    layers x K/V x head_dim x itemsize x heads each decode worker holds), so the
-    decode instance did not compute it;
+    layers x K/V x head_dim x itemsize x heads each decode worker holds; MLA: the
+    576-wide latent, which every decode worker holds whole), so the decode instance
+    did not compute it;
   * a second prompt extending the first, sent through `kvbridge serve --role proxy
-    --engine vllm`, pulls only the tokens past the decode instance's prefix cache hit.
+    --engine vllm`, pulls only the tokens past the decode instance's prefix cache hit
+    (MLA models: the whole prompt, as vLLM's CPU build turns prefix caching off for
+    MLA: there is no hit to pull past).
 Run in .venv-vllm (`make test-vllm`), one pair at a time under the heavy lock.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from kvbridge.plan.geometry import load_model_spec
+from kvbridge.vllm.launch import MLA_ARGS
 from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_completion, text, token_ids
 
 pytestmark = pytest.mark.slow
@@ -74,6 +78,11 @@ CASES = [
     Case("tiny-kv6", 3, 2),
     # blocks 64 -> 32: vLLM's CPU page keeps K channel-major, cut by channel rows
     Case("smollm2-135m", 1, 1, prefill_block=64, decode_block=32),
+    # MLA (vLLM's CPU MLA backend: the 576-wide latent, blocks of 16): every decode
+    # worker holds the whole latent; read once and copied to the sibling (fan-out on),
+    # or read by each decode worker from prefill workers that are not a multiple away
+    Case("tiny-mla", 1, 2, prefill_block=16, decode_block=16, fan_out="on"),
+    Case("tiny-mla", 2, 3, prefill_block=16, decode_block=16),
 ]
 
 
@@ -92,12 +101,12 @@ def export_processes() -> list[int]:
 
 def bytes_per_token(model: str, tp_size: int) -> int:
     """KV bytes of one token summed over the workers of an instance at `tp_size`
-    (replicated heads counted on every worker holding them; tp_size 1: the distinct KV)."""
-    cfg = json.loads((MODELS / model / "config.json").read_text())
-    heads = cfg["num_key_value_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    (replicated heads counted on every worker holding them; tp_size 1: the distinct KV).
+    An MLA model's spec has one head, its latent: every worker holds it."""
+    spec = load_model_spec(MODELS / model)
+    heads = spec.num_kv_heads
     held = heads if tp_size <= heads else tp_size  # one head per worker when tp > heads
-    return cfg["num_hidden_layers"] * 2 * head_dim * 4 * held
+    return spec.num_layers * spec.num_kv_tensors * spec.head_bytes * held
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -106,13 +115,17 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
     extra = {"kv_export": case.kv_export} if case.kv_export else {}
     if case.fan_out:
         extra["fan_out"] = case.fan_out
+    is_mla = load_model_spec(MODELS / case.model).is_mla
+    args = MLA_ARGS if is_mla else ()  # (the same tokens at every tp: launch.MLA_ARGS)
     prefill = VLLMServer(
         case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log",
         kv_role="kv_producer", first_core=0, workers_on_host=workers, extra=extra,
+        vllm_args=args,
     )  # fmt: skip
     decode = VLLMServer(
         case.model, case.decode_tp, case.decode_block, tmp_path / "decode.log",
         kv_role="kv_consumer", first_core=1, workers_on_host=workers, extra=extra,
+        vllm_args=args,
     )  # fmt: skip
     try:
         prefill.wait_ready()
@@ -149,7 +162,9 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         assert decode.metric("kvbridge_failed_pulls_total") == 0
 
         # the decode instance's prefix cache holds the first prompt's whole local blocks:
-        # it pulls the rest (asked through the proxy, as a client would)
+        # it pulls the rest (asked through the proxy, as a client would). vLLM's CPU
+        # build turns prefix caching off for MLA models ("forcing chunked prefill and
+        # prefix caching to be disabled"): nothing is held, the whole prompt is pulled.
         since = len(decode.log_text())
         longer = PROMPT + MORE
         proxy = Proxy(prefill, decode, tmp_path / "proxy.log")
@@ -160,9 +175,9 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         ref2 = prefill.complete(longer, MAX_TOKENS, cache_salt="colocated")
         assert text(out2) == text(ref2)  # (the OpenAI API through the proxy carries text)
         n2 = out2["usage"]["prompt_tokens"]
-        hit = n // case.decode_block * case.decode_block
+        hit = 0 if is_mla else n // case.decode_block * case.decode_block
         pulls = decode.pulled(since)
-        assert hit > 0 and {(p.start_token, p.num_tokens) for p in pulls} == {(hit, n2)}
+        assert (hit > 0 or is_mla) and {(p.start_token, p.num_tokens) for p in pulls} == {(hit, n2)}
         assert sum(p.nbytes + p.local_nbytes for p in pulls) == (n2 - hit) * bytes_per_token(
             case.model, case.decode_tp
         )

@@ -94,8 +94,8 @@ def test_a_credential_file_names_the_instance_and_its_roles(tmp_path) -> None:
 
 
 def test_vllm_settings_the_connector_does_not_serve_are_refused_at_start_up() -> None:
-    """kv_role, pipeline or context parallelism and MLA models: refused naming the
-    field, the value and what works (vLLM's config read by its attributes)."""
+    """kv_role, pipeline or context parallelism: refused naming the field, the value
+    and what works (vLLM's config read by its attributes); MLA models are served."""
 
     def vllm_config(kv_role: str = "kv_both", use_mla: bool = False, **parallel: int):
         sizes = {"pipeline_parallel_size": 1, "decode_context_parallel_size": 1} | parallel
@@ -106,6 +106,7 @@ def test_vllm_settings_the_connector_does_not_serve_are_refused_at_start_up() ->
         )
 
     check_vllm(vllm_config())
+    check_vllm(vllm_config(use_mla=True))
     with pytest.raises(ConfigError, match=r"kv_role='kv_none' .* use one of kv_producer, "):
         check_vllm(vllm_config("kv_none"))
     with pytest.raises(
@@ -114,5 +115,3 @@ def test_vllm_settings_the_connector_does_not_serve_are_refused_at_start_up() ->
         check_vllm(vllm_config(pipeline_parallel_size=2))
     with pytest.raises(ConfigError, match=r"^parallel_config.prefill_context_parallel_size=2 "):
         check_vllm(vllm_config(prefill_context_parallel_size=2))
-    with pytest.raises(ConfigError, match=r"model 'm' uses MLA"):
-        check_vllm(vllm_config(use_mla=True))
