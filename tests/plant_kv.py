@@ -6,8 +6,9 @@ decode instance, hoping it keeps the victim's KV under those ids.
     python -m tests.plant_kv PREFILL_URL DECODE_URL TOKEN_FILE CREDENTIAL_FILE
 
 prints one JSON object (`plant`'s); tests/serve runs `plant` in-process, tests/hosts
-runs this on the decode test host. Imports nothing of the tests' fixtures (a process on
-a test host must not make a deployment's secret of its own)."""
+runs this on the decode test host. Imports nothing of the serving tests' fixtures
+(tests.serve.helpers writes a token of its own at import; a process on a test host must
+use only the files that host was given)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.http_auth import SignedRequests
 from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.tls import client_context
-from kvbridge.transfer.capability import Capability, issue, prompt_digest
+from kvbridge.transfer.capability import issue, prompt_digest
+from tests.credentials import opened, resigned
 
 VICTIM = "The secret code is 4812. I repeat, the secret code is"
 SAMPLING = SamplingParams(max_tokens=4, temperature=0.0)
@@ -67,15 +69,12 @@ def plant(prefill: str, decode: str, token: bytes, held: Credential) -> dict[str
     victim = wire.prefill_result_decoder.decode(r.content)
     assert victim.kv is not None
     own = [1000 + 7 * i for i in range(len(victim.prompt_token_ids))]  # the attacker's ids
-    v, body, _sig, certificate = msgspec.msgpack.decode(victim.kv.capability)
-    cap = msgspec.msgpack.decode(body, type=Capability)
-    planted = msgspec.structs.replace(cap, request_id="r-plant", prompt_digest=prompt_digest(own))
-    signed = msgspec.msgpack.encode(planted)
+    planted = {"request_id": "r-plant", "prompt_digest": prompt_digest(own)}
     forged = [
         # re-signed with the decode host's key, the prefill's certificate kept
-        msgspec.msgpack.encode([v, signed, held.sign(signed), certificate]),
+        resigned(victim.kv.capability, held, **planted),
         # signed with the decode host's own credential, as its own producer
-        issue(msgspec.structs.replace(planted, producer=me), held),
+        issue(msgspec.structs.replace(opened(victim.kv.capability), producer=me, **planted), held),
     ]
     before = client.kv_bytes(decode)
     attacker = GenerateRequest("r-plant", SAMPLING, prompt_token_ids=own, kv_reader=me)

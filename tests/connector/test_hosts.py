@@ -41,11 +41,11 @@ from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.llm_engine import LLMEngine
 from kvbridge.engine.sampling import SamplingParams
 from kvbridge.plan.geometry import load_model_spec
-from kvbridge.transfer.capability import Capability, issue
+from kvbridge.transfer.capability import issue
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
 from kvbridge.vllm.scheduler import SchedulerSide
 from kvbridge.vllm.settings import ROLES
-from tests.credentials import ROOT, enrolled
+from tests.credentials import ROOT, enrolled, opened, resigned
 
 pytestmark = pytest.mark.slow
 
@@ -360,17 +360,18 @@ def test_both_hosts_take_capabilities_only_from_enrolled_prefill_instances(host:
     own, signed as its own by a decode credential: each refused at arrival with its
     reason, the same on both hosts; nothing pulled, nothing pinned."""
     handover = host.prefill("forged")
-    v, body, sig, certificate = msgspec.msgpack.decode(capability_of(handover))
-    cap = msgspec.msgpack.decode(body, type=Capability)
+    real = capability_of(handover)
+    cap = opened(real)
     decode = enrolled(C, "D")  # the decode host's own credential
-
-    def resigned(**changes: Any) -> bytes:
-        changed = msgspec.msgpack.encode(msgspec.structs.replace(cap, **changes))
-        return msgspec.msgpack.encode([v, changed, decode.sign(changed), certificate])
-
     forgeries = [
-        (resigned(prompt_digest=b"x" * 16), "not signed by the key certified for 'P'"),
-        (resigned(endpoint="tcp://10.9.9.9:1"), "not signed by the key certified for 'P'"),
+        (
+            resigned(real, decode, prompt_digest=b"x" * 16),
+            "not signed by the key certified for 'P'",
+        ),
+        (
+            resigned(real, decode, endpoint="tcp://10.9.9.9:1"),
+            "not signed by the key certified for 'P'",
+        ),
         (
             issue(msgspec.structs.replace(cap, producer="D", endpoint="tcp://10.9.9.9:1"), decode),
             "enrolled as a decode instance",
@@ -380,7 +381,7 @@ def test_both_hosts_take_capabilities_only_from_enrolled_prefill_instances(host:
     for data, words in forgeries:
         assert words in host.refused("forged", handover, data)
         assert host.decode_kv.state("forged") is None and not host.decode_kv.has_transfers
-    assert msgspec.msgpack.decode(capability_of(handover))[2] == sig  # the real one intact
+    assert capability_of(handover) == real  # the real one intact
     host.cancel("forged")
     assert not host.pinned()
 

@@ -11,7 +11,6 @@ import os
 import time
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from kvbridge.cli.main import main as cli
@@ -19,7 +18,7 @@ from kvbridge.connector import ConnectorRole, Credential, Identity, RootKey
 from kvbridge.errors import ConfigError
 from kvbridge.transfer.capability import Capability, check, issue
 from kvbridge.transfer.errors import AuthError
-from tests.credentials import ROOT, enrolled
+from tests.credentials import ROOT, enrolled, resigned
 
 PREFILL, DECODE = ConnectorRole.PRODUCER, ConnectorRole.CONSUMER
 
@@ -48,21 +47,10 @@ def test_what_a_decode_host_holds_signs_no_capability_a_decode_instance_takes() 
     key: each refused, naming why."""
     decode = enrolled(DECODE, "D")
     real = issue(capability(), enrolled(PREFILL, "P"))
-    env = msgspec.msgpack.decode(real)  # [v, body, sig, certificate]
-    body = msgspec.msgpack.decode(env[1], type=Capability)
     # re-signed with other prompt ids: the decode host's own key, the prefill's cert
-    forged = msgspec.structs.replace(body, prompt_digest=b"x" * 16)
-    resigned = msgspec.msgpack.encode(
-        [
-            env[0],
-            msgspec.msgpack.encode(forged),
-            decode.sign(msgspec.msgpack.encode(forged)),
-            env[3],
-        ]
-    )
+    other_prompt = resigned(real, decode, prompt_digest=b"x" * 16)
     # a foreign endpoint, the signature kept
-    moved = msgspec.structs.replace(body, endpoint="tcp://10.9.9.9:1")
-    moved_env = msgspec.msgpack.encode([env[0], msgspec.msgpack.encode(moved), env[2], env[3]])
+    moved = resigned(real, None, endpoint="tcp://10.9.9.9:1")
     # a root of its own enrolling a "prefill" under the real prefill's name
     own_root = RootKey.generate()
     attacks = {
@@ -70,8 +58,8 @@ def test_what_a_decode_host_holds_signs_no_capability_a_decode_instance_takes() 
             issue(capability(producer="D"), decode),
             "enrolled as a decode instance: only a prefill instance",
         ),
-        "re-signed": (resigned, "not signed by the key certified for 'P'"),
-        "foreign endpoint": (moved_env, "not signed by the key certified for 'P'"),
+        "re-signed": (other_prompt, "not signed by the key certified for 'P'"),
+        "foreign endpoint": (moved, "not signed by the key certified for 'P'"),
         "own root": (
             issue(capability(endpoint="tcp://10.9.9.9:1"), enrolled(PREFILL, "P", own_root)),
             "not by this deployment's root",
