@@ -124,13 +124,6 @@ class KVConnectorConfig:
             )
 
     @property
-    def signing(self) -> Credential:
-        """What this instance signs capabilities with (open mode: a throwaway key)."""
-        if self.credential is None:
-            return Credential.ephemeral(self.role, self.spec.instance_id)
-        return self.credential
-
-    @property
     def root(self) -> bytes | None:
         """The root whose certificates this instance trusts (None: any, open mode)."""
         return self.credential.root if self.credential is not None else None
@@ -214,7 +207,8 @@ class KVConnectorScheduler:
         self.errors: list[str] = []
         self._meta = _MetaBuilder()
         self._ended: dict[str, KVRequest] = {}  # ended by a call, until `pop_ended`
-        self._signing = config.signing
+        #: what capabilities are signed with (open mode, no credential: a throwaway key)
+        self._signing = config.credential or Credential.ephemeral(config.role, self.instance_id)
 
     @property
     def role(self) -> ConnectorRole:
@@ -258,9 +252,9 @@ class KVConnectorScheduler:
     def _check(self, params: RemotePrefill, request_id: str, prompt_ids: list[int]) -> Capability:
         """The capability, checked: signed by a prefill instance our root enrolled,
         issued to this instance (or to no instance in particular: a prefill request that
-        named no reader), unexpired,
-        for this request (`params.request_id`, or this id) and its prompt (its token
-        ids, not only their number), and not used before (a capability opens one pull)."""
+        named no reader), unexpired, for this request (`params.request_id`, or this id)
+        and its prompt (its token ids, not only their number), and not used before (a
+        capability opens one pull)."""
         num_tokens = len(prompt_ids)
         request_id = params.request_id or request_id
         try:

@@ -187,8 +187,9 @@ class InstanceConfig:
         env=_TOKEN_ENV,
         help="file holding the shared secret of the deployment (else "
         f"{_TOKEN_ENV[0]}, else the file named by {_TOKEN_ENV[1]}): encrypts and "
-        "authenticates the KV side channel, signs every proxy -> instance call. Needed for any address other than loopback. `kvbridge serve` (all "
-        "roles) makes one up for its run when none is given",
+        "authenticates the KV side channel, signs every proxy -> instance call. Needed for "
+        "any address other than loopback. `kvbridge serve` (all roles) makes one up for its "
+        "run when none is given",
     )
     credential_file: str | None = setting(
         None,

@@ -4,9 +4,8 @@ The operator holds the deployment's root key (`RootKey`, Ed25519), made once whe
 instances are launched from; it never goes to an instance. It enrolls each instance for
 its roles (`ConnectorRole`: a prefill instance is a PRODUCER, a decode instance a
 CONSUMER; a vLLM `kv_both` instance both) by signing a `Certificate`: the roles, the
-instance id (``NAME@FINGERPRINT`` of
-the instance's CURVE key, `identity.py`) and the instance's own Ed25519 public key. The
-instance gets a `Credential`: that certificate, its secret keys and the root's public key.
+instance id (``NAME@FINGERPRINT`` of the instance's CURVE key, `identity.py`) and the
+instance's own Ed25519 public key. The instance gets a `Credential`: that certificate, its secret keys and the root's public key.
 
 A prefill instance signs each capability, and each Welcome its workers answer a
 handshake with, with its own key and sends its certificate along (`capability.issue`,
@@ -48,26 +47,6 @@ from kvbridge.transfer.identity import Identity, read_private, write_private
 _VERSION = 1
 Key32 = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
 ROLE_NAMES = {ConnectorRole.PRODUCER: "prefill", ConnectorRole.CONSUMER: "decode"}
-
-
-def signed_by_prefill(
-    certificate: bytes, sig: bytes, body: bytes, root: bytes | None, what: str
-) -> Certificate:
-    """The certificate of the prefill instance that signed `body` (a `what`: capability,
-    Welcome), if `root` certified it (None: any root, open mode) for the prefill role and
-    its key made `sig`; AuthError naming what is wrong otherwise. The caller checks the
-    certificate's instance id is the one `body` speaks for."""
-    cert = check_certificate(certificate, root)
-    if ConnectorRole.PRODUCER not in cert.roles:
-        raise AuthError(
-            f"{what} signed by {cert.instance_id!r}, which is enrolled as "
-            f"{role_names(cert.roles)}: only a prefill instance of the deployment signs one"
-        )
-    if not ed25519_verify(cert.signing_key, sig, body):
-        raise AuthError(
-            f"{what} signature is wrong: not signed by the key certified for {cert.instance_id!r}"
-        )
-    return cert
 
 
 @functools.lru_cache(maxsize=8)
@@ -135,6 +114,26 @@ def check_certificate(data: bytes, root: bytes | None) -> Certificate:
     return cert
 
 
+def signed_by_prefill(
+    certificate: bytes, sig: bytes, body: bytes, root: bytes | None, what: str
+) -> Certificate:
+    """The certificate of the prefill instance that signed `body` (a `what`: capability,
+    Welcome), if `root` certified it (None: any root, open mode) for the prefill role and
+    its key made `sig`; AuthError naming what is wrong otherwise. The caller checks the
+    certificate's instance id is the one `body` speaks for."""
+    cert = check_certificate(certificate, root)
+    if ConnectorRole.PRODUCER not in cert.roles:
+        raise AuthError(
+            f"{what} signed by {cert.instance_id!r}, which is enrolled as "
+            f"{role_names(cert.roles)}: only a prefill instance of the deployment signs one"
+        )
+    if not ed25519_verify(cert.signing_key, sig, body):
+        raise AuthError(
+            f"{what} signature is wrong: not signed by the key certified for {cert.instance_id!r}"
+        )
+    return cert
+
+
 class Credential(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """One instance's credential (a file of mode 600: `save`, `load`)."""
 
@@ -186,8 +185,7 @@ class Credential(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         data = read_private(path, setting)
         try:
             cred = msgspec.json.decode(data, type=cls)
-            cred.identity.check_id(cred.instance_id)
-            check_certificate(cred.certificate, cred.root)
+            cred.identity.check_id(cred.instance_id)  # (`instance_id` checks the certificate)
         except (msgspec.DecodeError, msgspec.ValidationError, AuthError, ConfigError) as exc:
             raise ConfigError(
                 f"{setting}={str(path)!r} is not a kvbridge credential ({exc}); make one "
