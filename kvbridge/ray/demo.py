@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvbridge.errors import ConfigError
 from kvbridge.ray.app import Side
 from kvbridge.ray.cluster import MODEL_ID, ClusterConfig, ClusterError, RayCluster
 from kvbridge.settings import DEFAULT_MODEL
@@ -37,9 +36,10 @@ class RayDemoConfig:
     log_dir: str = ".cache/ray-demo"
 
     def __post_init__(self) -> None:
+        from kvbridge.vllm.launch import check_tp
+
         for side in ("prefill", "decode"):
-            if getattr(self, f"{side}_tp") not in (1, 3, 9):
-                raise ConfigError(f"{side}_tp: SmolLM2-135M runs at tp 1, 3 or 9")
+            check_tp(f"{side}_tp", getattr(self, f"{side}_tp"))
 
 
 def colocated_answer(model: str, tp_size: int, body: dict[str, object], log: Path) -> str:

@@ -250,17 +250,22 @@ class VLLMDemoConfig:
 
     def __post_init__(self) -> None:
         for side in ("prefill", "decode"):
-            tp, block = getattr(self, f"{side}_tp"), getattr(self, f"{side}_block_size")
-            if tp not in (1, 3, 9):
-                raise ConfigError(
-                    f"--{side}-tp {tp}: SmolLM2-135M has 9 query heads, so vLLM runs it at "
-                    "tp 1, 3 or 9 (9 needs 9 worker processes: use 1 or 3 on a small host)"
-                )
+            check_tp(f"--{side}-tp", getattr(self, f"{side}_tp"))
+            block = getattr(self, f"{side}_block_size")
             if block <= 0 or block % 32:
                 raise ConfigError(
                     f"--{side}-block-size {block}: vLLM's CPU build takes block sizes that "
                     "are multiples of 32; use 32 or 64"
                 )
+
+
+def check_tp(name: str, tp: int) -> None:
+    """Refuse a tp size (setting `name`) vLLM cannot run SmolLM2-135M at."""
+    if tp not in (1, 3, 9):
+        raise ConfigError(
+            f"{name} {tp}: SmolLM2-135M has 9 query heads, so vLLM runs it at "
+            "tp 1, 3 or 9 (9 needs 9 worker processes: use 1 or 3 on a small host)"
+        )
 
 
 def demo(cfg: VLLMDemoConfig) -> int:
