@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from kvbridge.connector.metadata import ConnectorMetadata, KVWorkerOutput, encode, output_decoder
 from kvbridge.connector.scheduler import KVConnectorConfig, KVConnectorScheduler, KVRequest
 from kvbridge.connector.states import RequestState
-from kvbridge.connector.stats import PullFigures, has_pulls, no_pulls, record_pull
+from kvbridge.connector.stats import Figures, has_figures, no_pulls, record_pull
 from kvbridge.connector.worker import KVConnectorWorker
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
@@ -189,9 +189,9 @@ class RoleWorkers:
         worker = self.sides.get(ConnectorRole.CONSUMER)
         return worker.get_block_ids_with_load_errors() if worker is not None else set()
 
-    def take_pulls(self) -> PullFigures | None:
+    def take_pulls(self) -> Figures | None:
         """The pulls that ended since the last call, as figures (None if none)."""
-        if not has_pulls(self._figures):
+        if not has_figures(self._figures):
             return None
         out, self._figures = self._figures, no_pulls()
         return out

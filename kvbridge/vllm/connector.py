@@ -9,7 +9,8 @@ orders reach the workers as the connector metadata, the workers' reports come ba
 the connector worker metadata. Transfers are asynchronous: loads complete between steps
 (`get_finished`); failed loads are reported as blocks (`get_block_ids_with_load_errors`)
 so vLLM recomputes them or fails the request, as its `kv_load_failure_policy` says; each
-pull's figures feed vLLM's metrics (`stats.py`).
+pull's figures, and a prefill's pinned blocks and releases, feed vLLM's metrics
+(`stats.py`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvbridge.connector import ConnectorRole, RoleWorkers
 from kvbridge.connector.roles import decode_reports, encode_reports
+from kvbridge.connector.stats import ExposureTally
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
 from kvbridge.vllm.scheduler import Orders, SchedulerSide, log
@@ -104,6 +106,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.worker: RoleWorkers | None = None
         self._report = KVBridgeWorkerMeta()  # this step's, until vLLM takes it
+        self._exposures = ExposureTally()  # scheduler side: what vLLM's stats have seen
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.configs, self.block_size, self.tp_size, log)
 
@@ -155,7 +158,13 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        data = self.worker.take_pulls() if self.worker is not None else None
+        """A worker's pulls, or (scheduler side, a prefill) its exposures (`ExposureTally`)."""
+        if self.worker is not None:
+            data = self.worker.take_pulls()
+        elif self.scheduler is not None and (producer := self.scheduler.producer) is not None:
+            data = self._exposures.take(producer.pinned_blocks, producer.releases)
+        else:
+            data = None
         return KVBridgeConnectorStats(data=dict(data)) if data else None
 
     @classmethod
