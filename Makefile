@@ -104,8 +104,9 @@ demo-ray: ray-setup vllm-models
 	flock /tmp/kvbridge-heavy.lock $(VLLM_BIN)/python -m kvbridge.ray.demo
 
 # Under Ray, one cluster at a time under the heavy lock (about 8 GiB; 10 with two prefill
-# replicas): a killed prefill replica restarted, a pull it cut recomputed, and two prefill
-# replicas (a fourth host) each serving its own KV; needs root.
+# replicas): a killed prefill replica restarted, a pull it cut recomputed, a decode killed
+# mid-pull (the prefill frees at the lease), two prefill replicas (a fourth host) each
+# serving its own KV, and a lost KV failed under the fail policy; needs root.
 test-ray: ray-setup vllm-models
 	flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x tests/ray
 

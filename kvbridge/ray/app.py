@@ -84,7 +84,8 @@ class Deployment:
 class RayPDConfig:
     """The application: a model folder every node can read (vLLM loads it locally), the
     id clients name it by, the two deployments, the ingress's node resource, the shared
-    secret's file and vLLM's `kv_load_failure_policy`."""
+    secret's file, vLLM's `kv_load_failure_policy` and the connector's `lease_s` (how
+    long a prefill keeps blocks no decode said it read; None: `LOADED_HOST_SETTINGS`')."""
 
     model: str
     prefill: Deployment
@@ -93,10 +94,13 @@ class RayPDConfig:
     ingress_resource: str
     model_id: str = "smollm2"
     failure_policy: str = "fail"
+    lease_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.failure_policy not in ("fail", "recompute"):
             raise ConfigError(f"failure_policy={self.failure_policy!r}: use 'fail' or 'recompute'")
+        if self.lease_s is not None and not self.lease_s > 0:
+            raise ConfigError(f"lease_s={self.lease_s!r}: use a positive number of seconds")
         if not self.token_file:
             raise ConfigError(
                 "token_file is empty: replicas on different nodes need a shared secret"
@@ -110,6 +114,8 @@ def llm_config(cfg: RayPDConfig, side: Side) -> dict[str, Any]:
     """One side's `LLMConfig`, as a dict."""
     dep = cfg.deployment(side)
     extra = {**LOADED_HOST_SETTINGS, "token_file": cfg.token_file}
+    if cfg.lease_s is not None:
+        extra["lease_s"] = cfg.lease_s
     kv = json.loads(kv_transfer_config(KV_ROLES[side.value], extra, cfg.failure_policy))
     return {
         "model_loading_config": {"model_id": cfg.model_id, "model_source": cfg.model},

@@ -13,8 +13,9 @@ Ray tests).
 3. the deployment (`app.py`), by the driver `deploy.py` run on the head host.
 
 It sends completions through Serve's ingress (`complete`), reads which replica claimed
-which credential on which node (`claims`) and what the decode workers pulled
-(`pulls`), and kills a replica's actor (`kill_replica`). `close` stops every host
+which credential on which node (`claims`), what the decode workers pulled (`pulls`) and
+the metrics Ray exports for each replica's vLLM (`replica_metric`), and kills a
+replica's actor (`kill_replica`). `close` stops every host
 (their processes and private /dev/shm go with their namespaces) and removes the run
 directory and any vLLM shared-memory file left in this host's /dev/shm.
 """
@@ -53,6 +54,9 @@ PULL_FAILED = re.compile(r"kvbridge decode worker (\d+) failed to pull (\S+): (.
 #: the custom resource of each kind of host; a prefill or decode node offers as many units
 #: as one replica's bundles ask for (its tp_size), so it runs one replica at most
 RESOURCES = {"head": "kvbridge_head", "prefill": "kvbridge_prefill", "decode": "kvbridge_decode"}
+#: where each Ray node exports its processes' metrics (Prometheus text: Ray Serve LLM's
+#: replicas record vLLM's, the connector's series included, through Ray's metrics)
+METRICS_PORT = 8090
 #: logical CPUs each Ray node declares: a tp-n deployment needs n + 1, the ingress 1, and
 #: Serve's controller and proxy some; the host's real cores are shared by all
 NODE_CPUS = 16
@@ -77,15 +81,17 @@ class Pull:
 @dataclass(frozen=True)
 class ClusterConfig:
     """The model folder, each deployment's tp_size, the prefill replicas (one host
-    each: ``prefill``, ``prefill-2``, ...), vLLM's `kv_load_failure_policy`, how many
-    credentials each pool holds (one per replica start, restarts included), the head's
-    ports and the deployment's time bound."""
+    each: ``prefill``, ``prefill-2``, ...), vLLM's `kv_load_failure_policy`, the
+    connector's `lease_s` (None: `LOADED_HOST_SETTINGS`'), how many credentials each pool
+    holds (one per replica start, restarts included), the head's ports and the
+    deployment's time bound."""
 
     model: str
     prefill_tp: int = 1
     decode_tp: int = 3
     num_prefill_replicas: int = 1
     failure_policy: str = "fail"
+    lease_s: float | None = None
     pool_size: int = 4
     ray_port: int = 6379
     http_port: int = 8000
@@ -101,6 +107,7 @@ def ray_start(
     cmd = [ray, "start", "--block", "--node-ip-address", address]
     cmd += ["--num-cpus", str(NODE_CPUS), "--resources", json.dumps(resources)]
     cmd += ["--temp-dir", str(temp_dir), "--disable-usage-stats"]
+    cmd += ["--metrics-export-port", str(METRICS_PORT)]
     if head is None:
         return [*cmd, "--head", "--port", str(port), "--include-dashboard=false"]
     return [*cmd, "--address", head]
@@ -170,6 +177,7 @@ class RayCluster:
             ingress_resource=RESOURCES["head"],
             model_id=MODEL_ID,
             failure_policy=cfg.failure_policy,
+            lease_s=cfg.lease_s,
         )
         doc = {"serving_args": pd_serving_args(app), "name": APP_NAME, "http_port": cfg.http_port}
         (run / "app.json").write_text(json.dumps(doc, indent=1))
@@ -209,7 +217,7 @@ class RayCluster:
         return {n: h for n, h in self.hosts.items() if n.split("-")[0] == side.value}
 
     def complete(
-        self, body: dict[str, Any], timeout_s: float = 900
+        self, body: dict[str, Any], timeout_s: float = 900, headers: dict[str, str] | None = None
     ) -> tuple[int, Any, dict[str, int]]:
         """POST /v1/completions through Serve's ingress (from the head host): the
         status, the JSON answer (or text) and the bytes each prefill host sent meanwhile
@@ -219,7 +227,9 @@ class RayCluster:
         prefills = self.side_hosts(Side.PREFILL)
         sent = {name: host.bytes_sent() for name, host in prefills.items()}
         with self.hosts["head"].inside():
-            r = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout_s)
+            r = httpx.post(
+                self.url + "/v1/completions", json=body, timeout=timeout_s, headers=headers
+            )
         link = {name: host.bytes_sent() - sent[name] for name, host in prefills.items()}
         try:
             answer = r.json()
@@ -246,12 +256,37 @@ class RayCluster:
                 found += pattern.findall(path.read_text(errors="replace"))
         return found
 
-    def replica_pids(self, side: Side) -> list[int]:
+    def replica_metric(self, host: str, name: str, **labels: str) -> dict[str, float]:
+        """vLLM's series `name` (its own spelling, ``vllm:kv_cache_usage_perc``) as
+        host `host`'s Ray node exports it: the samples whose labels include `labels`,
+        summed by replica (Ray Serve's `ReplicaId` label). Ray names it ``ray_`` +
+        `name` with every character outside ``[a-zA-Z0-9_]`` as ``_``, a counter's
+        samples ending in ``_total``. The exposition read last is kept in the log
+        directory (``metrics-HOST.txt``)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        full = "ray_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+        with self.hosts[host].inside():
+            text = httpx.get(f"http://{self.hosts[host].address}:{METRICS_PORT}/metrics").text
+        (self.log_dir / f"metrics-{host}.txt").write_text(text)
+        by_replica: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in (full, full + "_total") and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    replica = sample.labels.get("ReplicaId", "")
+                    by_replica[replica] = by_replica.get(replica, 0.0) + sample.value
+        return by_replica
+
+    def replica_pids(self, side: Side, host: str | None = None) -> list[int]:
         """This machine's pids of `side`'s replica actors (Ray names their processes
-        ``ray::ServeReplica:APP:Prefill:MODEL``)."""
+        ``ray::ServeReplica:APP:Prefill:MODEL``), on host `host` only if given."""
         tag = f"ServeReplica:{APP_NAME}:{side.value.capitalize()}:"
+        hosts = [h for n, h in self.side_hosts(side).items() if host in (None, n)]
         found = []
-        for pid in (p for host in self.side_hosts(side).values() for p in host.pids()):
+        for pid in (p for h in hosts for p in h.pids()):
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
             except OSError:
@@ -260,12 +295,14 @@ class RayCluster:
                 found.append(pid)
         return found
 
-    def kill_replica(self, side: Side) -> list[int]:
+    def kill_replica(self, side: Side, host: str | None = None) -> list[int]:
         """SIGKILL `side`'s replica actors (the process Ray Serve watches; vLLM's engine
-        processes under it follow it down); the pids killed."""
-        pids = self.replica_pids(side)
+        processes under it follow it down), on host `host` only if given; the pids
+        killed."""
+        pids = self.replica_pids(side, host)
         if not pids:
-            raise ClusterError(f"no {side.value} replica runs on {list(self.side_hosts(side))}")
+            where = [host] if host else list(self.side_hosts(side))
+            raise ClusterError(f"no {side.value} replica runs on {where}")
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
         return pids

@@ -3,6 +3,7 @@ pool its replicas claim from (`kvbridge.ray.enrollment`): no Ray needed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -16,6 +17,7 @@ from kvbridge.errors import ConfigError
 from kvbridge.ray.app import POOL_KEY, Deployment, RayPDConfig, Side, pd_serving_args
 from kvbridge.ray.enrollment import claim, claims, enroll_pool
 from kvbridge.transfer.connector import ConnectorRole
+from kvbridge.vllm.launch import LOADED_HOST_SETTINGS
 
 TOKEN = "5f" * 32
 
@@ -79,6 +81,17 @@ def test_the_connector_is_selected_with_each_sides_role(deployment: tuple) -> No
         assert "credential_file" not in kv["kv_connector_extra_config"]
         pool = args[key]["experimental_configs"][POOL_KEY]
         assert pool == cfg.deployment(side).credential_pool
+        assert kv["kv_connector_extra_config"]["lease_s"] == LOADED_HOST_SETTINGS["lease_s"]
+
+
+def test_a_lease_is_set_for_both_sides_and_a_bad_one_refused(deployment: tuple) -> None:
+    cfg, _, _ = deployment
+    args = pd_serving_args(dataclasses.replace(cfg, lease_s=60))
+    for key in ("prefill_config", "decode_config"):
+        extra = args[key]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]
+        assert extra["lease_s"] == 60
+    with pytest.raises(ConfigError, match=r"lease_s=0: use a positive number of seconds"):
+        dataclasses.replace(cfg, lease_s=0)
 
 
 def test_no_secret_is_in_the_application_only_file_paths(deployment: tuple) -> None:

@@ -1,10 +1,11 @@
-"""Ray Serve LLM restarts a killed prefill replica, and KVBridgeConnector serves through it:
-a Ray cluster over three test hosts (`kvbridge.ray.cluster`), prefill tp 1 and decode tp 3,
-vLLM's `kv_load_failure_policy` recompute. Needs root; `make test-ray` runs it."""
+"""Ray Serve LLM restarts a killed prefill replica, and KVBridgeConnector serves through it;
+a decode replica that dies mid-pull leaves the prefill's blocks pinned until the lease
+and no longer: a Ray cluster over three test hosts (`kvbridge.ray.cluster`), prefill tp 1
+and decode tp 3, vLLM's `kv_load_failure_policy` recompute, a lease of `LEASE_S`. Needs
+root; `make test-ray` runs it."""
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -12,10 +13,21 @@ import pytest
 
 from kvbridge.ray.app import Side
 from kvbridge.ray.cluster import MODEL_ID, RayCluster
+from tests.ray.mid_pull import pull_under_way
 
 pytestmark = pytest.mark.timeout(3600)
+#: the prefill's lease: long enough for a first pull (handshake included) on this host,
+#: short enough to wait for once
+LEASE_S = 60
 #: the `cluster` fixture's settings (tests/ray/conftest.py)
-CLUSTER: dict[str, Any] = {"failure_policy": "recompute", "pool_size": 4}
+CLUSTER: dict[str, Any] = {"failure_policy": "recompute", "pool_size": 4, "lease_s": LEASE_S}
+#: vLLM's series (its spelling) the prefill's replica exports through Ray
+PINNED, RELEASES, USAGE = (
+    "vllm:kvbridge_kv_pinned_blocks",
+    "vllm:kvbridge_kv_releases",
+    "vllm:kv_cache_usage_perc",
+)
+EXPIRED = "releases by the lease"
 
 QUESTION = {"model": MODEL_ID, "prompt": "The capital of France is", "max_tokens": 10}
 #: a prompt whose KV (about 20 MB) takes long enough over a slowed link to be cut mid-pull
@@ -75,31 +87,12 @@ def test_a_pull_cut_by_a_killed_prefill_is_recomputed_and_later_requests_pull(
 ) -> None:
     reference, pulls, _ = complete(cluster, LONG)
     assert sorted(p.rank for p in pulls) == [0, 1, 2]
-    kv_bytes = sum(p.link_bytes for p in pulls)
     num_claims = len(cluster.claims(Side.PREFILL))
     failed_before = len(cluster.failed_pulls())
 
-    prefill = cluster.hosts["prefill"]
-    prefill.slow(rate="4mbit", burst="32kbit", latency="60s")  # ~40 s for the KV
-    result: dict[str, Any] = {}
-
-    def ask() -> None:
-        result["answer"] = cluster.complete({**LONG, "temperature": 0, "cache_salt": "cut"})
-
-    asking = threading.Thread(target=ask)
-    sent = prefill.bytes_sent()
-    asking.start()
-    try:
-        # the pull is under way once a tenth of the KV has left the prefill host
-        cluster.wait_for(
-            "the pull under way", lambda: prefill.bytes_sent() - sent > kv_bytes // 10, 600, 0.2
-        )
+    with pull_under_way(cluster, {**LONG, "cache_salt": "cut"}) as (_, asked):
         cluster.kill_replica(Side.PREFILL)
-    finally:
-        prefill.unslow()
-    asking.join(900)
-    assert not asking.is_alive()
-    status, answer, _ = result["answer"]
+    status, answer, _ = asked.result(900)
     assert status == 200, answer
     assert answer["choices"][0]["text"] == reference  # recomputed on the decode host
     assert len(cluster.failed_pulls()) > failed_before
@@ -108,3 +101,43 @@ def test_a_pull_cut_by_a_killed_prefill_is_recomputed_and_later_requests_pull(
     started = time.monotonic()
     _, pulls, _ = complete(cluster, {**LONG, "prompt": LONG["prompt"] + " Done."})
     assert sorted(p.rank for p in pulls) == [0, 1, 2], f"after {time.monotonic() - started:.0f} s"
+
+
+def test_a_decode_dying_mid_pull_leaves_the_prefills_blocks_pinned_until_the_lease_only(
+    cluster: RayCluster,
+) -> None:
+    """The decode replica is killed while it pulls (its workers die, none says it has
+    read): the prefill replica's own figures, as Ray exports them, show the request's
+    blocks pinned, then freed by the lease (cause lease_expired), vLLM's KV cache empty."""
+
+    def figures() -> dict[str, dict[str, float]]:
+        """Each prefill replica's pinned blocks, KV cache usage and lease releases."""
+        return {
+            PINNED: cluster.replica_metric("prefill", PINNED),
+            USAGE: cluster.replica_metric("prefill", USAGE),
+            EXPIRED: cluster.replica_metric("prefill", RELEASES, cause="lease_expired"),
+        }
+
+    before = figures()[EXPIRED]
+    with pull_under_way(cluster, {**LONG, "cache_salt": "orphan"}) as (_, asked):
+        cluster.kill_replica(Side.DECODE)
+
+    def pinning() -> tuple[str, float] | None:
+        """The replica holding blocks in vLLM's cache, and how many."""
+        now = figures()
+        held = [(r, n) for r, n in now[PINNED].items() if n > 0 and now[USAGE].get(r, 0) > 0]
+        return held[0] if len(held) == 1 else None
+
+    replica, _ = cluster.wait_for("the prefill's blocks pinned for the dead decode", pinning, 120)
+
+    def freed_by_the_lease() -> bool:
+        # a step's figures: vLLM's freed blocks and the connector's release come together
+        now = figures()
+        return (
+            now[PINNED].get(replica) == 0
+            and now[USAGE].get(replica) == 0
+            and now[EXPIRED].get(replica, 0) == before.get(replica, 0) + 1
+        )
+
+    cluster.wait_for("the blocks freed by the lease", freed_by_the_lease, LEASE_S + 120, 1)
+    asked.result(900)  # the client's request ended too (as Ray Serve ends it)
