@@ -105,7 +105,7 @@ demo-ray: ray-setup vllm-models
 
 # Under Ray, one cluster at a time under the heavy lock (about 8 GiB; 10 with two prefill
 # replicas): a killed prefill replica restarted, a pull it cut recomputed, a decode killed
-# mid-pull (the prefill frees at the lease), two prefill replicas (a fourth host) each
+# mid-pull (nothing stays pinned on the prefill), two prefill replicas (a fourth host) each
 # serving its own KV, and a lost KV failed under the fail policy; needs root.
 test-ray: ray-setup vllm-models
 	flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x tests/ray
