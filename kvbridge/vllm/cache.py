@@ -54,6 +54,17 @@ class RegisteredCache:
     num_blocks: int
 
 
+def pipeline_layers(num_layers: int, pp_size: int) -> tuple[int, ...] | None:
+    """The layers of each pipeline stage as vLLM splits them (its `get_pp_indices`,
+    VLLM_PP_LAYER_PARTITION included); None at pp_size 1."""
+    if pp_size == 1:
+        return None
+    from vllm.distributed.utils import get_pp_indices
+
+    ranges = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
+    return tuple(end - start for start, end in ranges)
+
+
 def layer_index(name: str) -> int:
     """The layer number in a vLLM layer name (``model.layers.7.self_attn.attn`` -> 7)."""
     found = _LAYER.findall(f".{name}.")
@@ -71,12 +82,26 @@ def describe_kv_caches(
     tp_size: int,
     block_size: int,
     made_by: CacheFormat,
+    pp_layers: tuple[int, ...] | None = None,
+    pp_rank: int = 0,
 ) -> RegisteredCache:
     """The layout, regions and block count of one worker's `kv_caches` (vLLM's
     `register_kv_caches` argument) as `made_by` made them; ConfigError if they are not
     one cache per layer of `model` at `tp_size` and `block_size` in a backend's layout
-    kvbridge knows (`kvbridge.plan.backends`)."""
+    kvbridge knows (`kvbridge.plan.backends`). Under pipeline parallelism (`pp_layers`:
+    vLLM's layers per stage, `pipeline_layers`) they are the layers of stage `pp_rank`
+    only, and must be those layers."""
     names = sorted(kv_caches, key=layer_index)
+    if pp_layers is not None:
+        start = sum(pp_layers[:pp_rank])
+        held = [layer_index(name) for name in names]
+        if held != list(range(start, start + pp_layers[pp_rank])):
+            raise ConfigError(
+                f"vLLM registered KV caches of layers {held} on pipeline stage {pp_rank}; "
+                f"its layer split {list(pp_layers)} gives that stage layers "
+                f"[{start}, {start + pp_layers[pp_rank]}) (KVBridgeConnector needs each "
+                "stage's own layers, one cache per layer)"
+            )
     tensors = [kv_caches[name] for name in names]
     if len({t.dtype for t in tensors}) > 1 or any(t.is_cuda for t in tensors):
         raise ConfigError(
@@ -97,7 +122,9 @@ def describe_kv_caches(
         for name, t in zip(names, tensors, strict=True)
     ]
     try:
-        layout, placed = place_cache(made_by.order, layers, model, tp_size, block_size)
+        layout, placed = place_cache(
+            made_by.order, layers, model, tp_size, block_size, pp_layers, pp_rank
+        )
     except LayoutError as exc:
         raise ConfigError(f"vLLM's KV caches: {exc}") from None
     regions = CacheRegions(placed.addresses, placed.lengths, MemType.DRAM, 0)

@@ -35,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvbridge.connector import ConnectorRole, RoleWorkers
 from kvbridge.connector.roles import decode_reports, encode_reports
 from kvbridge.plan.geometry import load_model_spec
-from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
+from kvbridge.vllm.cache import CacheFormat, describe_kv_caches, pipeline_layers
 from kvbridge.vllm.scheduler import Orders, SchedulerSide, log
 from kvbridge.vllm.settings import ROLES, check_vllm, from_extra_config
 from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
@@ -101,20 +101,29 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.configs = settings.configs(instance_id, ROLES[str(kv.kv_role)])  # one per role
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         self.scheduler: SchedulerSide | None = None
         self.worker: RoleWorkers | None = None
         self._report = KVBridgeWorkerMeta()  # this step's, until vLLM takes it
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.configs, self.block_size, self.tp_size, log)
+            world_size = self.tp_size * self.pp_size  # every worker reports
+            self.scheduler = SchedulerSide(self.configs, self.block_size, world_size, log)
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        """Under pipeline parallelism vLLM gives each worker its stage's layers only;
+        the worker is named by its rank in the instance, pp_rank * tp_size + tp_rank
+        (kvbridge's and vLLM's order)."""
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         model = load_model_spec(self._vllm_config.model_config.model)
         made_by = CacheFormat.of(self._vllm_config, kv_caches)
-        cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size, made_by)
-        rank = get_tensor_model_parallel_rank()
+        pp_rank, tp_rank = get_pp_group().rank_in_group, get_tp_group().rank_in_group
+        pp_layers = pipeline_layers(model.num_layers, self.pp_size)
+        cache = describe_kv_caches(
+            kv_caches, model, self.tp_size, self.block_size, made_by, pp_layers, pp_rank
+        )
+        rank = pp_rank * self.tp_size + tp_rank
         self.worker = RoleWorkers(self.configs, model, cache.layout, rank, log)
         # a prefill cache moves into shared memory where its KV is exported (`adopt`)
         self.worker.register_regions(cache.regions, cache.num_blocks, adopt=True)
@@ -178,9 +187,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self.worker = None
 
     # -- scheduler side ------------------------------------------------------------------
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
+        """Every worker's entry, keyed (pp_rank, tp_rank) by vLLM: in rank order."""
         assert self.scheduler is not None
         ranks = sorted(metadata)
         self.scheduler.set_worker_endpoints(

@@ -21,9 +21,9 @@ ROLES = {
     "kv_consumer": (ConnectorRole.CONSUMER,),
     "kv_both": (ConnectorRole.PRODUCER, ConnectorRole.CONSUMER),
 }
-#: vLLM's parallel_config sizes the connector serves at 1 only
+#: vLLM's parallel_config sizes the connector serves at 1 only (pipeline parallelism is
+#: served: each worker holds its stage's layers, `KVBridgeConnector.register_kv_caches`)
 UNSERVED_PARALLELISM = (
-    "pipeline_parallel_size",
     "decode_context_parallel_size",
     "prefill_context_parallel_size",
 )
@@ -52,5 +52,5 @@ def check_vllm(vllm_config: Any) -> None:
         if value != 1:
             raise ConfigError(
                 f"parallel_config.{name}={value} is not supported by KVBridgeConnector yet; "
-                "use 1 (kvbridge's planner handles pp, this connector does not wire it up)"
+                "use 1 (a context-parallel cache splits each layer's tokens over workers)"
             )

@@ -16,8 +16,8 @@ import torch
 from kvbridge.errors import ConfigError
 from kvbridge.plan import from_hf_config, make_plan, verify_plan
 from kvbridge.plan.backends import CPU_LAYOUT
-from kvbridge.plan.layout import cache_strides
-from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
+from kvbridge.plan.layout import cache_strides, default_pp_split
+from kvbridge.vllm.cache import CacheFormat, describe_kv_caches, pipeline_layers
 
 SMOLLM2 = {
     "model_type": "llama",
@@ -135,6 +135,66 @@ def test_the_matrix_plans_byte_exact(heads, p_tp, d_tp, p_block, d_block) -> Non
     verify_plan(plan, 77)
     verify_plan(plan, 77, start_token=64)
     verify_plan(plan, 77, start_token=32)  # inside a 64-token block
+
+
+def stage_caches(layers: range, blocks: int, heads: int, block: int, head_dim: int):
+    """One pipeline stage's caches: vLLM registers its own layers only, by their names."""
+    buf = torch.zeros(len(layers), blocks, heads, block, 2 * head_dim)
+    return {f"model.layers.{i}.self_attn.attn": buf[n] for n, i in enumerate(layers)}
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "p_pp", "d_tp", "d_pp"), [(1, 2, 2, 1), (2, 1, 1, 2), (1, 3, 2, 2)]
+)
+def test_pipeline_stages_hold_their_layers_and_plan_byte_exact(p_tp, p_pp, d_tp, d_pp) -> None:
+    """Each worker of a pipeline-parallel instance registers its stage's layers (vLLM's
+    split, here 2 + 2 and 2 + 1 + 1 of tiny-kv6's 4 layers, with 6 KV heads); the
+    instance layout names each worker's layers and heads, and every pair plans
+    byte-exact."""
+    model = from_hf_config(
+        {**SMOLLM2, "num_hidden_layers": 4, "num_key_value_heads": 6}
+        | {"num_attention_heads": 6, "hidden_size": 384}
+    )
+    splits = {1: None, 2: (2, 2), 3: (2, 1, 1)}
+
+    def instance(tp: int, pp: int, block: int):
+        layouts, start = [], 0
+        for stage, n in enumerate(splits[pp] or (4,)):
+            caches = stage_caches(range(start, start + n), 4, 6 // tp, block, 64)
+            reg = describe_kv_caches(caches, model, tp, block, cpu(caches), splits[pp], stage)
+            assert len(reg.regions.addresses) == n  # one region per layer of the stage
+            for shard in reg.layout.workers(model):
+                if shard.pp_rank == stage:
+                    assert shard.layers == (start, start + n) and shard.rank // tp == stage
+            layouts.append(reg.layout)
+            start += n
+        assert len(set(layouts)) == 1 and layouts[0].world_size == tp * pp
+        return layouts[0]
+
+    plan = make_plan(model, instance(p_tp, p_pp, 32), instance(d_tp, d_pp, 32))
+    verify_plan(plan, 77)
+    verify_plan(plan, 77, start_token=32)
+
+
+def test_the_stages_layers_are_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pipeline_layers` is vLLM's split: spare layers before the last stage, or the
+    operator's VLLM_PP_LAYER_PARTITION."""
+    pytest.importorskip("vllm.distributed.utils")
+    assert pipeline_layers(4, 1) is None
+    assert pipeline_layers(4, 2) == (2, 2)
+    assert pipeline_layers(30, 4) == default_pp_split(30, 4) == (7, 8, 8, 7)
+    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,3")
+    assert pipeline_layers(4, 2) == (1, 3)
+
+
+def test_a_stage_with_other_layers_is_refused() -> None:
+    model = from_hf_config({**SMOLLM2, "num_hidden_layers": 4})
+    caches = stage_caches(range(2), 4, 3, 32, 64)  # stage 1 of (2, 2) holds layers 2, 3
+    with pytest.raises(ConfigError, match=r"layers \[0, 1\] on pipeline stage 1; .* \[2, 4\)"):
+        describe_kv_caches(caches, model, 1, 32, cpu(caches), (2, 2), 1)
+    three = stage_caches(range(2, 5), 4, 3, 32, 64)
+    with pytest.raises(ConfigError, match=r"layers \[2, 3, 4\] on pipeline stage 1"):
+        describe_kv_caches(three, model, 1, 32, cpu(three), (2, 2), 1)
 
 
 def test_other_layouts_are_refused_with_what_works() -> None:

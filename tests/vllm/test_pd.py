@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 from kvbridge.plan.geometry import load_model_spec
+from kvbridge.plan.layout import InstanceLayout
+from kvbridge.vllm.cache import pipeline_layers
 from kvbridge.vllm.launch import MLA_ARGS
 from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_completion, text, token_ids
 
@@ -56,11 +58,18 @@ class Case:
     kv_export: str = ""
     #: the connector's fan_out setting ("": its default, auto: off on one host)
     fan_out: str = ""
+    #: pipeline stages per instance (each of its tp workers)
+    prefill_pp: int = 1
+    decode_pp: int = 1
 
     @property
     def id(self) -> str:
+        def side(tp: int, pp: int) -> str:
+            return f"tp{tp}" + (f"pp{pp}" if pp > 1 else "")
+
         return (
-            f"{self.model}-tp{self.prefill_tp}-tp{self.decode_tp}"
+            f"{self.model}-{side(self.prefill_tp, self.prefill_pp)}"
+            f"-{side(self.decode_tp, self.decode_pp)}"
             f"-b{self.prefill_block}-b{self.decode_block}"
             + (f"-{self.kv_export}" if self.kv_export else "")
             + (f"-fan-out-{self.fan_out}" if self.fan_out else "")
@@ -83,6 +92,11 @@ CASES = [
     # or read by each decode worker from prefill workers that are not a multiple away
     Case("tiny-mla", 1, 2, prefill_block=16, decode_block=16, fan_out="on"),
     Case("tiny-mla", 2, 3, prefill_block=16, decode_block=16),
+    # pipeline parallel: each worker holds its stage's layers (vLLM's split, 2 + 2): a
+    # decode worker holding every layer reads both prefill stages, a decode stage reads
+    # its layers from both prefill workers
+    Case("tiny-kv6", 1, 2, prefill_pp=2),
+    Case("tiny-kv6", 2, 1, decode_pp=2),
 ]
 
 
@@ -99,6 +113,19 @@ def export_processes() -> list[int]:
     return found
 
 
+def held_per_token(model: str, tp_size: int, pp_size: int) -> dict[int, int]:
+    """KV bytes of one token each worker of an instance holds, by rank: its stage's
+    layers (vLLM's split) x its heads (a replicated one included) x K/V x head bytes."""
+    spec = load_model_spec(MODELS / model)
+    layout = InstanceLayout(
+        tp_size=tp_size, pp_size=pp_size, pp_layers=pipeline_layers(spec.num_layers, pp_size)
+    )
+    return {
+        w.rank: w.num_local_layers * w.num_local_heads * spec.num_kv_tensors * spec.head_bytes
+        for w in layout.workers(spec)
+    }
+
+
 def bytes_per_token(model: str, tp_size: int) -> int:
     """KV bytes of one token summed over the workers of an instance at `tp_size`
     (replicated heads counted on every worker holding them; tp_size 1: the distinct KV).
@@ -111,7 +138,9 @@ def bytes_per_token(model: str, tp_size: int) -> int:
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
-    workers = case.prefill_tp + case.decode_tp  # pinned one per core only if they fit
+    # pinned one per core only if they fit
+    workers = case.prefill_tp * case.prefill_pp + case.decode_tp * case.decode_pp
+    traced = case.prefill_pp > 1 or case.decode_pp > 1  # both alike (launch.PP_ARGS)
     extra = {"kv_export": case.kv_export} if case.kv_export else {}
     if case.fan_out:
         extra["fan_out"] = case.fan_out
@@ -120,12 +149,12 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
     prefill = VLLMServer(
         case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log",
         kv_role="kv_producer", first_core=0, workers_on_host=workers, extra=extra,
-        vllm_args=args,
+        vllm_args=args, pp_size=case.prefill_pp, traced=traced,
     )  # fmt: skip
     decode = VLLMServer(
         case.model, case.decode_tp, case.decode_block, tmp_path / "decode.log",
         kv_role="kv_consumer", first_core=1, workers_on_host=workers, extra=extra,
-        vllm_args=args,
+        vllm_args=args, pp_size=case.decode_pp, traced=traced,
     )  # fmt: skip
     try:
         prefill.wait_ready()
@@ -146,9 +175,14 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
             assert len(export_processes()) == case.prefill_tp
         n = out["usage"]["prompt_tokens"]
         pulls = decode.pulled(since)
-        assert sorted(p.rank for p in pulls) == list(range(case.decode_tp)), decode.log_tail()
+        held = held_per_token(case.model, case.decode_tp, case.decode_pp)
+        assert sorted(p.rank for p in pulls) == sorted(held), decode.log_tail()
         # the prompt's tokens exactly, its partial last block included
         assert {(p.start_token, p.num_tokens) for p in pulls} == {(0, n)}, decode.log_tail()
+        # each decode worker its own heads of its own layers
+        assert {p.rank: p.nbytes + p.local_nbytes for p in pulls} == {
+            rank: n * b for rank, b in held.items()
+        }
         got = sum(p.nbytes + p.local_nbytes for p in pulls)
         assert got == n * bytes_per_token(case.model, case.decode_tp)
         if case.fan_out == "on":  # each head read from the prefill once, copied for the rest
@@ -157,7 +191,7 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
                 p.nbytes for p in pulls
             )
         # the same pulls in vLLM's own metrics (the connector's stats, on /metrics)
-        assert decode.metric("kvbridge_pull_time_seconds_count") == case.decode_tp
+        assert decode.metric("kvbridge_pull_time_seconds_count") == len(held)
         assert decode.metric("kvbridge_pull_bytes_sum") == sum(p.nbytes for p in pulls)
         assert decode.metric("kvbridge_failed_pulls_total") == 0
 
@@ -178,9 +212,9 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         hit = 0 if is_mla else n // case.decode_block * case.decode_block
         pulls = decode.pulled(since)
         assert (hit > 0 or is_mla) and {(p.start_token, p.num_tokens) for p in pulls} == {(hit, n2)}
-        assert sum(p.nbytes + p.local_nbytes for p in pulls) == (n2 - hit) * bytes_per_token(
-            case.model, case.decode_tp
-        )
+        assert {p.rank: p.nbytes + p.local_nbytes for p in pulls} == {
+            rank: (n2 - hit) * b for rank, b in held.items()
+        }
     finally:
         prefill.stop()
         decode.stop()
