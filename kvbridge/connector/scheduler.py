@@ -149,6 +149,8 @@ class KVRequest:
     failures: list[str] = field(default_factory=list)
     nbytes: int = 0
     local_nbytes: int = 0  # decode: copied between its workers on the host (a fan-out)
+    handshakes: int = 0  # decode: workers whose pull waited for a handshake
+    cold_peers: int = 0  # decode: (worker, producer worker) paths its READs crossed first
     started: float = 0.0
     transfer_ms: float | None = None
     #: the slowest worker's own time from Expose/Pull to done (no wait for the host's step)
@@ -481,6 +483,8 @@ class KVConnectorScheduler:
         rec.remaining -= 1
         rec.nbytes += ev.nbytes
         rec.local_nbytes += ev.local_nbytes
+        rec.handshakes += ev.handshake
+        rec.cold_peers += ev.cold_peers
         rec.worker_ms = max(rec.worker_ms, ev.elapsed_ms)
         rec.release_causes.append(ev.cause or ("completed" if ev.ok else "aborted"))
         if not ev.ok:

@@ -187,6 +187,7 @@ class KVConsumer:
             start_token,
             generation=generation,
             checked=self._views is not None and is_checked(self.config.integrity, request_id),
+            handshake=not (inst.is_ready and inst.prepared),
         )
 
     def decline(self, request_id: str, endpoint: str, reason: str) -> None:
@@ -231,7 +232,8 @@ class KVConsumer:
         """Meet the producer instance at `endpoint` ahead of its first request: handshake
         with the workers this worker will read from and prepare the descriptor lists, so
         the first pull costs what a later one does. Returns at once: whether this worker
-        has met it already (so a caller may repeat the call until it has); `poll`
+        has met it already and its warm-up READs are over (so a caller may repeat the
+        call until then, and a request sent after finds warm paths); `poll`
         advances it, and a failure is logged and forgotten (the next call or pull tries
         again). With `instance_id` (the producer instance's, as its handshake names it),
         a producer met before under another id (it restarted at the same address) is
@@ -252,9 +254,10 @@ class KVConsumer:
                 f"{welcome.instance_id!r}; meeting it afresh",
             )
             inst = self.directory.instance(endpoint)
-        if inst.is_ready and inst.prepared:
+        if inst.is_ready and inst.prepared and not self._introductions.is_warming(inst):
             return True
-        self._introductions.start(endpoint, inst)
+        if not self._introductions.is_warming(inst):
+            self._introductions.start(endpoint, inst)
         return False
 
     @property

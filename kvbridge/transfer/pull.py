@@ -129,6 +129,8 @@ class TransferResult:
     local_nbytes: int = 0  # copied from a sibling's cache on this host (a fan-out)
     checked: bool = False  # its bytes were checked against the producers' digests
     phases: PullPhases = PullPhases()
+    handshake: bool = False  # it waited for a handshake with its producer instance
+    cold_peers: int = 0  # producer workers it was the first READ from (`ActivePull`)
 
 
 @dataclass
@@ -170,6 +172,10 @@ class ActivePull:
     told_copiers: bool = False  # a fan-out's source: told its copiers the bytes are here
     local_nbytes: int = 0
     clock: PullClock = field(default_factory=PullClock)  # where its time went
+    #: its producer instance was not met when it began: it waited for the handshake
+    handshake: bool = False
+    #: producer workers it read from that no READ had crossed before (cold paths)
+    cold_peers: int = 0
 
     @property
     def awaiting_acks(self) -> bool:

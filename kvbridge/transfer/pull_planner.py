@@ -147,6 +147,7 @@ class PullPlanner:
         reads_of = Counter(p for p, _, _ in posts)
         pull.silent = {p for p, n in reads_of.items() if n > 1}
         pull.awaiting = set(reads_of)
+        pull.cold_peers = sum(not inst.readers[p].warm for p in reads_of)
         for p, peer, (local, local_idx, remote, remote_idx) in posts:
             try:
                 notif = b"" if p in pull.silent else self._notices.done(pull, peer)

@@ -163,6 +163,7 @@ class PullProgress:
                     )
                     self.transport.release(xfer)
                     del pull.xfers[i]
+                    inst.readers[p].warm = True
                     if p not in pull.silent:
                         pull.notified.add(p)
                     elif all(q != p for q, _ in pull.xfers.values()):  # p's last READ
@@ -390,5 +391,7 @@ class PullProgress:
                 pull.local_nbytes,
                 pull.checked,
                 pull.clock.phases(time.perf_counter()),
+                pull.handshake,
+                pull.cold_peers,
             )
         )
