@@ -38,8 +38,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
-
 from kvbridge.harness.hosts import HostNetwork, TestHost, missing
 
 ORDERS = ("with", "proxy-first", "instances-first", "prefill-restart", "decode-restart")
@@ -119,6 +117,8 @@ def prompt(tag: str, words: int) -> str:
 
 def _answers(dep: Hosts, host: TestHost) -> bool:
     """`host` answers /health at all (200 or not): its server is up."""
+    import httpx  # (the serve extra; this module is imported to register the command)
+
     with dep.proxy.inside():
         try:
             httpx.get(f"http://{host.address}:{PORT}/health", timeout=5)
@@ -242,6 +242,8 @@ class BenchHosts:
         host.start([sys.executable, "-m", "kvbridge.serve.instance_main", str(path)])
 
     def is_healthy(self, host: TestHost) -> bool:
+        import httpx
+
         with self.proxy.inside():
             try:
                 got = httpx.get(f"{self.url(host)}/health", timeout=5, verify=self.verify)
@@ -260,6 +262,8 @@ class BenchHosts:
                 time.sleep(0.2)
 
     def complete(self, prompt: str, max_tokens: int = 8) -> dict[str, Any]:
+        import httpx
+
         body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
         with self.proxy.inside():
             r = httpx.post(f"{self.url(self.proxy)}/v1/completions", json=body, timeout=600)
