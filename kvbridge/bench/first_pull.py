@@ -321,7 +321,8 @@ def run_first_pull_bench(args: argparse.Namespace) -> int:
                 say(
                     f"{order:>16} {run:>3} {s.first_ms:9.1f} {s.later_ms:9.1f} {s.ratio:11.2f} "
                     f"{s.first.get('kv_handshakes', '?'):>10} "
-                    f"{s.first.get('kv_cold_peers', '?'):>10}"
+                    f"{s.first.get('kv_cold_peers', '?'):>10}   pulls "
+                    f"{[round(float(st['transfer_ms']), 1) for st in s.stages]} ms"
                 )
     worst = max(max(r) for r in ratios.values())
     for order, r in ratios.items():
