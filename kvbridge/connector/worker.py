@@ -8,6 +8,10 @@ of orders from the scheduler side, runs `execute(metadata)`:
       -> wait_for_save (exposes, cancels) -> wait_for_recv (only if the orders ask)
       -> get_finished -> clear_connector_metadata
 
+A request of several cache groups comes as one Expose or Pull per group (under the
+groups' `transfer_id`s, each with the host's request id in the orders); the worker
+reports it once, when its last group's transfer ended here (`merge_events`).
+
 Between orders the process does nothing for it: the transfer layer's
 `kvbridge.transfer.connector.WorkerConnector`, which this wraps and which does the work,
 progresses transfers in its own thread (a NIXL read from this worker's memory progresses
@@ -19,11 +23,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvbridge.connector.metadata import ConnectorMetadata, KVWorkerOutput
+from kvbridge.connector.scheduler import release_cause
 from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, num_regions
@@ -44,6 +50,8 @@ from kvbridge.transfer.connector import (
 log = logging.getLogger("kvbridge.connector")
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from kvbridge.transfer.agent import Transport
     from kvbridge.transfer.export import SharedSegment
     from kvbridge.transfer.regions import CacheRegions
@@ -82,6 +90,39 @@ def adopt_segment(regions: CacheRegions, transfer: TransferConfig) -> SharedSegm
         return None
 
 
+@dataclass
+class _Parts:
+    """A request's transfers on one worker (one per cache group) until all ended."""
+
+    remaining: int
+    events: list[ConnectorEvent] = field(default_factory=list)
+
+
+def merge_events(
+    request_id: str, events: list[ConnectorEvent], role: ConnectorRole
+) -> ConnectorEvent:
+    """One event for a request whose cache groups' transfers all ended (`events`, one
+    per group): ok if each was, their reasons and bytes summed, the longest time, the
+    cause a counter tells apart (a producer's: `release_cause`; a consumer's: the first
+    failed group's)."""
+    if len(events) == 1:
+        return msgspec.structs.replace(events[0], request_id=request_id)
+    failed = [ev for ev in events if not ev.ok]
+    if role is ConnectorRole.PRODUCER:
+        cause = release_cause(ev.cause for ev in events)
+    else:
+        cause = next((ev.cause for ev in failed if ev.cause), "")
+    return ConnectorEvent(
+        request_id,
+        not failed,
+        "; ".join(dict.fromkeys(ev.reason for ev in failed if ev.reason)),
+        sum(ev.nbytes for ev in events),
+        max(ev.elapsed_ms for ev in events),
+        cause,
+        sum(ev.local_nbytes for ev in events),
+    )
+
+
 class KVConnectorWorker:
     """One worker's connector. Built, called and shut down by the process that owns the
     cache memory, from one thread; never raises out of `execute` (a failed order comes
@@ -96,10 +137,14 @@ class KVConnectorWorker:
         self.rank = rank
         self.connector: WorkerConnector | None = None
         self._meta: ConnectorMetadata | None = None
-        #: pulls in flight, by the prefill instance's request id: (the host's id, the
-        #: local blocks); exposures in flight (producer)
+        #: pulls in flight, by the prefill instance's transfer id: (the host's id, the
+        #: local blocks); exposures in flight (producer), by transfer id: the host's id
         self._loads: dict[str, tuple[str, list[int]]] = {}
-        self._exposed: set[str] = set()
+        self._exposed: dict[str, str] = {}
+        #: the host's requests with transfers not all ended here (one per cache group)
+        self._parts: dict[str, _Parts] = {}
+        #: consumer: the local blocks of each host request in flight (invalid if one group fails)
+        self._pulled_blocks: dict[str, list[int]] = {}
         self._load_errors: set[int] = set()
         self._connected: list[str] = []  # introduced producers met, since the last report
         #: events for the next report: orders that raised (as failed transfers) and the
@@ -183,11 +228,12 @@ class KVConnectorWorker:
                 self._errors.append(f"Connect failed on worker {self.rank}: {exc}")
         for decline in meta.reqs_to_decline:
             self._try(decline)
-        for host_id, pull in meta.pulls():
+        pulls = meta.pulls()
+        self._expect(host_id for host_id, _ in pulls)
+        for host_id, pull in pulls:
+            self._pulled_blocks.setdefault(host_id, []).extend(pull.local_block_ids)
             if self._try(pull, request_id=host_id):
                 self._loads[pull.request_id] = (host_id, list(pull.local_block_ids))
-            else:
-                self._load_errors.update(pull.local_block_ids)
 
     def wait_for_save(self) -> None:
         """Expose the bound requests' computed blocks (our KV is complete once the step
@@ -195,9 +241,11 @@ class KVConnectorWorker:
         meta = self._bound()
         if meta.worker_endpoints is not None:
             self._try(SetEndpoints(meta.worker_endpoints))
-        for expose in meta.reqs_to_send:
-            if self._try(expose, request_id=expose.request_id):
-                self._exposed.add(expose.request_id)
+        sends = meta.sends()
+        self._expect(host_id for host_id, _ in sends)
+        for host_id, expose in sends:
+            if self._try(expose, request_id=host_id):
+                self._exposed[expose.request_id] = host_id
         for cancel in meta.reqs_to_cancel:
             self._try(cancel)
 
@@ -270,24 +318,41 @@ class KVConnectorWorker:
 
     # -- helpers ------------------------------------------------------------------------------
     def _own(self, events: list[ConnectorEvent]) -> list[ConnectorEvent]:
-        """The events of this worker's own transfers, named with the host's request ids
-        (a pull's events come under the prefill instance's id); a failed pull's blocks
-        are kept for `get_block_ids_with_load_errors`."""
+        """The events of this worker's own transfers, one per host request once its
+        groups all ended, named with the host's request ids (a transfer's events come
+        under its transfer id); a failed pull's blocks are kept for
+        `get_block_ids_with_load_errors`."""
         out = []
         for ev in events:
             if self.role is ConnectorRole.PRODUCER:
-                if ev.request_id in self._exposed:
-                    self._exposed.discard(ev.request_id)
-                    out.append(ev)
-                continue
-            load = self._loads.pop(ev.request_id, None)
-            if load is None:
-                continue
-            host_id, blocks = load
-            if not ev.ok:
-                self._load_errors.update(blocks)
-            out.append(msgspec.structs.replace(ev, request_id=host_id))
+                host_id = self._exposed.pop(ev.request_id, None)
+            else:
+                load = self._loads.pop(ev.request_id, None)
+                host_id = load[0] if load is not None else None
+            if host_id is not None and (done := self._ended(host_id, ev)) is not None:
+                out.append(done)
         return out
+
+    def _expect(self, host_ids: Iterable[str]) -> None:
+        """Count the transfers each host request starts here (one per cache group)."""
+        for host_id in host_ids:
+            self._parts.setdefault(host_id, _Parts(0)).remaining += 1
+
+    def _ended(self, host_id: str, ev: ConnectorEvent) -> ConnectorEvent | None:
+        """One of `host_id`'s transfers ended; its event once they all have."""
+        parts = self._parts.get(host_id)
+        if parts is None:  # not counted (a stray event): report it as it is
+            return msgspec.structs.replace(ev, request_id=host_id)
+        parts.events.append(ev)
+        parts.remaining -= 1
+        if parts.remaining:
+            return None
+        del self._parts[host_id]
+        done = merge_events(host_id, parts.events, self.role)
+        blocks = self._pulled_blocks.pop(host_id, [])
+        if not done.ok and self.role is ConnectorRole.CONSUMER:
+            self._load_errors.update(blocks)
+        return done
 
     def _bound(self) -> ConnectorMetadata:
         assert self._meta is not None, "bind_connector_metadata first"
@@ -307,8 +372,8 @@ class KVConnectorWorker:
             reason = f"{type(order).__name__} failed on worker {self.rank}: {exc}"
             if request_id is None:
                 self._errors.append(reason)
-            else:
-                self._unreported.append(ConnectorEvent(request_id, False, reason))
+            elif done := self._ended(request_id, ConnectorEvent(request_id, False, reason)):
+                self._unreported.append(done)
             return False
         return True
 

@@ -9,7 +9,9 @@ orders reach the workers as the connector metadata, the workers' reports come ba
 the connector worker metadata. Transfers are asynchronous: loads complete between steps
 (`get_finished`); failed loads are reported as blocks (`get_block_ids_with_load_errors`)
 so vLLM recomputes them or fails the request, as its `kv_load_failure_policy` says; each
-pull's figures feed vLLM's metrics (`stats.py`).
+pull's figures feed vLLM's metrics (`stats.py`). It supports vLLM's hybrid KV cache
+manager (`SupportsHMA`): a hybrid model's KV cache groups each move their own blocks,
+a sliding-window group only those still inside its window (`cache.py`, `scheduler.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -80,9 +83,10 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
     sibling: str = ""
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge's connector for vLLM: any prefill/decode TP pair and block sizes the
-    planner can map, pulled with NIXL, capabilities and leases (docs/vllm.md)."""
+    planner can map, hybrid models' KV cache groups, pulled with NIXL, capabilities and
+    leases (docs/vllm.md)."""
 
     _cache_hit_source = CacheHitSource.P2P
 
@@ -113,9 +117,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
         model = load_model_spec(self._vllm_config.model_config.model)
         made_by = CacheFormat.of(self._vllm_config, kv_caches)
-        cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size, made_by)
+        config = self._kv_cache_config
+        groups = [list(g.layer_names) for g in config.kv_cache_groups] if config else None
+        cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size, made_by, groups)
         rank = get_tensor_model_parallel_rank()
-        self.worker = RoleWorkers(self.configs, model, cache.layout, rank, log)
+        self.worker = RoleWorkers(self.configs, cache.model, cache.layout, rank, log)
         # a prefill cache moves into shared memory where its KV is exported (`adopt`)
         self.worker.register_regions(cache.regions, cache.num_blocks, adopt=True)
 
@@ -198,11 +204,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # a pull fills every group's blocks (vLLM need not zero them)
+        config = self._kv_cache_config
+        return tuple(range(len(config.kv_cache_groups))) if config is not None else (0,)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
-        self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self.scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -220,6 +231,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         assert self.scheduler is not None
@@ -227,5 +243,4 @@ class KVBridgeConnector(KVConnectorBase_V1):
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
-        ids = block_ids[0] if block_ids and isinstance(block_ids[0], list | tuple) else block_ids
-        return self.scheduler.request_finished(request, list(ids), ok)
+        return self.scheduler.request_finished(request, block_ids, ok)

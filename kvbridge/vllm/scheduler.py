@@ -6,13 +6,15 @@ instance plays (`kv_role`; `kvbridge.connector.RoleSchedulers`), which checks an
 issues capabilities, orders exposes, pulls and declines, and keeps each request's
 `RequestState` (docs/architecture.md maps each vLLM hook to its call). The workers'
 reports reach it as vLLM's connector worker metadata. vLLM owns every block: a decode
-request aborted while pulling waits in vLLM's own scheduler. Nothing here imports vLLM
-(requests are read by their attributes).
+request aborted while pulling waits in vLLM's own scheduler. A request's blocks come
+per KV cache group (`group_tables`; one group without vLLM's hybrid KV cache manager).
+Nothing here imports vLLM (requests are read by their attributes).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 from kvbridge.connector import (
@@ -23,6 +25,13 @@ from kvbridge.connector import (
 )
 from kvbridge.connector.metadata import decode_transfer_params, encode_transfer_params
 from kvbridge.connector.roles import Orders
+from kvbridge.connector.scheduler import BlockTable
+
+#: vLLM's null block (`BlockPool.null_block`, the pool's first): what a KV cache group's
+#: block table holds where the group freed a request's block, leading the table (a
+#: sliding window frees the blocks behind it, on the prefill after its prompt and on
+#: the decode when it allocates past the tokens it loads)
+NULL_BLOCK_ID = 0
 
 #: the adapter's logger, under vLLM's "vllm" logger so vLLM's handlers print it
 log = logging.getLogger("vllm.kvbridge")
@@ -35,6 +44,17 @@ log = logging.getLogger("vllm.kvbridge")
 #: instead returns the moment a transfer finishes; a request that arrives meanwhile
 #: waits at most this long for its first step.
 EMPTY_STEP_WAIT_S = 0.02
+
+
+def group_tables(block_ids: Sequence[Sequence[int]], block_size: int) -> list[BlockTable]:
+    """A request's blocks as vLLM gives them, one list per KV cache group, as the
+    contract's tables: each from the first block its group holds (past the leading
+    null blocks)."""
+    tables = []
+    for ids in block_ids:
+        skip = next((i for i, b in enumerate(ids) if b != NULL_BLOCK_ID), len(ids))
+        tables.append(BlockTable([int(b) for b in ids[skip:]], skip * block_size))
+    return tables
 
 
 class SchedulerSide(RoleSchedulers):
@@ -74,13 +94,17 @@ class SchedulerSide(RoleSchedulers):
             self._ended(request, self.consumer.pop_ended(rid).reason)
         return count, is_async
 
-    def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM allocated the request's blocks: pull into them (one pull per request)."""
+    def after_alloc(
+        self, request: Any, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+    ) -> None:
+        """vLLM allocated the request's blocks (one list per KV cache group): pull into
+        them (one pull per request)."""
         rid = request.request_id
         consumer = self.consumer
         if consumer is None or rid not in consumer.requests or consumer.requests[rid].remaining:
             return
-        consumer.update_state_after_alloc(rid, block_ids, num_external_tokens)
+        tables = group_tables(block_ids, self.block_size)
+        consumer.update_state_after_alloc(rid, tables, num_external_tokens)
         request.kv_transfer_params["do_remote_prefill"] = False
         if rid not in consumer.requests:  # nothing to pull: declined
             self._ended(request, consumer.pop_ended(rid).reason)
@@ -91,9 +115,10 @@ class SchedulerSide(RoleSchedulers):
 
     # -- both ----------------------------------------------------------------------------
     def request_finished(
-        self, request: Any, block_ids: list[int], finished_ok: bool
+        self, request: Any, block_ids: Sequence[Sequence[int]], finished_ok: bool
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(delay_free_blocks, kv_transfer_params): a finished prefill is exposed and
+        """(delay_free_blocks, kv_transfer_params) for a finished request with its blocks
+        (one list per KV cache group): a finished prefill is exposed and
         its blocks kept until its workers release them; a decode request aborted
         before its pull declines it (vLLM keeps the blocks of one aborted while
         pulling until its workers report it)."""
@@ -106,7 +131,8 @@ class SchedulerSide(RoleSchedulers):
             return False, None
         done = not finished_ok or request.num_computed_tokens < request.num_prompt_tokens
         first = request.output_token_ids[0] if request.output_token_ids else None
-        delay, params = self.producer.request_finished(rid, block_ids, first, done)
+        tables = group_tables(block_ids, self.block_size)
+        delay, params = self.producer.request_finished(rid, tables, first, done)
         return delay, encode_transfer_params(params, rid) if params is not None else None
 
     # -- every step ----------------------------------------------------------------------

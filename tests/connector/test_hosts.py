@@ -270,7 +270,7 @@ class VLLMHost:
         req = vllm_request(rid, {"do_remote_decode": True}, first_token=7)
         self.p.side.on_new_request(req)
         self.p.step()
-        delay, params = self.p.side.request_finished(req, [3, 5, 6], finished_ok=not abort)
+        delay, params = self.p.side.request_finished(req, ([3, 5, 6],), finished_ok=not abort)
         assert delay is (not abort)
         self.p.step()  # the expose order
         return params
@@ -283,12 +283,12 @@ class VLLMHost:
         req = vllm_request(rid, dict(handover))
         self.d.side.on_new_request(req)
         if abort:
-            assert self.d.side.request_finished(req, [], finished_ok=False) == (False, None)
+            assert self.d.side.request_finished(req, ([],), finished_ok=False) == (False, None)
             self._drive(lambda: self.decode_kv.state(rid) is None)
             return
         count, is_async = self.d.side.num_new_matched_tokens(req, 0)
         assert (count, is_async) == (len(PROMPT), True)
-        self.d.side.after_alloc(req, [7, 1, 4], count)
+        self.d.side.after_alloc(req, ([7, 1, 4],), count)
         self._drive(lambda: self.decode_kv.state(rid) is None)
 
     def refused(self, rid: str, handover: Any, capability: bytes) -> str:

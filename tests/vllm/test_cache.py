@@ -150,3 +150,55 @@ def test_other_layouts_are_refused_with_what_works() -> None:
     one = dict(list(vllm_cpu_caches(2, 5, 3, 32, 64).items())[:1])
     with pytest.raises(ConfigError, match=r"registered 1 KV caches; .* has 2 layers"):
         describe_kv_caches(one, model, 1, 32, cpu(one))
+
+
+def hybrid_cpu_caches(groups: list[list[int]], blocks: int, heads: int, block: int, head_dim: int):
+    """vLLM's hybrid KV cache manager's caches: the j-th layer of every KV cache group
+    (layer numbers) views the j-th tensor of one buffer (groups alias from byte 0)."""
+    slots = max(len(g) for g in groups)
+    buf = torch.zeros(slots, blocks, heads, block, 2 * head_dim)
+    return {f"model.layers.{i}.self_attn.attn": buf[j] for g in groups for j, i in enumerate(g)}
+
+
+#: tiny-gemma3's geometry: 2 KV heads of 64
+GEMMA3 = {**SMOLLM2, "num_key_value_heads": 2, "num_attention_heads": 4, "hidden_size": 256}
+
+#: The KV cache groups vLLM makes (`_get_kv_cache_groups_uniform_page_size`) of 8 layers
+#: where every 4th is full attention (tiny-gemma3): three sliding groups and a full one
+GEMMA3_GROUPS = [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def names(groups: list[list[int]]) -> list[list[str]]:
+    return [[f"model.layers.{i}.self_attn.attn" for i in g] for g in groups]
+
+
+def test_a_hybrid_models_shared_tensors_are_one_layer_each() -> None:
+    """Four groups of two layers over two shared tensors: kvbridge moves a model of two
+    layers, one region per tensor (a request's groups each move their own blocks
+    over both)."""
+    model = from_hf_config({**GEMMA3, "num_hidden_layers": 8})
+    caches = hybrid_cpu_caches(GEMMA3_GROUPS, 5, 1, 32, 64)  # tp 2: one head per worker
+    reg = describe_kv_caches(caches, model, 2, 32, cpu(caches), names(GEMMA3_GROUPS))
+    assert reg.model.num_layers == 2 and reg.model.num_kv_heads == 2
+    tensors = [caches["model.layers.0.self_attn.attn"], caches["model.layers.4.self_attn.attn"]]
+    assert reg.regions.addresses == tuple(t.data_ptr() for t in tensors)
+    assert reg.regions.lengths == (5 * 32 * 128 * 4,) * 2 and reg.num_blocks == 5
+    # without the hybrid KV cache manager: one tensor per layer, the model as it is
+    flat = vllm_cpu_caches(8, 5, 1, 32, 64)
+    assert describe_kv_caches(flat, model, 2, 32, cpu(flat)).model == model
+
+
+def test_a_hybrid_model_whose_groups_vllm_padded_is_refused() -> None:
+    """6 sliding and 2 full layers as vLLM groups 7 sliding and 2 full (layer 3 alone in
+    its group: vLLM pads it): moving that group over both tensors would move bytes none
+    of its layers holds."""
+    model = from_hf_config({**GEMMA3, "num_hidden_layers": 9})
+    groups = [[0, 4], [1, 6], [2, 7], [3], [5, 8]]
+    caches = hybrid_cpu_caches(groups, 5, 1, 32, 64)
+    with pytest.raises(
+        ConfigError,
+        match=r"KV cache group 3 \(1 layers: model.layers.3.self_attn.attn\) holds "
+        r"1 of the 2 shared KV cache tensors; .* equal numbers of layers .*"
+        r"--disable-hybrid-kv-cache-manager",
+    ):
+        describe_kv_caches(caches, model, 2, 32, cpu(caches), names(groups))

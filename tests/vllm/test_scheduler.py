@@ -14,9 +14,10 @@ import pytest
 
 from kvbridge.connector import ConnectorRole
 from kvbridge.connector.metadata import CAPABILITY_KEY
+from kvbridge.connector.scheduler import BlockTable
 from kvbridge.connector.settings import ConnectorSettings
 from kvbridge.transfer.connector import Pull
-from kvbridge.vllm.scheduler import EMPTY_STEP_WAIT_S, SchedulerSide
+from kvbridge.vllm.scheduler import EMPTY_STEP_WAIT_S, SchedulerSide, group_tables
 from kvbridge.vllm.settings import ROLES
 
 PROMPT = list(range(100, 187))  # 87 tokens: 2 prefill blocks of 64, 3 decode blocks of 32
@@ -46,7 +47,7 @@ def prefilled() -> tuple[dict, int]:
     prefill = side("p", 64)
     req = request("p-1", {"do_remote_decode": True})
     prefill.on_new_request(req)
-    delay, params = prefill.request_finished(req, [7, 3, 11], finished_ok=True)
+    delay, params = prefill.request_finished(req, ([7, 3, 11],), finished_ok=True)
     assert delay and params is not None and params["remote_request_id"] == "p-1"
     (expose,) = prefill.build_orders(1)[P].reqs_to_send
     assert (expose.block_ids, expose.num_tokens) == ([7, 3], len(PROMPT))  # not 128
@@ -68,7 +69,7 @@ def test_a_smaller_decode_block_pulls_the_prompt_past_its_hit(hit, remote, local
     decode.on_new_request(req)
     count, is_async = decode.num_new_matched_tokens(req, hit)
     assert (count, is_async) == (len(PROMPT) - hit, True)
-    decode.after_alloc(req, [5, 9, 2, 4], count)  # a block past the prompt is not read
+    decode.after_alloc(req, ([5, 9, 2, 4],), count)  # a block past the prompt is not read
     orders = decode.build_orders(1)[C]
     assert not orders.reqs_to_decline
     (pull,) = orders.reqs_to_recv
@@ -111,3 +112,33 @@ def test_the_instance_workers_meet_each_other_in_the_first_step_only() -> None:
     assert first[P].worker_endpoints == ["tcp://127.0.0.1:5000"]
     second = decode.build_orders(1)
     assert second[C].siblings is None and second[P].worker_endpoints is None
+
+
+def test_a_hybrid_models_groups_start_past_the_blocks_vllm_freed() -> None:
+    """vLLM's sliding-window groups lead their block tables with its null block (0)
+    where the window freed a block: a group's table starts at the first block it holds.
+    The prefill exposes each group from there, the decode pulls each past what either
+    side freed (87 tokens, window 32: vLLM frees the first block of 32 on both sides)."""
+    assert group_tables([[0, 0, 4, 5], [1, 2]], 32) == [
+        BlockTable([4, 5], 64),
+        BlockTable([1, 2], 0),
+    ]
+    prefill = side("p", 32)
+    req = request("p-1", {"do_remote_decode": True})
+    prefill.on_new_request(req)
+    _, params = prefill.request_finished(req, ([0, 3, 11], [7, 8, 9]), finished_ok=True)
+    sends = prefill.build_orders(1)[P].reqs_to_send
+    assert [(e.request_id, e.block_ids, e.start_token) for e in sends] == [
+        ("p-1", [3, 11], 32),
+        ("p-1#g1", [7, 8, 9], 0),
+    ]
+    decode = side("d", 32)
+    req = request("d-1", params)
+    decode.on_new_request(req)
+    count, _ = decode.num_new_matched_tokens(req, 0)
+    decode.after_alloc(req, ([0, 12, 13, 14], [15, 16, 17, 18]), count)
+    pulls = decode.build_orders(1)[C].reqs_to_recv
+    assert [(p.producer_block_ids, p.local_block_ids, p.start_token) for p in pulls] == [
+        ([3, 11], [12, 13], 32),
+        ([7, 8, 9], [15, 16, 17], 0),
+    ]
