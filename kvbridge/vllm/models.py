@@ -184,74 +184,73 @@ def _tokens(tokenizer: Any) -> dict[str, Any]:
     )
 
 
-def _tiny_llama(t: TinyLlama, tokenizer: Any) -> Any:
+def _random_model(model: str, config: str, t: Any, tokenizer: Any, **fields: Any) -> Any:
+    """transformers' `model` class over its `config` class with random weights (seed
+    `t.seed`): the geometry's layers, heads, MLP and init range, `fields`, SmolLM2's
+    tokens."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(t.seed)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=t.num_attention_heads * t.head_dim,
+    return getattr(transformers, model)(
+        getattr(transformers, config)(
             intermediate_size=t.intermediate_size,
             num_hidden_layers=t.num_hidden_layers,
             num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_key_value_heads,
-            head_dim=t.head_dim,
             initializer_range=t.initializer_range,
+            **fields,
             **_tokens(tokenizer),
         )
+    )
+
+
+def _tiny_llama(t: TinyLlama, tokenizer: Any) -> Any:
+    return _random_model(
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        t,
+        tokenizer,
+        hidden_size=t.num_attention_heads * t.head_dim,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
     )
 
 
 def _tiny_deepseek(t: TinyDeepseek, tokenizer: Any) -> Any:
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-
-    torch.manual_seed(t.seed)
-    return DeepseekV2ForCausalLM(
-        DeepseekV2Config(
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.num_hidden_layers,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_attention_heads,
-            q_lora_rank=None,  # q projected directly
-            kv_lora_rank=t.kv_lora_rank,
-            qk_rope_head_dim=t.qk_rope_head_dim,
-            qk_nope_head_dim=t.qk_nope_head_dim,
-            v_head_dim=t.v_head_dim,
-            head_dim=t.qk_rope_head_dim,
-            first_k_dense_replace=t.num_hidden_layers,  # every MLP dense
-            n_routed_experts=1,
-            num_experts_per_tok=1,
-            n_shared_experts=1,
-            moe_intermediate_size=t.intermediate_size,
-            initializer_range=t.initializer_range,
-            **_tokens(tokenizer),
-        )
+    return _random_model(
+        "DeepseekV2ForCausalLM",
+        "DeepseekV2Config",
+        t,
+        tokenizer,
+        hidden_size=t.hidden_size,
+        num_key_value_heads=t.num_attention_heads,
+        q_lora_rank=None,  # q projected directly
+        kv_lora_rank=t.kv_lora_rank,
+        qk_rope_head_dim=t.qk_rope_head_dim,
+        qk_nope_head_dim=t.qk_nope_head_dim,
+        v_head_dim=t.v_head_dim,
+        head_dim=t.qk_rope_head_dim,
+        first_k_dense_replace=t.num_hidden_layers,  # every MLP dense
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        moe_intermediate_size=t.intermediate_size,
     )
 
 
 def _tiny_gemma3(t: TinyGemma3, tokenizer: Any) -> Any:
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(t.seed)
-    return Gemma3ForCausalLM(
-        Gemma3TextConfig(
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.num_hidden_layers,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_key_value_heads,
-            head_dim=t.head_dim,
-            query_pre_attn_scalar=t.head_dim,
-            sliding_window=t.sliding_window,
-            layer_types=t.layer_types,
-            initializer_range=t.initializer_range,
-            pad_token_id=0,
-            **_tokens(tokenizer),
-        )
+    return _random_model(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        t,
+        tokenizer,
+        hidden_size=t.hidden_size,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        query_pre_attn_scalar=t.head_dim,
+        sliding_window=t.sliding_window,
+        layer_types=t.layer_types,
+        pad_token_id=0,
     )
 
 

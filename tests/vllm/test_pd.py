@@ -88,6 +88,7 @@ CASES = [
     # a hybrid model (Gemma-3: 6 sliding-window layers, window 32, and 2 full ones)
     # under vLLM's hybrid KV cache manager: 4 KV cache groups, each its own blocks
     Case("tiny-gemma3", 1, 2),
+    Case("tiny-gemma3", 2, 1),
 ]
 
 
