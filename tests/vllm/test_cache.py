@@ -202,3 +202,21 @@ def test_a_hybrid_model_whose_groups_vllm_padded_is_refused() -> None:
         r"--disable-hybrid-kv-cache-manager",
     ):
         describe_kv_caches(caches, model, 2, 32, cpu(caches), names(groups))
+
+
+def test_a_hybrid_models_groups_plan_byte_exact_with_the_bytes_of_their_tokens() -> None:
+    """tiny-gemma3 under the hybrid KV cache manager, prefill tp 1 -> decode tp 2, an
+    87-token prompt: the full group moves tokens [0, 87), each of the three
+    sliding-window groups (window 32) tokens [32, 87) only, over the two shared
+    tensors, byte-exact: each decode worker (one KV head of 64, float32, K and V: 512
+    bytes a token and tensor) 2 x (87 + 3 x 55) x 512 = 258,048 bytes, not the
+    8 x 87 x 512 = 356,352 of every layer's whole prompt (tests/vllm/test_pd.py
+    measures them in vLLM)."""
+    model = from_hf_config({**GEMMA3, "num_hidden_layers": 8})
+    p_caches = hybrid_cpu_caches(GEMMA3_GROUPS, 8, 2, 32, 64)
+    d_caches = hybrid_cpu_caches(GEMMA3_GROUPS, 8, 1, 32, 64)
+    p = describe_kv_caches(p_caches, model, 1, 32, cpu(p_caches), names(GEMMA3_GROUPS))
+    d = describe_kv_caches(d_caches, model, 2, 32, cpu(d_caches), names(GEMMA3_GROUPS))
+    plan = make_plan(p.model, p.layout, d.layout)
+    full, sliding = verify_plan(plan, 87), verify_plan(plan, 87, start_token=32)
+    assert full.link_bytes + 3 * sliding.link_bytes == 2 * 258_048  # both decode workers

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from kvbridge.plan.geometry import load_model_spec
-from kvbridge.vllm.launch import MLA_ARGS
+from kvbridge.vllm.launch import HYBRID_ARGS, MLA_ARGS
 from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_completion, text, token_ids
 
 pytestmark = pytest.mark.slow
@@ -58,6 +58,8 @@ class Case:
     kv_export: str = ""
     #: the connector's fan_out setting ("": its default, auto: off on one host)
     fan_out: str = ""
+    #: vLLM arguments of both instances (MLA models: `launch.MLA_ARGS` besides)
+    vllm_args: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -87,8 +89,8 @@ CASES = [
     Case("tiny-mla", 2, 3, prefill_block=16, decode_block=16),
     # a hybrid model (Gemma-3: 6 sliding-window layers, window 32, and 2 full ones)
     # under vLLM's hybrid KV cache manager: 4 KV cache groups, each its own blocks
-    Case("tiny-gemma3", 1, 2),
-    Case("tiny-gemma3", 2, 1),
+    Case("tiny-gemma3", 1, 2, vllm_args=HYBRID_ARGS),
+    Case("tiny-gemma3", 2, 1, vllm_args=HYBRID_ARGS),
 ]
 
 
@@ -140,7 +142,8 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
     if case.fan_out:
         extra["fan_out"] = case.fan_out
     is_mla = load_model_spec(MODELS / case.model).is_mla
-    args = MLA_ARGS if is_mla else ()  # (the same tokens at every tp: launch.MLA_ARGS)
+    # (the same tokens at every tp: launch.MLA_ARGS)
+    args = (*MLA_ARGS, *case.vllm_args) if is_mla else case.vllm_args
     prefill = VLLMServer(
         case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log",
         kv_role="kv_producer", first_core=0, workers_on_host=workers, extra=extra,
