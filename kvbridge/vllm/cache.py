@@ -118,6 +118,14 @@ def describe_kv_caches(
     layer names, share them); ConfigError if they are not one cache per layer of
     `model` (per shared tensor) at `tp_size` and `block_size` in a backend's layout
     kvbridge knows (`kvbridge.plan.backends`)."""
+    for name, t in kv_caches.items():
+        if not hasattr(t, "data_ptr"):  # an SSM layer's state: several tensors
+            raise ConfigError(
+                f"vLLM's cache of layer {name!r} (backend {made_by.backends.get(name, '?')}) "
+                f"is {len(t)} state tensors, not an attention KV cache; KVBridgeConnector "
+                "moves attention layers' KV only: SSM hybrids (Mamba, GDN layers) are not "
+                "served"
+            )
     shared = slots(kv_caches)
     if len(shared) < len(kv_caches):
         check_groups(groups or [list(kv_caches)], shared)
