@@ -137,13 +137,13 @@ class KVConnectorWorker:
         self.rank = rank
         self.connector: WorkerConnector | None = None
         self._meta: ConnectorMetadata | None = None
-        #: pulls in flight, by the prefill instance's transfer id: (the host's id, the
-        #: local blocks); exposures in flight (producer), by transfer id: the host's id
-        self._loads: dict[str, tuple[str, list[int]]] = {}
+        #: pulls (consumer) and exposures (producer) in flight, by transfer id (a pull's:
+        #: the prefill instance's): the host's request id
+        self._loads: dict[str, str] = {}
         self._exposed: dict[str, str] = {}
         #: the host's requests with transfers not all ended here (one per cache group)
         self._parts: dict[str, _Parts] = {}
-        #: consumer: the local blocks of each host request in flight (invalid if one group fails)
+        #: consumer: each host request's local blocks in flight (invalid if a group fails)
         self._pulled_blocks: dict[str, list[int]] = {}
         self._load_errors: set[int] = set()
         self._connected: list[str] = []  # introduced producers met, since the last report
@@ -233,7 +233,7 @@ class KVConnectorWorker:
         for host_id, pull in pulls:
             self._pulled_blocks.setdefault(host_id, []).extend(pull.local_block_ids)
             if self._try(pull, request_id=host_id):
-                self._loads[pull.request_id] = (host_id, list(pull.local_block_ids))
+                self._loads[pull.request_id] = host_id
 
     def wait_for_save(self) -> None:
         """Expose the bound requests' computed blocks (our KV is complete once the step
@@ -324,11 +324,8 @@ class KVConnectorWorker:
         `get_block_ids_with_load_errors`."""
         out = []
         for ev in events:
-            if self.role is ConnectorRole.PRODUCER:
-                host_id = self._exposed.pop(ev.request_id, None)
-            else:
-                load = self._loads.pop(ev.request_id, None)
-                host_id = load[0] if load is not None else None
+            in_flight = self._exposed if self.role is ConnectorRole.PRODUCER else self._loads
+            host_id = in_flight.pop(ev.request_id, None)
             if host_id is not None and (done := self._ended(host_id, ev)) is not None:
                 out.append(done)
         return out
