@@ -7,8 +7,10 @@ vLLM builds it once per engine with role SCHEDULER (in the EngineCore process:
 holds the contract's own objects, one per role the instance plays: the scheduler side's
 orders reach the workers as the connector metadata, the workers' reports come back as
 the connector worker metadata. Transfers are asynchronous: loads complete between steps
-(`get_finished`); failed loads are reported as blocks (`get_block_ids_with_load_errors`)
-so vLLM recomputes them or fails the request, as its `kv_load_failure_policy` says; each
+(`get_finished`); failed loads are reported as blocks (`get_block_ids_with_load_errors`;
+with several KV cache groups, whose block ids vLLM cannot map back, as failed requests:
+`get_transfer_results`) so vLLM recomputes them or fails the request, as its
+`kv_load_failure_policy` says; each
 pull's figures feed vLLM's metrics (`stats.py`). It supports vLLM's hybrid KV cache
 manager (`SupportsHMA`): a hybrid model's KV cache groups each move their own blocks,
 a sliding-window group only those still inside its window (`cache.py`, `scheduler.py`).
@@ -25,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
@@ -108,6 +111,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: RoleWorkers | None = None
         self._report = KVBridgeWorkerMeta()  # this step's, until vLLM takes it
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else [None]
+        #: vLLM maps failed blocks back to requests for one KV cache group only
+        self.reports_failed_requests = len(groups) > 1
+        self._failed_recving: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.configs, self.block_size, self.tp_size, log)
 
@@ -151,14 +158,27 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         res = self.worker.get_finished()
         self._report.reports += encode_reports(res.reports)
+        if self.reports_failed_requests:
+            self._failed_recving |= {
+                ev.request_id
+                for out in res.reports.values()
+                for ev in out.finished_recving
+                if not ev.ok
+            }
         return res.finished_sending or None, res.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         out, self._report = self._report, KVBridgeWorkerMeta()
         return out if out.reports else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+        blocks = self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+        return set() if self.reports_failed_requests else blocks  # (then: failed requests)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = self.worker.take_pulls() if self.worker is not None else None
