@@ -172,6 +172,8 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         if case.kv_export == "process":  # every producer worker exports
             assert len(export_processes()) == case.prefill_tp
         n = out["usage"]["prompt_tokens"]
+        # vLLM kept its hybrid KV cache manager on: KVBridgeConnector declares SupportsHMA
+        assert "Turning off hybrid kv cache manager" not in decode.log_text()
         pulls = decode.pulled(since)
         assert sorted(p.rank for p in pulls) == list(range(case.decode_tp)), decode.log_tail()
         # the prompt's tokens exactly, its partial last block included
