@@ -34,6 +34,7 @@ from kvbridge.engine.sequence import FinishReason
 from kvbridge.engine.weights import resolve_model
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.transfer.capability import check, issue
+from kvbridge.transfer.integrity import Integrity
 from kvbridge.transfer.netdev import free_port
 
 S = RequestState
@@ -49,10 +50,12 @@ def make(
     role: ConnectorRole,
     instance_id: str,
     engine: EngineConfig | None = None,
+    integrity: Integrity = TransferConfig.integrity,
     **kwargs: object,
 ) -> LLMEngine:
     # a producer that does not answer fails a handshake within a second
-    spec = ConnectorSpec(role, instance_id, TransferConfig(lease_s=30.0, handshake_timeout_s=1.0))
+    transfer = TransferConfig(lease_s=30.0, handshake_timeout_s=1.0, integrity=integrity)
+    spec = ConnectorSpec(role, instance_id, transfer)
     config = KVConnectorConfig(spec, claim_s=30.0, **kwargs)  # type: ignore[arg-type]
     return LLMEngine("smollm2-135m", engine or EngineConfig(num_blocks=24), connector=config)
 
@@ -416,14 +419,15 @@ def test_a_decode_cache_of_another_dtype_converts_the_kv_it_pulls(
     decode_tp: int,
 ) -> None:
     """A float32-cache prefill engine -> a bfloat16-cache decode engine: the decode
-    workers read the float32 bytes into their staging and cast them into their cache
-    before the pull is done. The tokens equal colocated generation with a bfloat16
+    workers read the float32 bytes into their staging (each pull checked against the
+    prefill's digest of what it exposed, taken over the staging) and cast them into
+    their cache before the pull is done. The tokens equal colocated generation with a bfloat16
     cache, and (tp 1) the decode cache's blocks hold exactly the colocated engine's
     bytes: both are the round-to-nearest-even bfloat16 of the same float32 K and V (a
     prompt within one prefill chunk attends to its own K/V, never the cache's)."""
     prefill, _ = pair
     engine = EngineConfig(num_blocks=24, kv_dtype="bfloat16", tp_size=decode_tp)
-    decode = make(ConnectorRole.CONSUMER, f"D16-{decode_tp}", engine)
+    decode = make(ConnectorRole.CONSUMER, f"D16-{decode_tp}", engine, Integrity.ON)
     try:
         ids = prefill.tokenizer.encode(PROMPT)
         rid = f"bf16-{decode_tp}"
@@ -434,14 +438,17 @@ def test_a_decode_cache_of_another_dtype_converts_the_kv_it_pulls(
         decode.add_request(ids, PARAMS, rid, kv_transfer_params=pre.kv_transfer_params)
         drive([prefill, decode], lambda: decode.is_finished(rid))
         out = decode.pop(rid)
-        assert out.kv_load_error is None and transitions(decode, rid) == [
-            (S.WAITING_FOR_REMOTE_KV, S.RUNNING)
-        ]
+        assert out.kv_load_error is None and decode.kv.pull_failures["integrity"] == 0
+        assert transitions(decode, rid) == [(S.WAITING_FOR_REMOTE_KV, S.RUNNING)]
         per_token = load_model_spec(resolve_model("smollm2-135m")).bytes_per_token
         assert out.kv_nbytes == len(ids) * per_token  # float32 bytes crossed
         colocated = engine_factory(tp_size=decode_tp, kv_dtype="bfloat16")
         assert out.token_ids == reference(colocated)
         if decode_tp == 1:
+            # the staging is the decode cache again in float32, whatever was pulled
+            worker = decode.executor.connector.connector  # type: ignore[attr-defined]
+            cache_bytes = decode.executor.runner.kv_cache.tensor.nbytes  # type: ignore[attr-defined]
+            assert worker.consumer.staging.nbytes == 2 * cache_bytes
             got, want = prompt_blocks(decode, ids), prompt_blocks(colocated, ids)
             assert got.dtype == torch.bfloat16 and got.count_nonzero() > 0
             assert torch.equal(got.view(torch.int16), want.view(torch.int16))
