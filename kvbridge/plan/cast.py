@@ -31,6 +31,9 @@ from kvbridge.plan.layout import InstanceLayout
 
 #: the dtypes a cache may be converted from and to (any pair of two different ones)
 CASTABLE = ("float32", "bfloat16", "float16")
+#: up to this many runs (once adjacent ones are joined) a cast goes run by run over
+#: slices; more (short runs: per-layer layouts) go through one element index per region
+SLICED_RUNS = 4096
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,14 @@ def cast_runs(
             f"a run to cast from {cast.src} is not whole {si}-byte elements; the staging "
             "and the copy lists disagree on the element size"
         )
+    from kvbridge.plan.copylist import merge_runs  # (copylist imports the planner, which us)
+
+    # sorted by (region, offset), each run joined to the one it continues
+    regions, offsets, _, _, lengths = merge_runs(regions, offsets, regions, offsets, lengths)
+    if len(lengths) <= SLICED_RUNS:  # few long runs: cast each slice, no index arrays
+        for r, o, n in zip(regions.tolist(), offsets.tolist(), lengths.tolist(), strict=True):
+            cache[r][o // si * di : (o + n) // si * di] = cast(staging[r][o : o + n])
+        return int(lengths.sum()) // si * di
     written = 0
     for r in np.unique(regions).tolist():
         sel = regions == r
@@ -126,7 +137,9 @@ def _to_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "float16":
         return raw.view(np.float16).astype(np.float32)
     assert dtype == "bfloat16", dtype
-    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    bits = raw.view(np.uint16).astype(np.uint32)
+    bits <<= 16
+    return bits.view(np.float32)
 
 
 def _from_f32(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -138,7 +151,12 @@ def _from_f32(x: np.ndarray, dtype: str) -> np.ndarray:
     assert dtype == "bfloat16", dtype
     bits = x.view(np.uint32)
     # round to nearest, ties to even: add 0x7FFF plus the lowest kept bit, keep the top
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    r = bits >> 16
+    r &= 1
+    r += 0x7FFF
+    r += bits
+    r >>= 16
+    rounded = r.astype(np.uint16)
     nan = np.isnan(x)
     if nan.any():  # a quiet NaN of the same sign (rounding could carry into inf)
         rounded[nan] = ((bits[nan] >> 16) | 0x0040).astype(np.uint16)

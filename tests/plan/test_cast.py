@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.errors import IncompatibleError
+from kvbridge.plan import cast as cast_module
 from kvbridge.plan.cast import CASTABLE, Cast, cast_runs
 from kvbridge.plan.copylist import copy_lists
 from kvbridge.plan.layout import InstanceLayout, cache_shape, num_regions
@@ -57,15 +58,19 @@ def test_pairs_that_do_not_convert_are_refused_naming_both_and_what_works() -> N
     assert make_plan(model, InstanceLayout(1), InstanceLayout(2)).cast is None
 
 
+@pytest.mark.parametrize("sliced", [True, False], ids=["run-by-run", "indexed"])
 @pytest.mark.parametrize("src, dst", PAIRS)
 def test_a_converting_plan_reads_into_the_staging_and_casts_exactly_the_cells_read(
-    src: str, dst: str
+    src: str, dst: str, sliced: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill tp 1 (BHLNC, block 16) -> decode tp 2 (LBHNC, block 8) of another dtype,
     a partial pull of tokens [5, 37): the plan reads the prefill's bytes into a staging
     of the decode layout in the prefill's dtype (verified byte-exact; on one host it
     does not fan out), and casting its copy lists' destination runs writes torch's cast
-    of exactly the cells read into the decode cache, nothing else."""
+    of exactly the cells read into the decode cache, nothing else: run by run (few
+    runs) or through element indices (many)."""
+    if not sliced:
+        monkeypatch.setattr(cast_module, "SLICED_RUNS", 0)
     model = synthetic(3, 4, 2, head_dim=8, dtype=src)
     prefill = InstanceLayout(1, block_size=16, cache_layout="BHLNC")
     decode = InstanceLayout(2, block_size=8, cache_layout="LBHNC", dtype=dst)
