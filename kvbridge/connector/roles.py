@@ -16,7 +16,7 @@ Both log to the logger their host gives (vLLM's handlers print only its own logg
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -162,6 +162,12 @@ class RoleWorkers:
             worker.bind_connector_metadata(meta)
             worker.start_load_kv()
             self._pulls.update(meta.pulls())
+
+    def wait_for_pulls(self, host_ids: Collection[str], timeout_s: float) -> set[str]:
+        """Wait up to `timeout_s` for the pulls of `host_ids` started on this worker to
+        end (`KVConnectorWorker.wait_for_pulls`); the ids still in flight."""
+        worker = self.sides.get(ConnectorRole.CONSUMER)
+        return worker.wait_for_pulls(host_ids, timeout_s) if worker is not None else set()
 
     def wait_for_save(self) -> None:
         """Expose the finished prefills, release the cancelled."""

@@ -36,7 +36,7 @@ from kvbridge.connector import ConnectorRole, RoleWorkers
 from kvbridge.connector.roles import decode_reports, encode_reports
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
-from kvbridge.vllm.scheduler import Orders, SchedulerSide, log
+from kvbridge.vllm.scheduler import IN_STEP_WAIT_S, Orders, SchedulerSide, log
 from kvbridge.vllm.settings import ROLES, check_vllm, from_extra_config
 from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
 
@@ -53,9 +53,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
-    """One step's orders from the scheduler side to every worker, per role."""
+    """One step's orders from the scheduler side to every worker, per role, and the
+    requests (vLLM's ids) whose pulls end before the step's forward (in step)."""
 
     orders: Orders
+    in_step: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -104,6 +106,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.worker: RoleWorkers | None = None
         self._report = KVBridgeWorkerMeta()  # this step's, until vLLM takes it
+        self._in_step: set[str] = set()  # worker: in-step pulls whose end vLLM is not told
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.configs, self.block_size, self.tp_size, log)
 
@@ -128,6 +131,16 @@ class KVBridgeConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVBridgeMetadata) and self.worker is not None
         self.worker.start_load_kv(meta.orders)
+        if not meta.in_step:
+            return
+        # vLLM runs this step's forward over the in-step pulls' blocks right after
+        self._in_step.update(meta.in_step)
+        late = self.worker.wait_for_pulls(meta.in_step, IN_STEP_WAIT_S)
+        if late:
+            raise RuntimeError(
+                f"KVBridgeConnector: the in-step pulls of {sorted(late)} did not end within "
+                f"{IN_STEP_WAIT_S} s; the step cannot compute over their blocks"
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous
@@ -145,7 +158,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
         assert self.worker is not None
         res = self.worker.get_finished()
         self._report.reports += encode_reports(res.reports)
-        return res.finished_sending or None, res.finished_recving or None
+        # vLLM took an in-step pull's request already: it hears of a failed one as load
+        # errors (`get_block_ids_with_load_errors`), of none as finished receiving
+        recving = res.finished_recving - self._in_step
+        self._in_step -= res.finished_recving
+        return res.finished_sending or None, recving or None
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         out, self._report = self._report, KVBridgeWorkerMeta()
@@ -206,9 +223,8 @@ class KVBridgeConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return KVBridgeMetadata(
-            self.scheduler.build_orders(scheduler_output.total_num_scheduled_tokens)
-        )
+        orders, in_step = self.scheduler.build_orders(scheduler_output.total_num_scheduled_tokens)
+        return KVBridgeMetadata(orders, in_step)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
