@@ -18,8 +18,9 @@ cache, are streamed that many at a time. Printed per pair, concurrency and conne
   `vllm:nixl_xfer_time_seconds`, one READ from post to completion), with the count of
   those per request and, for NixlConnector, its descriptors per READ;
 - median TTFT and TPOT and their ratios to colocated vLLM at the same concurrency;
-- idle CPU: the most any one process of the instances took (% of a core) over
-  `--idle-s` seconds with no request (a progress thread that spins shows here);
+- idle CPU per worker: each instance's processes over `--idle-s` seconds with no
+  request, % of a core per TP worker (`bench serve`'s figure), the busier instance's
+  (a progress thread that spins shows here);
 - where a pull's time goes (`--steps`): order, pull, report, take (`vllm_trace.py`)
   and the connector's calls per step on the decode (what a step pays for it: TPOT);
 - whether the disaggregated tokens equal colocated ones, and where a setup failed (the
@@ -45,7 +46,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import re
 import resource
 import secrets
@@ -58,6 +58,7 @@ from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvbridge.bench.serve import idle_cpu
 from kvbridge.bench.vllm_trace import (
     STEP_CALLS,
     TraceEvent,
@@ -160,7 +161,7 @@ class Setup:
     connector: Connector
     failure: str = ""
     phases: dict[int, Phase] = field(default_factory=dict)
-    idle_cpu: dict[str, float] = field(default_factory=dict)  # process -> % of a core
+    idle_cpu: dict[str, float] = field(default_factory=dict)  # side -> % of a core per worker
     trace: list[TraceEvent] = field(default_factory=list)
 
 
@@ -179,8 +180,8 @@ class Row:
     own_transfer_ms: float = math.nan
     pulls_per_request: float = math.nan
     descriptors_per_pull: float = math.nan
-    idle_cpu_pct: float = math.nan  # the busiest process's
-    idle_cpu: dict[str, float] = field(default_factory=dict)  # every process's
+    idle_cpu_pct: float = math.nan  # per worker, of the busier instance
+    idle_cpu: dict[str, float] = field(default_factory=dict)  # per worker, each instance
     steps_ms: dict[str, float] = field(default_factory=dict)
     step_calls_us: dict[str, float] = field(default_factory=dict)
     token_exact: bool | None = None
@@ -273,50 +274,6 @@ def last_error(text: str) -> str:
 
 def _last_error(log: Path) -> str:
     return last_error(log.read_text(errors="replace"))
-
-
-def _process_tree(root: int) -> list[int]:
-    """`root` and every process below it."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-            parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += parents.get(pid, [])
-    return out
-
-
-def _cpu_s(pid: int) -> tuple[str, float] | None:
-    """(the process's name, its CPU seconds so far: user and system); None once gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        name = Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def idle_cpu(roots: dict[str, int], window_s: float) -> dict[str, float]:
-    """Each process under `roots` (side -> pid): % of a core it used over `window_s`."""
-    pids = {pid: side for side, root in roots.items() for pid in _process_tree(root)}
-    before = {pid: _cpu_s(pid) for pid in pids}
-    t0 = time.monotonic()
-    time.sleep(window_s)
-    elapsed = time.monotonic() - t0
-    out = {}
-    for pid, side in pids.items():
-        a, b = before[pid], _cpu_s(pid)
-        if a is not None and b is not None:
-            out[f"{side} {b[0]} ({pid})"] = round((b[1] - a[1]) / elapsed * 100, 1)
-    return out
 
 
 def _stream_all(url: str, prompts: list[str], concurrency: int, body: dict[str, Any]) -> Phase:
@@ -415,7 +372,9 @@ def _run_setup(
         except (RuntimeError, httpx.HTTPError) as exc:  # the setup failed: say why
             res.failure = f"{exc}; decode log: {_last_error(procs[-1][2])}"
             return res
-        res.idle_cpu = idle_cpu({side: proc.pid for side, proc, _ in procs}, args.idle_s)
+        tps = [tp for _, tp, _ in sides]
+        pcts = idle_cpu([proc.pid for _, proc, _ in procs], tps, args.idle_s)
+        res.idle_cpu = {side: round(pct, 2) for (side, _, _), pct in zip(sides, pcts, strict=True)}
         return res
     finally:
         if server is not None:
@@ -519,13 +478,15 @@ def print_rows(rows: list[Row], steps: bool) -> None:
             + " ".join(_f(r.step_calls_us[k], 8) for k in STEP_CALLS)
         )
     print("calls: " + ", ".join(f"{k} = {v}" for k, v in STEP_CALLS.items()))
-    print("\nidle CPU, % of a core per process (the table: the busiest one)")
+    print("\nidle CPU, % of a core per worker (each instance's processes, over its TP size)")
     seen = set()
     for r in rows:
         if (r.pair, r.connector) not in seen and r.idle_cpu:
             seen.add((r.pair, r.connector))
-            busy = sorted(r.idle_cpu.items(), key=lambda x: -x[1])
-            print(f"{r.pair:>5} {r.connector:>9}: " + ", ".join(f"{k} {v}" for k, v in busy))
+            print(
+                f"{r.pair:>5} {r.connector:>9}: "
+                + ", ".join(f"{k} {v}" for k, v in r.idle_cpu.items())
+            )
 
 
 def rows_json(rows: list[Row]) -> str:

@@ -123,7 +123,7 @@ def _phase(ttft_ms: float, tpot_ms: float, texts: list[str]) -> Phase:
 
 def test_rows_give_ratios_to_colocated_and_json_names_every_field(tmp_path: Path) -> None:
     coloc = Setup(Connector.COLOCATED, phases={1: _phase(40, 10, ["a"])})
-    coloc.idle_cpu = {"decode VLLM::EngineCore (5)": 0.4}
+    coloc.idle_cpu = {"decode": 0.4}
     kv = Setup(Connector.KVBRIDGE, phases={1: _phase(60, 10.5, ["a"])})
     kv.phases[1].own_count, kv.phases[1].own_sum_s = 2.0, 0.04
     kv.trace = read_traces(_traced(tmp_path))
