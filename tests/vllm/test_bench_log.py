@@ -11,16 +11,8 @@ import sys
 from pathlib import Path
 
 from kvbridge.bench.client import Streamed
-from kvbridge.bench.vllm import (
-    HOOKS_DIR,
-    Connector,
-    Phase,
-    Setup,
-    last_error,
-    num_requests,
-    rows_json,
-    rows_of,
-)
+from kvbridge.bench.vllm import HOOKS_DIR, last_error, num_requests
+from kvbridge.bench.vllm_report import Connector, Phase, Setup, rows_json, rows_of
 from kvbridge.bench.vllm_trace import parse_line, pull_timelines, read_traces, step_costs
 
 # the shape of vLLM 0.32's log when NixlConnector refuses prefill tp 2 -> decode tp 1
