@@ -127,20 +127,31 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return KVBridgeHandshake("")
         return KVBridgeHandshake(*self.worker.get_handshake_metadata())
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVBridgeMetadata) and self.worker is not None
-        self.worker.start_load_kv(meta.orders)
-        if not meta.in_step:
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Carry out the step's orders now, before vLLM's forward: start the pulls and
+        expose the prefills that finished in an earlier step (their KV is complete).
+        vLLM would call `start_load_kv` (for asynchronous loads) and `wait_for_save`
+        after the forward: a prefill's exposure, and with it the pull waiting for it,
+        would wait for the prefill instance's next forward (seconds with other prompts
+        in it), a pull would start only once the decode's forward ended. In-step pulls
+        end here (vLLM's forward computes over their blocks next)."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVBridgeMetadata) and self.worker is not None
+        self.worker.start_load_kv(connector_metadata.orders)
+        self.worker.wait_for_save()
+        in_step = connector_metadata.in_step
+        if not in_step:
             return
-        # vLLM runs this step's forward over the in-step pulls' blocks right after
-        self._in_step.update(meta.in_step)
-        late = self.worker.wait_for_pulls(meta.in_step, IN_STEP_WAIT_S)
+        self._in_step.update(in_step)
+        late = self.worker.wait_for_pulls(in_step, IN_STEP_WAIT_S)
         if late:
             raise RuntimeError(
                 f"KVBridgeConnector: the in-step pulls of {sorted(late)} did not end within "
                 f"{IN_STEP_WAIT_S} s; the step cannot compute over their blocks"
             )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        return  # started when the orders were bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous
@@ -151,8 +162,7 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return  # a decode worker reads the prefill's blocks in place
 
     def wait_for_save(self) -> None:
-        if self.worker is not None:
-            self.worker.wait_for_save()
+        return  # exposed when the orders were bound
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
