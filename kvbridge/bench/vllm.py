@@ -63,6 +63,7 @@ from kvbridge.bench.vllm_report import (
     Row,
     Setup,
     print_rows,
+    pull_lines,
     rows_json,
     rows_of,
 )
@@ -328,6 +329,8 @@ def _run_setup(
         for key in keys:
             remove_credential_file(key)
         res.trace = read_traces(trace_dir)
+        if connector is Connector.KVBRIDGE and procs:
+            res.pulls = pull_lines(procs[-1][2].read_text(errors="replace"))
 
 
 def run(args: argparse.Namespace) -> int:

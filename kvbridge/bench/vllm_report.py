@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,24 @@ from kvbridge.bench.vllm_trace import (
 
 if TYPE_CHECKING:
     from kvbridge.bench.client import Streamed
+
+
+#: KVBridgeConnector's log line of a decode worker's pull (`RoleWorkers`): the request,
+#: the READs' descriptors, the phases of `PULL_PHASES` in ms
+PULL_LINE = re.compile(
+    r"kvbridge decode worker \d+ pulled (\S+): .* ms, (\d+) descriptors, phases ms ([\d./]+)"
+)
+#: `kvbridge.transfer.pull.PullPhases`, in its order
+PULL_PHASES = ("queued", "post", "read", "digest", "confirm")
+
+
+def pull_lines(log_text: str) -> dict[str, list[tuple[int, tuple[float, ...]]]]:
+    """Each pulled request's (descriptors, phases in ms) per decode worker, from a
+    KVBridgeConnector decode instance's log."""
+    out: dict[str, list[tuple[int, tuple[float, ...]]]] = {}
+    for rid, ndesc, phases in PULL_LINE.findall(log_text):
+        out.setdefault(rid, []).append((int(ndesc), tuple(float(x) for x in phases.split("/"))))
+    return out
 
 
 class Connector(Enum):
@@ -53,6 +72,7 @@ class Setup:
     phases: dict[int, Phase] = field(default_factory=dict)
     idle_cpu: dict[str, float] = field(default_factory=dict)  # side -> % of a core per worker
     trace: list[TraceEvent] = field(default_factory=list)
+    pulls: dict[str, list[tuple[int, tuple[float, ...]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +94,7 @@ class Row:
     idle_cpu: dict[str, float] = field(default_factory=dict)  # per worker, each instance
     steps_ms: dict[str, float] = field(default_factory=dict)
     step_calls_us: dict[str, float] = field(default_factory=dict)
+    pull_phases_ms: dict[str, float] = field(default_factory=dict)  # a worker's, KVBridge
     token_exact: bool | None = None
     failure: str = ""
     mismatches: list[str] = field(default_factory=list)
@@ -122,12 +143,19 @@ def rows_of(pair: str, coloc: Setup, setups: list[Setup]) -> list[Row]:
                 step: round(median_of(getattr(p, f"{step}_s") for p in pulls) * 1e3, 2)
                 for step in ("order", "pull", "report", "take")
             }
+            logged = [x for p in pulls for x in s.pulls.get(p.request_id, [])]
+            if logged:  # KVBridgeConnector's own account of each worker's pull
+                row.descriptors_per_pull = median_of(n for n, _ in logged)
+                row.pull_phases_ms = {
+                    name: round(median_of(ph[i] for _, ph in logged if len(ph) > i), 2)
+                    for i, name in enumerate(PULL_PHASES)
+                }
             costs = step_costs(s.trace, phase.since, phase.until)
             row.step_calls_us = {k: round(v * 1e6, 1) for k, v in costs.items()}
             if phase.own_count:
                 row.own_transfer_ms = phase.own_sum_s / phase.own_count * 1e3
                 row.pulls_per_request = phase.own_count / len(phase.streams)
-                if phase.descriptors:
+                if phase.descriptors:  # NixlConnector's: per READ
                     row.descriptors_per_pull = phase.descriptors / phase.own_count
     return rows
 
@@ -171,6 +199,17 @@ def print_rows(rows: list[Row], steps: bool) -> None:
             + " ".join(_f(r.step_calls_us[k], 8) for k in STEP_CALLS)
         )
     print("calls: " + ", ".join(f"{k} = {v}" for k, v in STEP_CALLS.items()))
+    phased = [r for r in rows if r.pull_phases_ms]
+    if phased:
+        print(
+            "\ninside a KVBridgeConnector pull (median ms per worker: kvbridge.transfer.PullPhases)"
+        )
+        print(f"{'pair':>5} {'conc':>4} " + " ".join(f"{n:>8}" for n in PULL_PHASES))
+        for r in phased:
+            print(
+                f"{r.pair:>5} {r.concurrency:>4} "
+                + " ".join(_f(r.pull_phases_ms[n], 8, 2) for n in PULL_PHASES)
+            )
     print("\nidle CPU, % of a core per worker (each instance's processes, over its TP size)")
     seen = set()
     for r in rows:

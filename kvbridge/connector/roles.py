@@ -224,7 +224,7 @@ class RoleWorkers:
         start, end = (pull.start_token, pull.num_tokens) if pull is not None else (0, 0)
         self.log.info(
             "kvbridge decode worker %d pulled %s: tokens [%d, %d), %d bytes "
-            "(+%d copied from a sibling) in %.1f ms",
+            "(+%d copied from a sibling) in %.1f ms, %d descriptors, phases ms %s",
             self.rank,
             ev.request_id,
             start,
@@ -232,4 +232,6 @@ class RoleWorkers:
             ev.nbytes,
             ev.local_nbytes,
             ev.elapsed_ms,
+            ev.num_descriptors,
+            "/".join(f"{ms:.2f}" for ms in ev.phases_ms) or "-",
         )

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from kvbridge.bench.client import Streamed
 from kvbridge.bench.vllm import HOOKS_DIR, last_error, num_requests
-from kvbridge.bench.vllm_report import Connector, Phase, Setup, rows_json, rows_of
+from kvbridge.bench.vllm_report import Connector, Phase, Setup, pull_lines, rows_json, rows_of
 from kvbridge.bench.vllm_trace import parse_line, pull_timelines, read_traces, step_costs
+from kvbridge.transfer.pull import PullPhases
 
 # the shape of vLLM 0.32's log when NixlConnector refuses prefill tp 2 -> decode tp 1
 # with one KV head (measured 2026-12-04, `kvbridge bench vllm --model tiny-kv1 --pairs 2:1`)
@@ -224,3 +225,36 @@ def test_the_hooks_trace_vllms_connector_api_in_a_process_they_start_in(tmp_path
     assert events[1].value == 96 and events[2].value == 96
     (pull,) = pull_timelines(events, 0.0, float("inf"))
     assert pull.num_done == 1 and pull.transfer_s >= 0
+
+
+# a KVBridgeConnector decode worker's pull, as `RoleWorkers` logs it in vLLM's log
+PULL_LOG = (
+    "(Worker pid=29474) INFO 12-07 03:06:29 [roles.py:219] kvbridge decode worker 1 pulled "
+    "r1: tokens [0, 208), 9584640 bytes (+0 copied from a sibling) in 23.1 ms, "
+    "60 descriptors, phases ms 0.50/2.00/15.00/0.00/5.60\n"
+    "(Worker pid=29475) INFO 12-07 03:06:29 [roles.py:219] kvbridge decode worker 0 pulled "
+    "r1: tokens [0, 208), 9584640 bytes (+0 copied from a sibling) in 21.0 ms, "
+    "40 descriptors, phases ms 0.30/1.00/13.00/0.00/6.60\n"
+)
+
+
+def test_kvbridge_pulls_give_their_descriptors_and_phases(tmp_path: Path) -> None:
+    logged = pull_lines(PULL_LOG)
+    assert logged == {"r1": [(60, (0.5, 2.0, 15.0, 0.0, 5.6)), (40, (0.3, 1.0, 13.0, 0.0, 6.6))]}
+    coloc = Setup(Connector.COLOCATED, phases={1: _phase(40, 10, ["a"])})
+    kv = Setup(Connector.KVBRIDGE, phases={1: _phase(60, 10, ["a"])}, pulls=logged)
+    kv.trace = read_traces(_traced(tmp_path))
+    row = rows_of("1->2", coloc, [kv])[1]
+    assert row.descriptors_per_pull == 50  # the median over the workers
+    assert row.pull_phases_ms == {
+        "queued": 0.4,
+        "post": 1.5,
+        "read": 14.0,
+        "digest": 0.0,
+        "confirm": 6.1,
+    }
+
+
+def test_a_pulls_phases_are_logged_in_their_order() -> None:
+    phases = PullPhases(queued_s=0.001, post_s=0.002, read_s=0.003, digest_s=0, confirm_s=0.0045)
+    assert phases.ms == (1.0, 2.0, 3.0, 0.0, 4.5)
