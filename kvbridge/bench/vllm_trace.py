@@ -15,6 +15,10 @@ One pulled request, in the decode instance (times from `time.time()`, one host):
   notifications, and the wait for the worker step that reports them);
 - report: until the scheduler learns it (the end of the step that reported it);
 - take: until the step that takes the request runs (vLLM's next `schedule()`).
+
+A synchronous load (KVBridgeConnector's in-step pull) is taken by the step that
+allocated it: its KV is in place when the workers' `start_load_kv` of that step
+returned, before its forward; report and take are 0 (`pull_timelines`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 #: the per-call events: (event, the call it times)
 STEP_CALLS = {
     "meta": "build_connector_meta",
+    "bind": "bind_connector_metadata",
     "start": "start_load_kv",
     "save": "wait_for_save",
     "fin": "get_transfer_results",
@@ -76,6 +81,7 @@ class PullTimeline:
     known: float
     taken: float
     num_done: int  # worker reports: one per decode TP worker
+    in_step: bool = False  # a synchronous load: taken by the step that allocated it
 
     @property
     def transfer_s(self) -> float:
@@ -99,33 +105,43 @@ class PullTimeline:
 
 
 def pull_timelines(events: Iterable[TraceEvent], since: float, until: float) -> list[PullTimeline]:
-    """The requests that arrived in [since, until) and were pulled and taken."""
+    """The requests that arrived in [since, until) and were pulled and taken.
+
+    An asynchronous load ends where its last worker reports it (`done`), and is taken
+    by a later step (`known`, `taken`). A synchronous one (in step: allocated, never
+    reported) is in place when every worker's `start_load_kv` of the step that
+    allocated it returned (vLLM calls it before that step's forward): there it is
+    known and taken."""
+    events = list(events)
     first: dict[str, dict[str, float]] = defaultdict(dict)
     last_done: dict[str, float] = {}
     num_done: dict[str, int] = defaultdict(int)
+    starts: dict[int, list[float]] = defaultdict(list)  # worker pid -> its calls' ends
     for ev in events:
         if ev.event == "done":
             last_done[ev.request_id] = ev.t
             num_done[ev.request_id] += 1
+        elif ev.event == "start":
+            starts[ev.pid].append(ev.t)
         elif ev.event in ("arrive", "alloc", "known", "taken"):
             first[ev.request_id].setdefault(ev.event, ev.t)
     out = []
     for rid, at in first.items():
-        if not (since <= at.get("arrive", -1.0) < until):
+        if not (since <= at.get("arrive", -1.0) < until) or "alloc" not in at:
             continue
-        if rid not in last_done or not {"alloc", "known", "taken"} <= at.keys():
-            continue
-        out.append(
-            PullTimeline(
-                rid,
-                at["arrive"],
-                at["alloc"],
-                last_done[rid],
-                at["known"],
-                at["taken"],
-                num_done[rid],
+        if rid in last_done and {"known", "taken"} <= at.keys():
+            done, known, taken = last_done[rid], at["known"], at["taken"]
+            out.append(
+                PullTimeline(rid, at["arrive"], at["alloc"], done, known, taken, num_done[rid])
             )
-        )
+            continue
+        if rid in last_done or "known" in at or "taken" in at:
+            continue  # still in flight when the trace ended
+        ends = [next((t for t in ts if t >= at["alloc"]), None) for ts in starts.values()]
+        if not ends or None in ends:
+            continue
+        done = max(t for t in ends if t is not None)
+        out.append(PullTimeline(rid, at["arrive"], at["alloc"], done, done, done, len(ends), True))
     return sorted(out, key=lambda p: p.arrive)
 
 

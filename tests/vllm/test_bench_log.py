@@ -88,6 +88,32 @@ def test_a_pull_is_timed_from_its_arrival_to_its_last_workers_report(tmp_path: P
     assert round(pull.take_s, 6) == 0.04
 
 
+# r3 loads in step on both workers of a tp 2 decode: allocated, never reported; its KV
+# is in place when both workers' start_load_kv of that step returned
+IN_STEP = """\
+200.000 10 arrive r3 0
+199.990 11 start - 0.0001
+199.991 12 start - 0.0001
+200.010 10 alloc r3 287
+200.013 10 meta - 0.0002
+200.030 11 bind - 0.02
+200.031 11 start - 0.0
+200.035 12 bind - 0.025
+200.036 12 start - 0.0
+"""
+
+
+def test_an_in_step_pull_is_in_place_when_every_worker_started_its_step(tmp_path: Path) -> None:
+    (tmp_path / "10.trace").write_text(IN_STEP)
+    (pull,) = pull_timelines(read_traces(tmp_path), 199.0, 201.0)
+    assert pull.in_step and pull.num_done == 2
+    # each worker's first start_load_kv that returned after the allocation (200.031,
+    # 200.036; not the step's before it), the later of the two
+    assert round(pull.done - 200.036, 6) == 0 and pull.known == pull.taken == pull.done
+    assert round(pull.transfer_s, 6) == 0.036 and round(pull.pull_s, 6) == 0.026
+    assert (pull.report_s, pull.take_s) == (0.0, 0.0)
+
+
 def test_a_cut_or_foreign_line_is_no_event() -> None:
     assert parse_line("100.80") is None
     assert parse_line("x 1 arrive r 0") is None
@@ -98,6 +124,7 @@ def test_step_costs_are_medians_per_call(tmp_path: Path) -> None:
     costs = step_costs(read_traces(_traced(tmp_path)), 100.0, 101.0)
     assert {k: round(v, 6) for k, v in costs.items()} == {
         "meta": 0.0002,
+        "bind": 0.0,  # none traced
         "start": 0.002,  # the median of the two workers' calls
         "save": 0.0,  # none traced
         "fin": 0.0002,
@@ -169,6 +196,7 @@ class KVConnectorFactory:
             get_num_new_matched_tokens=lambda request, n: (96, True),
             update_state_after_alloc=lambda request, blocks, n: None,
             build_connector_meta=lambda out: "meta",
+            bind_connector_metadata=lambda meta: None,
             start_load_kv=lambda ctx: None,
             wait_for_save=lambda: None,
             get_transfer_results=lambda ids: NS(finished_recving={"r1"}),
@@ -185,6 +213,7 @@ c = KVConnectorFactory.create_connector(None, None, None)
 assert c.get_num_new_matched_tokens(r, 0) == (96, True)
 c.update_state_after_alloc(r, [], 96)
 assert c.build_connector_meta(None) == "meta"
+c.bind_connector_metadata("meta")
 c.start_load_kv(None)
 c.wait_for_save()
 c.get_transfer_results(set())
@@ -215,6 +244,7 @@ def test_the_hooks_trace_vllms_connector_api_in_a_process_they_start_in(tmp_path
         ("matched", "r1"),
         ("alloc", "r1"),
         ("meta", "-"),
+        ("bind", "-"),
         ("start", "-"),
         ("save", "-"),
         ("fin", "-"),

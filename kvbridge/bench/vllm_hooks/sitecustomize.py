@@ -14,9 +14,9 @@ same for every connector (`kvbridge.bench.vllm_trace` reads them):
   done     a worker reported the KV in place (`get_transfer_results`: received)
   known    the scheduler learnt it (`_update_from_kv_xfer_finished`)
   taken    the step that takes the request (`_update_waiting_for_remote_kv`)
-  meta / start / save / fin   one call of `build_connector_meta` (scheduler) /
-           `start_load_kv`, `wait_for_save`, `get_transfer_results` (workers): its
-           seconds
+  meta / bind / start / save / fin   one call of `build_connector_meta`
+           (scheduler) / `bind_connector_metadata`, `start_load_kv`, `wait_for_save`,
+           `get_transfer_results` (workers): its seconds
 
 KVBRIDGE_NIXL_PTHR_DELAY_US: NIXL's Python API starts each agent with its progress
 thread on and a delay of 0 between polls (`nixl_agent.__init__` sets `pthrDelay = 0`),
@@ -94,6 +94,7 @@ def _trace_connector(conn):  # type: ignore[no-untyped-def]
         ("get_num_new_matched_tokens", "", matched),
         ("update_state_after_alloc", "", alloc),
         ("build_connector_meta", "meta", None),
+        ("bind_connector_metadata", "bind", None),
         ("start_load_kv", "start", None),
         ("wait_for_save", "save", None),
         ("get_transfer_results", "fin", done),  # get_finished's caller
