@@ -6,10 +6,13 @@ vLLM builds it once per engine with role SCHEDULER (in the EngineCore process:
 `RoleWorkers` over the caches vLLM registers, `cache.describe_kv_caches`). Each side
 holds the contract's own objects, one per role the instance plays: the scheduler side's
 orders reach the workers as the connector metadata, the workers' reports come back as
-the connector worker metadata. Transfers are asynchronous: loads complete between steps
-(`get_finished`); failed loads are reported as blocks (`get_block_ids_with_load_errors`)
-so vLLM recomputes them or fails the request, as its `kv_load_failure_policy` says; each
-pull's figures feed vLLM's metrics (`stats.py`).
+the connector worker metadata. A worker carries out a step's orders when vLLM binds
+them, before the forward (`bind_connector_metadata`). A first pull from a producer is
+asynchronous (it completes between steps, `get_finished`); the next ones go in step
+(vLLM takes the request in the step that allocated its blocks, the workers end the
+pull before that step's forward: `SchedulerSide`). Failed loads are reported as blocks
+(`get_block_ids_with_load_errors`) so vLLM recomputes them or fails the request, as its
+`kv_load_failure_policy` says; each pull's figures feed vLLM's metrics (`stats.py`).
 """
 
 from __future__ import annotations
