@@ -230,6 +230,8 @@ def test_the_hooks_trace_vllms_connector_api_in_a_process_they_start_in(tmp_path
         path = tmp_path / "site" / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+        for folder in path.relative_to(tmp_path / "site").parents:  # packages of their own,
+            (tmp_path / "site" / folder / "__init__.py").touch()  # where vLLM is installed
     trace = tmp_path / "trace"
     trace.mkdir()
     env = {
