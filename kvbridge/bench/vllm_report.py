@@ -30,7 +30,7 @@ PULL_LINE = re.compile(
     r"kvbridge decode worker \d+ pulled (\S+): .* ms, (\d+) descriptors, phases ms ([\d./]+)"
 )
 #: `kvbridge.transfer.pull.PullPhases`, in its order
-PULL_PHASES = ("queued", "post", "read", "digest", "confirm")
+PULL_PHASES = ("queued", "post", "read", "digest", "confirm", "cast")
 
 
 def pull_lines(log_text: str) -> dict[str, list[tuple[int, tuple[float, ...]]]]:

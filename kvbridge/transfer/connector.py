@@ -212,7 +212,7 @@ class ConnectorEvent(msgspec.Struct, frozen=True):
     #: second hop of a fan-out), besides the `nbytes` read from the producer
     local_nbytes: int = 0
     #: consumer: the READs' descriptors (copy-list runs after merging) and where the
-    #: pull's time went (`PullPhases`: queued, post, read, digest, confirm; ms)
+    #: pull's time went (`PullPhases`: queued, post, read, digest, confirm, cast; ms)
     num_descriptors: int = 0
     phases_ms: tuple[float, ...] = ()
 

@@ -94,7 +94,14 @@ class PullPhases:
     @property
     def ms(self) -> tuple[float, ...]:
         """The phases in milliseconds, in their order (for a log line or a report)."""
-        phases = (self.queued_s, self.post_s, self.read_s, self.digest_s, self.confirm_s)
+        phases = (
+            self.queued_s,
+            self.post_s,
+            self.read_s,
+            self.digest_s,
+            self.confirm_s,
+            self.cast_s,
+        )
         return tuple(round(s * 1e3, 3) for s in phases)
 
 

@@ -39,7 +39,7 @@ from kvbridge.connector import ConnectorRole, RoleWorkers
 from kvbridge.connector.roles import decode_reports, encode_reports
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
-from kvbridge.vllm.scheduler import IN_STEP_WAIT_S, Orders, SchedulerSide, log
+from kvbridge.vllm.scheduler import Orders, SchedulerSide, log
 from kvbridge.vllm.settings import ROLES, check_vllm, from_extra_config
 from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
 
@@ -110,6 +110,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.worker: RoleWorkers | None = None
         self._report = KVBridgeWorkerMeta()  # this step's, until vLLM takes it
         self._in_step: set[str] = set()  # worker: in-step pulls whose end vLLM is not told
+        # an in-step pull (its producer met: no handshake) ends, done or failed, within
+        # its transfer timeout; the wait for it outlasts that by the liveness bound
+        t = settings.transfer
+        self._in_step_wait_s = t.transfer_timeout_s + t.liveness_timeout_s
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.configs, self.block_size, self.tp_size, log)
 
@@ -146,11 +150,12 @@ class KVBridgeConnector(KVConnectorBase_V1):
         if not in_step:
             return
         self._in_step.update(in_step)
-        late = self.worker.wait_for_pulls(in_step, IN_STEP_WAIT_S)
+        late = self.worker.wait_for_pulls(in_step, self._in_step_wait_s)
         if late:
             raise RuntimeError(
-                f"KVBridgeConnector: the in-step pulls of {sorted(late)} did not end within "
-                f"{IN_STEP_WAIT_S} s; the step cannot compute over their blocks"
+                f"KVBridgeConnector: the in-step pulls of {sorted(late)} neither ended nor "
+                f"failed within {self._in_step_wait_s} s (transfer_timeout_s + "
+                "liveness_timeout_s); the step cannot compute over their blocks"
             )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

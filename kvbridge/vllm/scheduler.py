@@ -37,11 +37,6 @@ log = logging.getLogger("vllm.kvbridge")
 #: instead returns the moment a transfer finishes; a request that arrives meanwhile
 #: waits at most this long for its first step.
 EMPTY_STEP_WAIT_S = 0.02
-#: How long a decode worker waits, in the step that starts a pull in step, for the pull
-#: to end before the step's forward (`SchedulerSide.num_new_matched_tokens`). Only pulls
-#: from a producer pulled from before go in step (no handshake: milliseconds); a pull
-#: still in flight after this long fails the step (`KVBridgeConnector.start_load_kv`).
-IN_STEP_WAIT_S = 30.0
 
 
 class SchedulerSide(RoleSchedulers):

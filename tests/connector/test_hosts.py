@@ -43,7 +43,7 @@ from kvbridge.engine.sampling import SamplingParams
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.transfer.capability import issue
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
-from kvbridge.vllm.scheduler import IN_STEP_WAIT_S, SchedulerSide
+from kvbridge.vllm.scheduler import SchedulerSide
 from kvbridge.vllm.settings import ROLES
 from tests.credentials import ROOT, enrolled, opened, resigned
 
@@ -243,8 +243,9 @@ class VLLMInstance:
     def step(self) -> None:
         orders, in_step = self.side.build_orders(0)
         self.worker.start_load_kv(orders)
-        # KVBridgeConnector.start_load_kv: vLLM computes over in-step pulls' blocks next
-        assert not self.worker.wait_for_pulls(in_step, IN_STEP_WAIT_S)
+        # KVBridgeConnector.bind_connector_metadata: vLLM computes over in-step pulls'
+        # blocks next; each pull ends (done or failed) within its transfer timeout
+        assert not self.worker.wait_for_pulls(in_step, 60.0)
         self.worker.wait_for_save()
         res = self.worker.get_finished()
         self.load_errors |= self.worker.get_block_ids_with_load_errors()
