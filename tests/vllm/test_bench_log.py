@@ -263,10 +263,10 @@ def test_the_hooks_trace_vllms_connector_api_in_a_process_they_start_in(tmp_path
 PULL_LOG = (
     "(Worker pid=29474) INFO 12-07 03:06:29 [roles.py:219] kvbridge decode worker 1 pulled "
     "r1: tokens [0, 208), 9584640 bytes (+0 copied from a sibling) in 23.1 ms, "
-    "60 descriptors, phases ms 0.50/2.00/15.00/0.00/5.60\n"
+    "60 descriptors, phases ms 0.50/2.00/15.00/0.00/5.60/0.00\n"
     "(Worker pid=29475) INFO 12-07 03:06:29 [roles.py:219] kvbridge decode worker 0 pulled "
     "r1: tokens [0, 208), 9584640 bytes (+0 copied from a sibling) in 21.0 ms, "
-    "40 descriptors, phases ms 0.30/1.00/13.00/0.00/6.60\n"
+    "40 descriptors, phases ms 0.30/1.00/13.00/0.00/6.60/0.40\n"
 )
 
 
@@ -288,5 +288,7 @@ def test_kvbridge_pulls_give_their_descriptors_and_phases(tmp_path: Path) -> Non
 
 
 def test_a_pulls_phases_are_logged_in_their_order() -> None:
-    phases = PullPhases(queued_s=0.001, post_s=0.002, read_s=0.003, digest_s=0, confirm_s=0.0045)
-    assert phases.ms == (1.0, 2.0, 3.0, 0.0, 4.5)
+    phases = PullPhases(
+        queued_s=0.001, post_s=0.002, read_s=0.003, digest_s=0, confirm_s=0.0045, cast_s=0.0005
+    )
+    assert phases.ms == (1.0, 2.0, 3.0, 0.0, 4.5, 0.5)
