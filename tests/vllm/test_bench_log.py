@@ -272,7 +272,9 @@ PULL_LOG = (
 
 def test_kvbridge_pulls_give_their_descriptors_and_phases(tmp_path: Path) -> None:
     logged = pull_lines(PULL_LOG)
-    assert logged == {"r1": [(60, (0.5, 2.0, 15.0, 0.0, 5.6)), (40, (0.3, 1.0, 13.0, 0.0, 6.6))]}
+    assert logged == {
+        "r1": [(60, (0.5, 2.0, 15.0, 0.0, 5.6, 0.0)), (40, (0.3, 1.0, 13.0, 0.0, 6.6, 0.4))]
+    }
     coloc = Setup(Connector.COLOCATED, phases={1: _phase(40, 10, ["a"])})
     kv = Setup(Connector.KVBRIDGE, phases={1: _phase(60, 10, ["a"])}, pulls=logged)
     kv.trace = read_traces(_traced(tmp_path))
@@ -284,6 +286,7 @@ def test_kvbridge_pulls_give_their_descriptors_and_phases(tmp_path: Path) -> Non
         "read": 14.0,
         "digest": 0.0,
         "confirm": 6.1,
+        "cast": 0.2,
     }
 
 
