@@ -16,7 +16,7 @@ Both log to the logger their host gives (vLLM's handlers print only its own logg
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -169,6 +169,12 @@ class RoleWorkers:
                 span = (min(start, pull.start_token), max(end, pull.num_tokens), groups + 1)
                 self._pulls[host_id] = span
 
+    def wait_for_pulls(self, host_ids: Collection[str], timeout_s: float) -> set[str]:
+        """Wait up to `timeout_s` for the pulls of `host_ids` started on this worker to
+        end (`KVConnectorWorker.wait_for_pulls`); the ids still in flight."""
+        worker = self.sides.get(ConnectorRole.CONSUMER)
+        return worker.wait_for_pulls(host_ids, timeout_s) if worker is not None else set()
+
     def wait_for_save(self) -> None:
         """Expose the finished prefills, release the cancelled."""
         for worker in self.sides.values():
@@ -224,7 +230,7 @@ class RoleWorkers:
         start, end, groups = pull if pull is not None else (0, 0, 1)
         self.log.info(
             "kvbridge decode worker %d pulled %s: tokens [%d, %d), %d bytes "
-            "(+%d copied from a sibling) in %.1f ms%s",
+            "(+%d copied from a sibling) in %.1f ms, %d descriptors, phases ms %s%s",
             self.rank,
             ev.request_id,
             start,
@@ -232,5 +238,7 @@ class RoleWorkers:
             ev.nbytes,
             ev.local_nbytes,
             ev.elapsed_ms,
+            ev.num_descriptors,
+            "/".join(f"{ms:.2f}" for ms in ev.phases_ms) or "-",
             f", {groups} cache groups" if groups > 1 else "",
         )

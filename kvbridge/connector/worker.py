@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -251,21 +252,29 @@ class KVConnectorWorker:
 
     def wait_for_recv(self) -> None:
         """Wait up to the bound orders' `recv_wait_s` for their pulls to end here (DONE
-        or FAILED), keeping the ends for `get_finished`. Only a connector whose progress
-        thread moves the pulls meanwhile waits; the wait ends at the last pull's end."""
+        or FAILED), keeping the ends for `get_finished` (`wait_for_pulls`)."""
         meta = self._bound()
+        if meta.recv_wait_s > 0:
+            ids = {host_id for host_id, _ in meta.pulls()}
+            self.wait_for_pulls(ids, meta.recv_wait_s)
+
+    def wait_for_pulls(self, host_ids: Collection[str], timeout_s: float) -> set[str]:
+        """Wait up to `timeout_s` for this worker's pulls of `host_ids` (the host's
+        request ids) to end (DONE or FAILED), keeping the ends for `get_finished`; the
+        ids still in flight (a pull not started here counts as ended). Only a
+        connector whose progress thread moves the pulls meanwhile waits; the wait ends
+        at the last pull's end."""
         conn = self.connector
-        if meta.recv_wait_s <= 0 or conn is None or conn.progress is None:
-            return
-        pending = {p.request_id for p in meta.reqs_to_recv if p.request_id in self._loads}
-        deadline = time.monotonic() + meta.recv_wait_s
-        while pending:
+        pending = {tid for tid, hid in self._loads.items() if hid in host_ids}
+        deadline = time.monotonic() + timeout_s
+        while pending and conn is not None and conn.progress is not None:
             left = deadline - time.monotonic()
             if left <= 0 or not conn.wait_for_events(left):
-                return
+                break
             events = self._handle(Poll()).events
             pending -= {ev.request_id for ev in events}
             self._unreported += self._own(events)
+        return {self._loads[tid] for tid in pending if tid in self._loads}
 
     def get_finished(self) -> KVWorkerOutput:
         """Report what finished since the last report (the progress thread moved it;

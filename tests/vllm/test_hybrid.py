@@ -68,13 +68,14 @@ class Instance:
         credential = ROOT.certify(roles, name, Identity.generate())
         configs = ConnectorSettings(transfer=TRANSFER, credential=credential).configs(name, roles)
         self.side = SchedulerSide(configs, BLOCK, 1)
+        self.side.in_step_pulls = False  # as KVBridgeConnector sets it for several groups
         self.worker = RoleWorkers(configs, cache.model, cache.layout, 0)
         self.worker.register_regions(cache.regions, cache.num_blocks, adopt=True)
         self.side.set_worker_endpoints(*map(lambda e: [e], self.worker.get_handshake_metadata()))
         self.pulled: list[int] = []
 
     def step(self) -> None:
-        self.worker.start_load_kv(self.side.build_orders(0))
+        self.worker.start_load_kv(self.side.build_orders(0)[0])
         self.worker.wait_for_save()
         res = self.worker.get_finished()
         self.side.update_connector_output({role: [out] for role, out in res.reports.items()})
