@@ -215,6 +215,10 @@ class ConnectorEvent(msgspec.Struct, frozen=True):
     handshake: bool = False
     #: consumer: producer workers the pull was the first READ from (`TransferResult`)
     cold_peers: int = 0
+    #: consumer: the READs' descriptors (copy-list runs after merging) and where the
+    #: pull's time went (`PullPhases`: queued, post, read, digest, confirm, cast; ms)
+    num_descriptors: int = 0
+    phases_ms: tuple[float, ...] = ()
 
 
 class ConnectorReply(msgspec.Struct, frozen=True):
@@ -506,6 +510,8 @@ class WorkerConnector:
                         res.local_nbytes,
                         res.handshake,
                         res.cold_peers,
+                        res.num_descriptors,
+                        res.phases.ms,
                     )
                 )
                 self._has_events.set()

@@ -56,6 +56,11 @@ SMALL_HOST_ARGS = (
 #: then differ with tp_size and from transformers'. torch's own rotation (the custom op
 #: off) gives the same tokens at tp 1, 2 and 3 as transformers (docs/vllm.md).
 MLA_ARGS = ("--compilation-config", '{"custom_ops": ["all", "-rotary_embedding"]}')
+#: vLLM arguments for sliding-window hybrid models under SMALL_HOST_ARGS' 128 blocks: the
+#: hybrid KV cache manager reserves for each sliding-window group a step's tokens plus
+#: the window (`SlidingWindowSpec.max_memory_usage_bytes`), so a step of vLLM's default
+#: 2048 tokens would need more blocks than the cache holds
+HYBRID_ARGS = ("--max-num-batched-tokens", "256")
 #: What vLLM's processes leave in /dev/shm when they are ended: shm_broadcast's
 #: SharedMemory segments, multiprocessing's named semaphores and the CPU backend's
 #: tensor-parallel buffers (`stop` removes them).
