@@ -63,6 +63,11 @@ PP_ARGS = ("--compilation-config", '{"mode": 2, "backend": "eager"}')
 #: then differ with tp_size and from transformers'. torch's own rotation (the custom op
 #: off) gives the same tokens at tp 1, 2 and 3 as transformers (docs/vllm.md).
 MLA_ARGS = ("--compilation-config", '{"custom_ops": ["all", "-rotary_embedding"]}')
+#: vLLM arguments for sliding-window hybrid models under SMALL_HOST_ARGS' 128 blocks: the
+#: hybrid KV cache manager reserves for each sliding-window group a step's tokens plus
+#: the window (`SlidingWindowSpec.max_memory_usage_bytes`), so a step of vLLM's default
+#: 2048 tokens would need more blocks than the cache holds
+HYBRID_ARGS = ("--max-num-batched-tokens", "256")
 
 
 def small_host_args(traced: bool = False) -> tuple[str, ...]:

@@ -8,8 +8,9 @@ two-step P/D request, and checks that
   * the decode workers pulled exactly the prompt's KV (tokens [0, prompt_tokens), a
     partial last block included; bytes logged per worker, summed, equal tokens x
     layers x K/V x head_dim x itemsize x heads each decode worker holds; MLA: the
-    576-wide latent, which every decode worker holds whole), so the decode instance
-    did not compute it;
+    576-wide latent, which every decode worker holds whole; a hybrid model under vLLM's
+    hybrid KV cache manager: its sliding-window layers only the blocks still inside
+    the window, `moved_tokens`), so the decode instance did not compute it;
   * a second prompt extending the first, sent through `kvbridge serve --role proxy
     --engine vllm`, pulls only the tokens past the decode instance's prefix cache hit
     (MLA models: the whole prompt, as vLLM's CPU build turns prefix caching off for
@@ -19,6 +20,7 @@ Run in .venv-vllm (`make test-vllm`), one pair at a time under the heavy lock.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,7 @@ import pytest
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.vllm.cache import pipeline_layers
-from kvbridge.vllm.launch import MLA_ARGS
+from kvbridge.vllm.launch import HYBRID_ARGS, MLA_ARGS
 from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_completion, text, token_ids
 
 pytestmark = pytest.mark.slow
@@ -61,6 +63,8 @@ class Case:
     #: pipeline stages per instance (each of its tp workers)
     prefill_pp: int = 1
     decode_pp: int = 1
+    #: vLLM arguments of both instances (MLA models: `launch.MLA_ARGS` besides)
+    vllm_args: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
@@ -97,6 +101,10 @@ CASES = [
     # its layers from both prefill workers
     Case("tiny-kv6", 1, 2, prefill_pp=2),
     Case("tiny-kv6", 2, 1, decode_pp=2),
+    # a hybrid model (Gemma-3: 6 sliding-window layers, window 32, and 2 full ones)
+    # under vLLM's hybrid KV cache manager: 4 KV cache groups, each its own blocks
+    Case("tiny-gemma3", 1, 2, vllm_args=HYBRID_ARGS),
+    Case("tiny-gemma3", 2, 1, vllm_args=HYBRID_ARGS),
 ]
 
 
@@ -126,14 +134,32 @@ def held_per_token(model: str, tp_size: int, pp_size: int) -> dict[int, int]:
     }
 
 
-def bytes_per_token(model: str, tp_size: int) -> int:
-    """KV bytes of one token summed over the workers of an instance at `tp_size`
-    (replicated heads counted on every worker holding them; tp_size 1: the distinct KV).
-    An MLA model's spec has one head, its latent: every worker holds it."""
+def layer_bytes_per_token(model: str, tp_size: int) -> int:
+    """KV bytes of one token of one layer summed over the workers of an instance at
+    `tp_size` (replicated heads counted on every worker holding them; tp_size 1: the
+    distinct KV). An MLA model's spec has one head, its latent: every worker holds it."""
     spec = load_model_spec(MODELS / model)
     heads = spec.num_kv_heads
     held = heads if tp_size <= heads else tp_size  # one head per worker when tp > heads
-    return spec.num_layers * spec.num_kv_tensors * spec.head_bytes * held
+    return spec.num_kv_tensors * spec.head_bytes * held
+
+
+def moved_tokens(model: str, start: int, num_tokens: int, block_size: int) -> int:
+    """Tokens moved for a prompt of `num_tokens` past a decode hit of `start`, summed
+    over the model's layers. A sliding-window layer (config.json's `layer_types`) holds
+    only the blocks vLLM keeps for the next token's window: it frees (on both sides)
+    the whole blocks of the first num_tokens - sliding_window + 1 tokens."""
+    cfg = json.loads((MODELS / model / "config.json").read_text())
+    kinds = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    freed = max(num_tokens - cfg.get("sliding_window", num_tokens) + 1, 0)
+    first_held = {"full_attention": 0, "sliding_attention": freed // block_size * block_size}
+    return sum(num_tokens - max(start, first_held[kind]) for kind in kinds)
+
+
+def pulled_bytes(model: str, tp_size: int, start: int, num_tokens: int, block_size: int) -> int:
+    """What an instance at `tp_size` pulls of a prompt past a decode hit of `start`."""
+    moved = moved_tokens(model, start, num_tokens, block_size)
+    return moved * layer_bytes_per_token(model, tp_size)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
@@ -145,7 +171,8 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
     if case.fan_out:
         extra["fan_out"] = case.fan_out
     is_mla = load_model_spec(MODELS / case.model).is_mla
-    args = MLA_ARGS if is_mla else ()  # (the same tokens at every tp: launch.MLA_ARGS)
+    # (the same tokens at every tp: launch.MLA_ARGS)
+    args = (*MLA_ARGS, *case.vllm_args) if is_mla else case.vllm_args
     prefill = VLLMServer(
         case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log",
         kv_role="kv_producer", first_core=0, workers_on_host=workers, extra=extra,
@@ -174,19 +201,26 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         if case.kv_export == "process":  # every producer worker exports
             assert len(export_processes()) == case.prefill_tp
         n = out["usage"]["prompt_tokens"]
+        # vLLM kept its hybrid KV cache manager on: KVBridgeConnector declares SupportsHMA
+        assert "Turning off hybrid kv cache manager" not in decode.log_text()
         pulls = decode.pulled(since)
         held = held_per_token(case.model, case.decode_tp, case.decode_pp)
         assert sorted(p.rank for p in pulls) == sorted(held), decode.log_tail()
         # the prompt's tokens exactly, its partial last block included
         assert {(p.start_token, p.num_tokens) for p in pulls} == {(0, n)}, decode.log_tail()
-        # each decode worker its own heads of its own layers
-        assert {p.rank: p.nbytes + p.local_nbytes for p in pulls} == {
-            rank: n * b for rank, b in held.items()
-        }
+        # a sliding-window layer pulls only the blocks inside its window (`moved_tokens`)
+        layers = load_model_spec(MODELS / case.model).num_layers
+        windowed = moved_tokens(case.model, 0, n, case.decode_block) < n * layers
+        if not windowed:  # each decode worker its own heads of its own layers
+            assert {p.rank: p.nbytes + p.local_nbytes for p in pulls} == {
+                rank: n * b for rank, b in held.items()
+            }
         got = sum(p.nbytes + p.local_nbytes for p in pulls)
-        assert got == n * bytes_per_token(case.model, case.decode_tp)
+        assert got == pulled_bytes(case.model, case.decode_tp, 0, n, case.decode_block)
         if case.fan_out == "on":  # each head read from the prefill once, copied for the rest
-            assert sum(p.nbytes for p in pulls) == n * bytes_per_token(case.model, 1)
+            assert sum(p.nbytes for p in pulls) == pulled_bytes(
+                case.model, 1, 0, n, case.decode_block
+            )
             assert all(p.local_nbytes for p in pulls if p.nbytes == 0) and got > sum(
                 p.nbytes for p in pulls
             )
@@ -212,9 +246,13 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         hit = 0 if is_mla else n // case.decode_block * case.decode_block
         pulls = decode.pulled(since)
         assert (hit > 0 or is_mla) and {(p.start_token, p.num_tokens) for p in pulls} == {(hit, n2)}
-        assert {p.rank: p.nbytes + p.local_nbytes for p in pulls} == {
-            rank: (n2 - hit) * b for rank, b in held.items()
-        }
+        if not windowed:  # each decode worker its own heads of its own layers
+            assert {p.rank: p.nbytes + p.local_nbytes for p in pulls} == {
+                rank: (n2 - hit) * b for rank, b in held.items()
+            }
+        assert sum(p.nbytes + p.local_nbytes for p in pulls) == pulled_bytes(
+            case.model, case.decode_tp, hit, n2, case.decode_block
+        )
     finally:
         prefill.stop()
         decode.stop()
