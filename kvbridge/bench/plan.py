@@ -2,7 +2,10 @@
 
 An 80-layer model (8 KV heads, head_dim 128, bf16), prefill tp 8 -> decode tp 16, block
 size 16, for the BHLNC, LBHNC (HND) and LBNHC (NHD) cache layouts; checks that merged
-descriptors equal the contiguous runs.
+descriptors equal the contiguous runs. Then what a KV dtype converted in flight costs a
+decode worker per pull (`plan.cast`): the cast of its copy lists' runs of a
+`CAST_TOKENS`-token request from its staging into its cache, against a memcpy of the same
+bytes in the same run.
 """
 
 from __future__ import annotations
@@ -13,11 +16,17 @@ import time
 
 import numpy as np
 
+from kvbridge.plan.cast import cast_runs
 from kvbridge.plan.copylist import copy_lists
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
-from kvbridge.plan.layout import CacheLayout, InstanceLayout
+from kvbridge.plan.layout import CacheLayout, InstanceLayout, cache_shape, num_regions
 from kvbridge.plan.planner import make_plan
-from kvbridge.plan.verifier import count_contiguous_runs
+from kvbridge.plan.verifier import count_contiguous_runs, region_bytes
+
+#: the request the cast is timed on (one decode worker's share of it is cast)
+CAST_TOKENS = 2048
+#: the (prefill, decode) cache dtypes the cast is timed between
+CAST_PAIRS = (("bfloat16", "float16"), ("bfloat16", "float32"), ("float32", "bfloat16"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,4 +110,55 @@ def run_plan_bench(args: argparse.Namespace) -> int:
         f"{unmerged} descriptors, {merged} merged, {runs} contiguous runs"
     )
     print("merged == contiguous runs: " + ("yes" if ok else "NO"))
+    _time_casts(model, args.repeat)
     return 0 if ok else 1
+
+
+def _time_casts(model: ModelKVSpec, repeat: int) -> None:
+    """The cast of decode worker 0's share of a `CAST_TOKENS`-token pull, prefill tp 8
+    -> decode tp 16 of another cache dtype, against a memcpy of the bytes it reads."""
+    need = CAST_TOKENS // 16
+    ids = np.random.default_rng(1).permutation(2 * need)[:need]
+    print(
+        f"the cast of decode worker 0's share of a {CAST_TOKENS}-token pull into a cache of "
+        f"another dtype, against a memcpy of the same bytes (median of {repeat}):"
+    )
+    for layout in ("BHLNC", "LBHNC"):
+        for src, dst in CAST_PAIRS:
+            model = model.with_dtype(src)
+            prefill = InstanceLayout(8, block_size=16, cache_layout=CacheLayout.parse(layout))
+            decode = InstanceLayout(
+                16, block_size=16, cache_layout=CacheLayout.parse(layout), dtype=dst
+            )
+            plan = make_plan(model, prefill, decode)
+            assert plan.cast is not None
+            d = plan.decode_workers[0]
+            lists = copy_lists(plan, 0, ids, ids, CAST_TOKENS)
+            runs = [
+                np.concatenate([getattr(cl, f) for cl in lists])
+                for f in ("dst_regions", "dst_offsets", "lengths")
+            ]
+            n = num_regions(model, plan.decode, d)
+            elems = int(np.prod(cache_shape(model, plan.decode, d, 2 * need)))
+            values = np.random.default_rng(2).standard_normal(elems, dtype=np.float32)
+            staging = values.view(np.uint8)
+            if src == "bfloat16":  # the upper halves of the float32 normals
+                staging = (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+            cache = np.zeros(elems * plan.cast.dst_itemsize, np.uint8)
+            nbytes = int(runs[2].sum())
+            copy_src, copy_dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+            cast_s, copy_s = [], []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                cast_runs(
+                    plan.cast, list(region_bytes(staging, n)), list(region_bytes(cache, n)), *runs
+                )
+                cast_s.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                np.copyto(copy_dst, copy_src)
+                copy_s.append(time.perf_counter() - t0)
+            c, m = statistics.median(cast_s), statistics.median(copy_s)
+            print(
+                f"  {layout} {src} -> {dst}: {nbytes / 2**20:.0f} MiB in {len(runs[2])} "
+                f"runs: cast {c * 1e3:.1f} ms, memcpy {m * 1e3:.1f} ms ({c / m:.1f}x)"
+            )

@@ -44,7 +44,8 @@ import numpy as np
 
 from kvbridge.bench import cma_floor
 from kvbridge.errors import ConfigError
-from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
+from kvbridge.plan.cast import CASTABLE, check_castable
+from kvbridge.plan.geometry import AttentionKind, ModelKVSpec, normalize_dtype
 from kvbridge.plan.layout import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_LAYOUT,
@@ -99,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_BLOCK_SIZE,
         help="block size of both sides (default %(default)s)",
+    )
+    parser.add_argument(
+        "--decode-kv-dtype",
+        default=None,
+        metavar="DTYPE",
+        help="the decode cache's dtype when it differs from the model's (bfloat16): the "
+        f"decode workers cast what they read (one of {', '.join(CASTABLE)}); the same "
+        "pair in the model's dtype is measured beside it",
     )
     parser.add_argument(
         "--no-compare",
@@ -174,6 +183,8 @@ class Row:
     prefill_layout: str
     decode_layout: str
     block_size: int
+    #: the decode cache's dtype where it differs from the prefill's (a cast per pull)
+    decode_kv_dtype: str | None
     plan_ms: float
     single_read_ms: float
     memcpy_ms: float
@@ -199,6 +210,11 @@ class Row:
     #: worker that finished each request last, unchecked pulls and checked ones
     phases_ms: dict[str, float] | None = None
     checked_phases_ms: dict[str, float] | None = None
+
+    @property
+    def name(self) -> str:
+        cast = f" (cast to {self.decode_kv_dtype})" if self.decode_kv_dtype else ""
+        return f"{self.prefill_layout} -> {self.decode_layout}{cast}"
 
 
 def run_transfer_bench(args: argparse.Namespace) -> int:
@@ -275,13 +291,21 @@ def _measure(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) 
         raise ConfigError(f"--kv-heads={args.kv_heads} must divide the 32 query heads")
     model = ModelKVSpec(32, 32, args.kv_heads, 128, "bfloat16", AttentionKind.GQA, "32-layer GQA")
     both = args.layout or DEFAULT_LAYOUT
+    cast = None
+    if args.decode_kv_dtype is not None:
+        cast = normalize_dtype(args.decode_kv_dtype, field="--decode-kv-dtype")
+        check_castable(model.dtype, cast)
+        cast = None if cast == model.dtype else cast
     main = (
         CacheLayout.parse(args.prefill_layout or both).name,
         CacheLayout.parse(args.decode_layout or both).name,
+        cast,
     )
     pairs = [main]
-    if args.compare and main != ("LBHNC", "LBHNC"):
-        pairs.append(("LBHNC", "LBHNC"))
+    if cast is not None:  # the same pair without the cast, beside it
+        pairs.append((main[0], main[1], None))
+    elif args.compare and main[:2] != ("LBHNC", "LBHNC"):
+        pairs.append(("LBHNC", "LBHNC", None))
     repeat = max(1, args.repeat)
     params = dict(kv.split("=", 1) for kv in args.backend_param)
     say = (lambda *a: None) if args.json else print
@@ -329,10 +353,7 @@ def _measure(args: argparse.Namespace, hosts: tuple[TestHost, TestHost] | None) 
     ]
     # what exporting the KV from a process of its own costs, pair by pair
     export_cost = (
-        [
-            (f"{a.prefill_layout} -> {a.decode_layout}", b.plan_ms / a.plan_ms)
-            for a, b in zip(rows[::2], rows[1::2], strict=True)
-        ]
+        [(a.name, b.plan_ms / a.plan_ms) for a, b in zip(rows[::2], rows[1::2], strict=True)]
         if len(modes) == 2
         else []
     )
@@ -404,7 +425,7 @@ def _print_figures(args: argparse.Namespace, f: _Figures) -> None:
     print(f"{'':44} {'ms':>8} {'GB/s':>7} {'vs (a)':>7} {'vs (b)':>7} {'descriptors':>12}")
     for r in rows:
         t_raw, t_plan = r.single_read_ms, r.plan_ms
-        label = f"plan, {r.prefill_layout} -> {r.decode_layout}"
+        label = f"plan, {r.name}"
         label += f" ({r.kv_export})" if len(f.modes) == 2 else ""
         print(
             f"{label:44} {t_plan:8.1f} "
@@ -435,7 +456,7 @@ def _print_figures(args: argparse.Namespace, f: _Figures) -> None:
         )
         for r in rows:
             cable = r.cable_bytes or 0
-            print(f"{r.prefill_layout} -> {r.decode_layout}: the prefill host's cable carried "
+            print(f"{r.name}: the prefill host's cable carried "
                   f"{cable / 2**20:.1f} MiB per request: {cable / distinct:.2f}x the "
                   f"{distinct / 2**20:.0f} MiB of distinct KV (TCP and UCX headers "
                   f"included)")  # fmt: skip
@@ -443,7 +464,7 @@ def _print_figures(args: argparse.Namespace, f: _Figures) -> None:
               "baselines included")  # fmt: skip
     for r in rows:
         print(
-            f"{r.prefill_layout} -> {r.decode_layout}: first request (handshakes) "
+            f"{r.name}: first request (handshakes) "
             f"{r.first_ms:.1f} ms; {r.descriptors_unmerged} descriptors "
             f"before merging, {r.descriptors} after ({r.prepared_indices} prepared-list "
             f"indices; NIXL joins consecutive ones), {r.run_bytes} B per descriptor; "
@@ -451,6 +472,11 @@ def _print_figures(args: argparse.Namespace, f: _Figures) -> None:
         )
     for r in rows:
         _print_phases(args, r, len(f.modes) == 2)
+    cast, same = rows[0], rows[-1]
+    if cast.decode_kv_dtype is not None and cast.phases_ms and same.phases_ms:
+        print(f"the cast to {cast.decode_kv_dtype}: {cast.phases_ms['cast']:.1f} ms per pull "
+              f"(median); the pull {cast.plan_ms:.1f} ms vs {same.plan_ms:.1f} ms without it: "
+              f"{cast.plan_ms / same.plan_ms:.2f}x")  # fmt: skip
     for pair_name, cost in f.export_cost:
         print(f"{pair_name}: the KV read from an export process takes {cost:.2f}x the plan "
               "from the prefill worker's own agent (kv_export process / inline)")  # fmt: skip
@@ -471,7 +497,7 @@ def _print_figures(args: argparse.Namespace, f: _Figures) -> None:
 def _print_phases(args: argparse.Namespace, r: Row, label_mode: bool) -> None:
     """Where a pull's time went (`PullPhases`), unchecked and checked, and what the
     integrity check costs a request on average at the sampling rate."""
-    name = f"{r.prefill_layout} -> {r.decode_layout}" + (f" ({r.kv_export})" if label_mode else "")
+    name = r.name + (f" ({r.kv_export})" if label_mode else "")
 
     def parts(ph: dict[str, float]) -> str:
         return ", ".join(f"{k} {v:.1f}" for k, v in ph.items() if k == "post" or v >= 0.05)
@@ -490,16 +516,18 @@ def _print_phases(args: argparse.Namespace, r: Row, label_mode: bool) -> None:
               f"average, (a) / that = {r.single_read_ms / mean:.2f}")  # fmt: skip
 
 
-def _layout(args: argparse.Namespace, tp: int, name: str) -> InstanceLayout:
+def _layout(
+    args: argparse.Namespace, tp: int, name: str, dtype: str | None = None
+) -> InstanceLayout:
     return InstanceLayout(
-        tp_size=tp, block_size=args.block_size, cache_layout=CacheLayout.parse(name)
+        tp_size=tp, block_size=args.block_size, cache_layout=CacheLayout.parse(name), dtype=dtype
     )
 
 
 def _measure_pair(
     args: argparse.Namespace,
     model: ModelKVSpec,
-    pair: tuple[str, str],
+    pair: tuple[str, str, str | None],
     repeat: int,
     params: dict[str, str],
     t_mem: float,
@@ -516,7 +544,7 @@ def _measure_pair(
 
     prefill, decode = (
         _layout(args, args.prefill_tp, pair[0]),
-        _layout(args, args.decode_tp, pair[1]),
+        _layout(args, args.decode_tp, pair[1], pair[2]),
     )
     hosts_of = ["decode-host"] * decode.world_size if fans_out else None
     plan = make_plan(model, prefill, decode, decode_hosts=hosts_of)
@@ -594,6 +622,7 @@ def _measure_pair(
         prefill_layout=prefill.cache_layout.name,
         decode_layout=decode.cache_layout.name,
         block_size=args.block_size,
+        decode_kv_dtype=pair[2],
         plan_ms=t_plan * 1e3,
         single_read_ms=t_raw * 1e3,
         memcpy_ms=t_mem * 1e3,

@@ -2,21 +2,33 @@
 vLLM, in one run (run it in vLLM's environment: `make bench-vllm`).
 
 For each TP pair (default SmolLM2-135M prefill tp 1 -> decode tp 1 and tp 1 -> tp 3,
-block 32) and each connector, a prefill and a decode vLLM instance are started with
-that connector and kvbridge's proxy in front (`--engine vllm`, vLLM's two-step P/D
-request). One request warms the pair up (its transfer includes the connector's
-handshakes); then the same `--requests` prompts, new to every cache, are streamed one
-at a time through the proxy (disaggregated) and sent to the decode instance alone with
-a cache salt (colocated vLLM at the decode's settings, same instance, same prompts).
-Printed per connector and pair:
+block 32) the bench starts, one after the other: a decode instance alone (colocated
+vLLM: no connector), then per connector a prefill and a decode instance with that
+connector and kvbridge's proxy in front (`--engine vllm`, vLLM's two-step P/D
+request). One request warms each up (a connector's handshakes, a first forward's
+compiles); then at each `--concurrency` the same `--requests` prompts, new to every
+cache, are streamed that many at a time. Printed per pair, concurrency and connector:
 
-- the transfer per request from the connector's own metrics on the decode instance's
-  /metrics (KVBridgeConnector: `vllm:kvbridge_pull_time_seconds`, a decode worker's
-  pull from the order to its last byte; NixlConnector: `vllm:nixl_xfer_time_seconds`,
-  NIXL's own time of a READ from post to completion), with the number of transfers;
-- median TTFT and TPOT disaggregated and colocated, and their ratio;
-- whether the disaggregated tokens equal colocated ones, and where a pair failed (the
+- transfer ms: the median span from the request reaching the decode's scheduler to its
+  last KV byte in place (its last TP worker's report), the same span for both
+  connectors, timed by the same hooks on vLLM's connector API
+  (`kvbridge/bench/vllm_hooks/`, `vllm_trace.py`); and each connector's own figure
+  from the decode's /metrics (KVBridgeConnector: `vllm:kvbridge_pull_time_seconds`, a
+  worker's pull from its order to its last byte; NixlConnector:
+  `vllm:nixl_xfer_time_seconds`, one READ from post to completion), with the count of
+  those per request and, for NixlConnector, its descriptors per READ;
+- median TTFT and TPOT and their ratios to colocated vLLM at the same concurrency;
+- idle CPU per worker: each instance's processes over `--idle-s` seconds with no
+  request, % of a core per TP worker (`bench serve`'s figure), the busier instance's
+  (a progress thread that spins shows here);
+- where a pull's time goes (`--steps`): order, pull, report, take (`vllm_trace.py`)
+  and the connector's calls per step on the decode (what a step pays for it: TPOT);
+- whether the disaggregated tokens equal colocated ones, and where a setup failed (the
   reason from the response or the instance's log).
+
+`--json` prints the rows as one JSON list instead (fields `pair`, `concurrency`,
+`connector`: kvbridge, nixl or colocated, `transfer_ms`, `ttft_ms`, `tpot_ms`,
+`ttft_ratio`, `tpot_ratio`, and the rest of the table).
 
 NixlConnector on a CPU host needs three things said here: the `nixl` package (vLLM
 imports `nixl`, not the `nixl-cu12` wheel kvbridge uses; `pip install --no-deps
@@ -24,7 +36,7 @@ nixl==1.5.1`), a lease that outlives a loaded host's steps (`kv_lease_duration`,
 long as KVBridgeConnector's `lease_s`), and a progress thread that does not spin: NIXL's
 Python API starts it with no delay between polls, so each NIXL agent takes a core from
 vLLM's workers. `--nixl-pthr-delay-us` (default 1000) sets that delay through
-`kvbridge/bench/nixl_pace/sitecustomize.py`, on the NixlConnector instances only; 0
+`kvbridge/bench/vllm_hooks/sitecustomize.py`, on the NixlConnector instances only; 0
 runs NixlConnector exactly as it ships.
 """
 
@@ -33,22 +45,37 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import re
 import resource
 import secrets
-import statistics
 import subprocess
+import sys
 import time
-from dataclasses import dataclass, field
-from enum import Enum
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from kvbridge.bench.vllm_report import (
+    Connector,
+    Phase,
+    Row,
+    Setup,
+    print_rows,
+    pull_lines,
+    rows_json,
+    rows_of,
+)
+from kvbridge.bench.vllm_trace import read_traces
 from kvbridge.settings import DEFAULT_MODEL
 from kvbridge.transfer.netdev import free_port
 from kvbridge.vllm.launch import (
+    KV_ROLES,
     LOADED_HOST_SETTINGS,
     SMALL_HOST_ARGS,
     kv_transfer_config,
+    new_credential_file,
+    remove_credential_file,
     start,
     stop,
     vllm_command,
@@ -56,18 +83,15 @@ from kvbridge.vllm.launch import (
     wait_healthy,
 )
 
-PACE_DIR = Path(__file__).resolve().parent / "nixl_pace"
+if TYPE_CHECKING:
+    from kvbridge.bench.client import Streamed
+
+HOOKS_DIR = Path(__file__).resolve().parent / "vllm_hooks"
 
 
-class Connector(Enum):
-    KVBRIDGE = "kvbridge"
-    NIXL = "nixl"
-
-
-#: each connector's transfer-time histogram on vLLM's /metrics (after "vllm:")
-TRANSFER_SERIES = {
-    Connector.KVBRIDGE: "kvbridge_pull_time_seconds",
-    Connector.NIXL: "nixl_xfer_time_seconds",
+OWN_SERIES = {
+    Connector.KVBRIDGE: ("kvbridge_pull_time_seconds", ""),
+    Connector.NIXL: ("nixl_xfer_time_seconds", "nixl_num_descriptors"),
 }
 
 
@@ -83,13 +107,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--connectors",
         nargs="+",
-        default=[c.value for c in Connector],
-        choices=[c.value for c in Connector],
+        default=[Connector.KVBRIDGE.value, Connector.NIXL.value],
+        choices=[Connector.KVBRIDGE.value, Connector.NIXL.value],
     )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--block-size", type=int, default=32, help="both instances (default 32)")
-    p.add_argument("--requests", type=int, default=5, help="measured requests per pair")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=8,
+        help="measured requests per concurrency (at least one round of that many)",
+    )
     p.add_argument("--prompt-words", type=int, default=200, help="words per prompt")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--idle-s", type=float, default=5.0, help="idle CPU window (seconds)")
     p.add_argument(
         "--nixl-pthr-delay-us",
         type=int,
@@ -97,29 +128,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="NixlConnector only: microseconds between its NIXL progress thread's polls "
         "(default 1000; 0: as vLLM ships it, spinning)",
     )
+    p.add_argument("--steps", action="store_true", help="also print where a pull's time goes")
+    p.add_argument("--json", action="store_true", help="print the rows as one JSON list")
     p.add_argument("--log-dir", default=".cache/bench-vllm")
 
 
-@dataclass
-class PairResult:
-    connector: Connector
-    prefill_tp: int
-    decode_tp: int
-    failure: str = ""
-    first_ttft_s: float = float("nan")
-    ttft_s: float = float("nan")
-    tpot_s: float = float("nan")
-    coloc_ttft_s: float = float("nan")
-    coloc_tpot_s: float = float("nan")
-    transfer_ms: float = float("nan")
-    transfers_per_request: float = float("nan")
-    token_exact: bool = False
-    mismatches: list[str] = field(default_factory=list)
-
-
-def _kv_config(connector: Connector) -> str:
+def _kv_config(connector: Connector, side: str, credential_file: str) -> str | None:
+    """The --kv-transfer-config of one side (KVBridgeConnector: each side enrolled for
+    its own role, `credential_file`)."""
     if connector is Connector.KVBRIDGE:
-        return kv_transfer_config(extra=LOADED_HOST_SETTINGS)
+        settings = {**LOADED_HOST_SETTINGS, "credential_file": credential_file}
+        return kv_transfer_config(KV_ROLES[side], settings)
+    if connector is Connector.COLOCATED:
+        return None
     return json.dumps(
         {
             "kv_connector": "NixlConnector",
@@ -132,27 +153,41 @@ def _kv_config(connector: Connector) -> str:
 
 
 def _env(
-    connector: Connector, tp: int, core: int, workers: int, args: argparse.Namespace
+    connector: Connector,
+    tp: int,
+    core: int,
+    workers: int,
+    trace_dir: Path | None,
+    args: argparse.Namespace,
 ) -> dict[str, str]:
     env = vllm_env(tp, core, workers)
+    env["PYTHONPATH"] = ":".join(p for p in (str(HOOKS_DIR), env.get("PYTHONPATH")) if p)
+    if trace_dir is not None:
+        env["KVBRIDGE_BENCH_TRACE"] = str(trace_dir)
     if connector is Connector.KVBRIDGE:
         env["KVBRIDGE_TRANSFER_TOKEN"] = args.token
+    if connector is not Connector.NIXL:
         return env
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
     env["UCX_RCACHE_MAX_UNRELEASED"] = "1024"  # vLLM sets it unless nixl was imported first
     if args.nixl_pthr_delay_us > 0:
         env["KVBRIDGE_NIXL_PTHR_DELAY_US"] = str(args.nixl_pthr_delay_us)
-        env["PYTHONPATH"] = ":".join(p for p in (str(PACE_DIR), env.get("PYTHONPATH")) if p)
     return env
 
 
-def _prompts(args: argparse.Namespace, tag: str) -> list[str]:
-    """The warm-up prompt and the measured ones: each starts with its own words, so no
-    block of one is in a prefix cache from another."""
+def num_requests(requests: int, concurrency: int) -> int:
+    """`requests` rounded up to whole rounds of `concurrency` (one round at least)."""
+    return max(1, math.ceil(requests / concurrency)) * concurrency
+
+
+def _prompts(args: argparse.Namespace, concurrency: int) -> list[str]:
+    """One concurrency's prompts, the same in every setup; each starts with its own
+    words, so no block of one is in a prefix cache from another."""
     from kvbridge.bench.client import WORDS
 
     body = " ".join(WORDS[j % len(WORDS)] for j in range(args.prompt_words))
-    return [f"{tag} request {i}: {body} Summary:" for i in range(args.requests + 1)]
+    n = num_requests(args.requests, concurrency)
+    return [f"c{concurrency} request {i}: {body} Summary:" for i in range(n)]
 
 
 #: vLLM's log prefix: "(Worker pid=1) ERROR 12-04 16:40:00 [base_worker.py:1318] "
@@ -185,9 +220,25 @@ def _last_error(log: Path) -> str:
     return last_error(log.read_text(errors="replace"))
 
 
-def _run_pair(
+def _stream_all(url: str, prompts: list[str], concurrency: int, body: dict[str, Any]) -> Phase:
+    from kvbridge.bench.client import stream_completion
+
+    since = time.time()
+    streams: list[Streamed] = []
+    with ThreadPoolExecutor(concurrency) as pool:
+        for i in range(0, len(prompts), concurrency):
+            batch = prompts[i : i + concurrency]
+            streams += pool.map(lambda p: stream_completion(url, {**body, "prompt": p}), batch)
+    return Phase(streams, since, time.time())
+
+
+def _run_setup(
     connector: Connector, prefill_tp: int, decode_tp: int, args: argparse.Namespace
-) -> PairResult:
+) -> Setup:
+    """Start the setup's instances (and the proxy), warm it up, stream every
+    concurrency's prompts, measure its idle CPU, stop it."""
+    import shutil
+
     import httpx
 
     from kvbridge.bench.client import stream_completion
@@ -196,21 +247,41 @@ def _run_pair(
     from kvbridge.serve.metrics import metric_value
     from kvbridge.serve.proxy_main import proxy_app
 
-    res = PairResult(connector, prefill_tp, decode_tp)
+    res = Setup(connector)
+    alone = connector is Connector.COLOCATED
     name = f"{connector.value}-tp{prefill_tp}-tp{decode_tp}"
     logs = Path(args.log_dir)
-    logs.mkdir(parents=True, exist_ok=True)
+    trace_dir = logs / f"{name}-trace"
+    shutil.rmtree(trace_dir, ignore_errors=True)
+    trace_dir.mkdir(parents=True)
+    sides = (
+        [("decode", decode_tp, 1)]
+        if alone
+        else [("prefill", prefill_tp, 0), ("decode", decode_tp, 1)]
+    )
+    workers = sum(tp for _, tp, _ in sides)
+    seqs = ("--max-num-seqs", str(max(4, *args.concurrency)))
     procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
     urls: list[str] = []
+    keys: list[str] = []
     server: ServerThread | None = None
     try:
-        for side, tp, core in (("prefill", prefill_tp, 0), ("decode", decode_tp, 1)):
+        for side, tp, core in sides:
             port = free_port()
+            if connector is Connector.KVBRIDGE:
+                keys.append(new_credential_file(args.root, KV_ROLES[side], f"{name}-{side}"))
             cmd = vllm_command(
-                args.model_dir, port, tp, args.block_size, _kv_config(connector), *SMALL_HOST_ARGS
+                args.model_dir,
+                port,
+                tp,
+                args.block_size,
+                _kv_config(connector, side, keys[-1] if keys else ""),
+                *SMALL_HOST_ARGS,
+                *seqs,
             )
             log = logs / f"{name}-{side}.log"
-            env = _env(connector, tp, core, prefill_tp + decode_tp, args)
+            traced = trace_dir if side == "decode" else None
+            env = _env(connector, tp, core, workers, traced, args)
             procs.append((side, start(cmd, env, open(log, "wb")), log))  # noqa: SIM115
             urls.append(f"http://127.0.0.1:{port}")
         for (side, proc, log), url in zip(procs, urls, strict=True):
@@ -219,84 +290,56 @@ def _run_pair(
             except (RuntimeError, TimeoutError) as exc:
                 res.failure = f"{side} instance did not start ({exc}): {_last_error(log)}"
                 return res
-        proxy = ProxyConfig(str(args.model_dir), (urls[0],), (urls[1],), engine=Engine.VLLM)
-        server = ServerThread(proxy_app(proxy)).start()
-        prompts = _prompts(args, name)
+        decode_url = urls[-1]
+        if alone:
+            url = decode_url
+        else:
+            proxy = ProxyConfig(str(args.model_dir), (urls[0],), (urls[1],), engine=Engine.VLLM)
+            server = ServerThread(proxy_app(proxy)).start()
+            url = server.url
         body = {"max_tokens": args.max_tokens, "temperature": 0}
-        series = TRANSFER_SERIES[connector]
+        own, descs = OWN_SERIES.get(connector, ("", ""))
+
+        def figure(text: str, series: str) -> float:
+            return metric_value(text, series, prefix="vllm:") if series else 0.0
+
         try:
-            res.first_ttft_s = stream_completion(server.url, {**body, "prompt": prompts[0]}).ttft_s
-            before = httpx.get(urls[1] + "/metrics", timeout=30).text
-            disagg = [stream_completion(server.url, {**body, "prompt": p}) for p in prompts[1:]]
-            after = httpx.get(urls[1] + "/metrics", timeout=30).text
-        except (RuntimeError, httpx.HTTPError) as exc:  # the pair failed: say why
-            res.failure = f"{exc}; decode log: {_last_error(procs[1][2])}"
+            stream_completion(url, {**body, "prompt": "warm-up: " + _prompts(args, 1)[0]})
+            for c in args.concurrency:
+                before = httpx.get(decode_url + "/metrics", timeout=30).text
+                phase = _stream_all(url, _prompts(args, c), c, body)
+                after = httpx.get(decode_url + "/metrics", timeout=30).text
+                phase.own_count = figure(after, own + "_count") - figure(before, own + "_count")
+                phase.own_sum_s = figure(after, own + "_sum") - figure(before, own + "_sum")
+                phase.descriptors = figure(after, descs + "_sum") - figure(before, descs + "_sum")
+                res.phases[c] = phase
+        except (RuntimeError, httpx.HTTPError) as exc:  # the setup failed: say why
+            res.failure = f"{exc}; decode log: {_last_error(procs[-1][2])}"
             return res
-        coloc = [
-            stream_completion(urls[1], {**body, "prompt": p, "cache_salt": f"coloc-{i}"})
-            for i, p in enumerate(prompts[1:])
-        ]
+        from kvbridge.bench.serve import idle_cpu  # httpx: the serve extra
 
-        def delta(suffix: str) -> float:
-            return metric_value(after, series + suffix, prefix="vllm:") - metric_value(
-                before, series + suffix, prefix="vllm:"
-            )
-
-        count = delta("_count")
-        res.transfer_ms = delta("_sum") / count * 1e3 if count else float("nan")
-        res.transfers_per_request = count / len(disagg)
-        if not count:
-            res.failure = "no transfer in the connector's metrics: the decode computed the KV"
-        res.ttft_s = statistics.median(s.ttft_s for s in disagg)
-        res.tpot_s = statistics.median(s.tpot_s for s in disagg)
-        res.coloc_ttft_s = statistics.median(s.ttft_s for s in coloc)
-        res.coloc_tpot_s = statistics.median(s.tpot_s for s in coloc)
-        res.mismatches = [
-            f"{d.text!r} != colocated {c.text!r}"
-            for d, c in zip(disagg, coloc, strict=True)
-            if d.text != c.text
-        ]
-        res.token_exact = not res.mismatches
+        tps = [tp for _, tp, _ in sides]
+        pcts = idle_cpu([proc.pid for _, proc, _ in procs], tps, args.idle_s)
+        res.idle_cpu = {side: round(pct, 2) for (side, _, _), pct in zip(sides, pcts, strict=True)}
         return res
     finally:
         if server is not None:
             server.stop()
         for _, proc, _ in reversed(procs):
             stop(proc)
-
-
-def _ms(s: float) -> str:
-    return f"{s * 1e3:9.0f}"
-
-
-def print_results(results: list[PairResult]) -> None:
-    print(
-        f"{'connector':>10} {'pair':>9} {'xfer ms':>8} {'xfers/req':>9} {'1st TTFT':>9} "
-        f"{'TTFT ms':>9} {'TPOT ms':>9} {'coloc TTFT':>10} {'coloc TPOT':>10} "
-        f"{'TTFT/col':>8} {'tokens':>9}"
-    )
-    for r in results:
-        pair = f"{r.prefill_tp}->{r.decode_tp}"
-        if r.failure and r.ttft_s != r.ttft_s:  # nothing measured
-            print(f"{r.connector.value:>10} {pair:>9} FAILED: {r.failure}")
-            continue
-        print(
-            f"{r.connector.value:>10} {pair:>9} {r.transfer_ms:8.1f} "
-            f"{r.transfers_per_request:9.1f} {_ms(r.first_ttft_s)} {_ms(r.ttft_s)} "
-            f"{r.tpot_s * 1e3:9.1f} {r.coloc_ttft_s * 1e3:10.0f} {r.coloc_tpot_s * 1e3:10.1f} "
-            f"{r.ttft_s / r.coloc_ttft_s:8.2f} {'exact' if r.token_exact else 'DIFFER':>9}"
-        )
-        if r.failure:
-            print(f"{'':>21}note: {r.failure}")
-        for m in r.mismatches:
-            print(f"{'':>21}tokens differ: {m}")
+        for key in keys:
+            remove_credential_file(key)
+        res.trace = read_traces(trace_dir)
+        if connector is Connector.KVBRIDGE and procs:
+            res.pulls = pull_lines(procs[-1][2].read_text(errors="replace"))
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start every (pair, connector) in turn, print the table; 1 if a kvbridge pair
+    """Start every (pair, setup) in turn, print the table; 1 if a kvbridge setup
     failed or differed (NixlConnector's failures are recorded, not errors of this run)."""
     import importlib.util
 
+    from kvbridge.connector import RootKey
     from kvbridge.vllm.models import DEFAULT_DIR, make
 
     if importlib.util.find_spec("vllm") is None:
@@ -305,6 +348,9 @@ def run(args: argparse.Namespace) -> int:
     connectors = [Connector(c) for c in args.connectors]
     if Connector.NIXL in connectors and importlib.util.find_spec("nixl") is None:
         print("NixlConnector imports `nixl`: pip install --no-deps nixl==1.5.1")
+        return 2
+    if any(c < 1 for c in args.concurrency):
+        print(f"--concurrency {args.concurrency}: give counts of 1 or more, e.g. 1 4 8")
         return 2
     pairs = []
     for text in args.pairs:
@@ -315,27 +361,37 @@ def run(args: argparse.Namespace) -> int:
         pairs.append((int(p), int(d)))
     args.model_dir = make(args.model, DEFAULT_DIR)
     args.token = secrets.token_hex(32)
+    args.root = RootKey.generate()  # the run's deployment root: it stays in this process
     # vLLM with NixlConnector opens a descriptor per UCX endpoint and mapping: "Too many
     # open files" at the default soft limit; the children inherit the hard limit
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    say = sys.stderr if args.json else sys.stdout
     print(
         f"{args.model}, block {args.block_size}, {args.requests} requests of "
-        f"{args.prompt_words} words, {args.max_tokens} tokens each; open files {soft} -> "
-        f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; NixlConnector's progress thread "
-        f"delay {args.nixl_pthr_delay_us} us",
+        f"{args.prompt_words} words per concurrency {args.concurrency}, {args.max_tokens} "
+        f"tokens each; open files {soft} -> {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}; "
+        f"NixlConnector's progress thread delay {args.nixl_pthr_delay_us} us",
+        file=say,
         flush=True,
     )
-    results = []
+    rows: list[Row] = []
     for p, d in pairs:
-        for c in connectors:
-            print(f"{c.value}: prefill tp {p} -> decode tp {d} ...", flush=True)
+        setups = []
+        for c in [Connector.COLOCATED, *connectors]:
+            print(f"{c.value}: prefill tp {p} -> decode tp {d} ...", file=say, flush=True)
             t0 = time.monotonic()
-            results.append(_run_pair(c, p, d, args))
-            print(f"  done in {time.monotonic() - t0:.0f} s", flush=True)
-    print_results(results)
+            setups.append(_run_setup(c, p, d, args))
+            print(f"  done in {time.monotonic() - t0:.0f} s", file=say, flush=True)
+        rows += rows_of(f"{p}->{d}", setups[0], setups[1:])
+    if args.json:
+        print(rows_json(rows))
+    else:
+        print_rows(rows, args.steps)
     bad = [
-        r for r in results if r.connector is Connector.KVBRIDGE and (r.failure or not r.token_exact)
+        r
+        for r in rows
+        if r.connector == Connector.KVBRIDGE.value and (r.failure or r.token_exact is False)
     ]
     return 1 if bad else 0

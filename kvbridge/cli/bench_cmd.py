@@ -38,6 +38,13 @@ def register(sub: argparse._SubParsersAction) -> None:
             "the plan's NIXL transfer vs one single-descriptor READ and a memcpy",
         ),
         (
+            "first-pull",
+            "kvbridge.bench.first_pull",
+            "run_first_pull_bench",
+            "serve",
+            "the first pull across test hosts against later ones, per start order",
+        ),
+        (
             "comm",
             "kvbridge.bench.comm",
             "run_comm_bench",

@@ -22,7 +22,9 @@ from typing import Any
 
 from kvbridge.bench.engine_args import layout_arg
 from kvbridge.cli.settings_args import add_arguments, config_from_args
+from kvbridge.engine.config import EngineConfig
 from kvbridge.errors import ConfigError
+from kvbridge.plan.cast import CASTABLE
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, LAYOUT_HELP
 from kvbridge.serve.config import (
     API_KEY_ENV,
@@ -69,6 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
             help=f"{side} cache layout (default {DEFAULT_LAYOUT}; see --layout)",
         )
         p.add_argument(
+            f"--{side}-kv-cache-dtype",
+            default=EngineConfig.kv_dtype,
+            metavar="DTYPE",
+            help=f"{side} KV cache dtype (default {EngineConfig.kv_dtype}; see --kv-cache-dtype)",
+        )
+        p.add_argument(
             f"--{side}-instances",
             type=int,
             default=1,
@@ -87,6 +95,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=DEFAULT_LAYOUT,
         metavar="LAYOUT",
         help=f"{LAYOUT_HELP} (of a single role)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=EngineConfig.kv_dtype,
+        metavar="DTYPE",
+        help=f"KV cache dtype of a single role: {', '.join(CASTABLE)} (default "
+        f"{EngineConfig.kv_dtype}; the model computes in float32, K and V are cast on write); "
+        "a decode instance converts KV pulled from a prefill instance of another dtype",
     )
     p.add_argument(
         "--prefill",
@@ -126,6 +142,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         d.add_argument(
             f"--{side}-layout", type=layout_arg, default=DEFAULT_LAYOUT, metavar="LAYOUT"
         )
+        d.add_argument(
+            f"--{side}-kv-cache-dtype",
+            default=EngineConfig.kv_dtype,
+            metavar="DTYPE",
+            help=f"{side} KV cache dtype: {', '.join(CASTABLE)} (default {EngineConfig.kv_dtype})",
+        )
     add_arguments(d, _settings("engine", but=True))
     d.set_defaults(handler=run_demo, extra="serve")
 
@@ -155,6 +177,7 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Instan
             tp_size=args.tp,
             block_size=args.block_size,
             cache_layout=args.layout,
+            kv_cache_dtype=args.kv_cache_dtype,
             port=args.port,
             port_file=getattr(args, "port_file", None),
         )
@@ -165,6 +188,7 @@ def instance_config(args: argparse.Namespace, side: str | None = None) -> Instan
         tp_size=getattr(args, f"{side}_tp"),
         block_size=getattr(args, f"{side}_block_size"),
         cache_layout=getattr(args, f"{side}_layout"),
+        kv_cache_dtype=getattr(args, f"{side}_kv_cache_dtype"),
     )
 
 

@@ -96,6 +96,9 @@ class ConnectorMetadata(msgspec.Struct, frozen=True):
     #: `request_id` is the prefill instance's, the workers report the host's
     recv_request_ids: list[str] = msgspec.field(default_factory=list)
     reqs_to_send: list[Expose] = msgspec.field(default_factory=list)
+    #: the host's id of each exposure in `reqs_to_send` (same order): a request of
+    #: several cache groups is exposed once per group (`transfer_id`)
+    send_request_ids: list[str] = msgspec.field(default_factory=list)
     reqs_to_cancel: list[Cancel] = msgspec.field(default_factory=list)
     reqs_to_decline: list[Decline] = msgspec.field(default_factory=list)
     peers_to_connect: list[Connect] = msgspec.field(default_factory=list)
@@ -117,6 +120,12 @@ class ConnectorMetadata(msgspec.Struct, frozen=True):
         the host names a request as the prefill instance does)."""
         ids = self.recv_request_ids or [p.request_id for p in self.reqs_to_recv]
         return list(zip(ids, self.reqs_to_recv, strict=True))
+
+    def sends(self) -> list[tuple[str, Expose]]:
+        """`reqs_to_send` with the host's id of each (`send_request_ids`; without them,
+        the exposure's own)."""
+        ids = self.send_request_ids or [e.request_id for e in self.reqs_to_send]
+        return list(zip(ids, self.reqs_to_send, strict=True))
 
     @property
     def is_empty(self) -> bool:

@@ -16,7 +16,7 @@ Both log to the logger their host gives (vLLM's handlers print only its own logg
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,7 +27,7 @@ from kvbridge.connector.stats import Figures, has_figures, no_pulls, record_pull
 from kvbridge.connector.worker import KVConnectorWorker
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
-from kvbridge.transfer.connector import ConnectorEvent, ConnectorRole, Pull
+from kvbridge.transfer.connector import ConnectorEvent, ConnectorRole
 
 if TYPE_CHECKING:
     from kvbridge.transfer.regions import CacheRegions
@@ -64,6 +64,7 @@ class RoleSchedulers:
         log: logging.Logger = _log,
     ) -> None:
         self.sides = {c.role: KVConnectorScheduler(c, block_size, world_size) for c in configs}
+        self.block_size = block_size
         self.log = log
 
     @property
@@ -133,7 +134,9 @@ class RoleWorkers:
         self.rank = rank
         self.log = log
         self.sides = {c.role: KVConnectorWorker(c.spec, model, layout, rank) for c in configs}
-        self._pulls: dict[str, Pull] = {}  # in flight, by the host's id (for the log line)
+        #: in flight, by the host's id (for the log line): tokens [start, end) its pulls
+        #: cover, the number of cache groups
+        self._pulls: dict[str, tuple[int, int, int]] = {}
         self._figures = no_pulls()
 
     def register_regions(self, regions: CacheRegions, num_blocks: int, adopt: bool = False) -> None:
@@ -161,7 +164,16 @@ class RoleWorkers:
             meta = orders.get(role, ConnectorMetadata())
             worker.bind_connector_metadata(meta)
             worker.start_load_kv()
-            self._pulls.update(meta.pulls())
+            for host_id, pull in meta.pulls():
+                start, end, groups = self._pulls.get(host_id, (pull.start_token, 0, 0))
+                span = (min(start, pull.start_token), max(end, pull.num_tokens), groups + 1)
+                self._pulls[host_id] = span
+
+    def wait_for_pulls(self, host_ids: Collection[str], timeout_s: float) -> set[str]:
+        """Wait up to `timeout_s` for the pulls of `host_ids` started on this worker to
+        end (`KVConnectorWorker.wait_for_pulls`); the ids still in flight."""
+        worker = self.sides.get(ConnectorRole.CONSUMER)
+        return worker.wait_for_pulls(host_ids, timeout_s) if worker is not None else set()
 
     def wait_for_save(self) -> None:
         """Expose the finished prefills, release the cancelled."""
@@ -215,10 +227,10 @@ class RoleWorkers:
                 ev.reason,
             )
             return
-        start, end = (pull.start_token, pull.num_tokens) if pull is not None else (0, 0)
+        start, end, groups = pull if pull is not None else (0, 0, 1)
         self.log.info(
             "kvbridge decode worker %d pulled %s: tokens [%d, %d), %d bytes "
-            "(+%d copied from a sibling) in %.1f ms",
+            "(+%d copied from a sibling) in %.1f ms, %d descriptors, phases ms %s%s",
             self.rank,
             ev.request_id,
             start,
@@ -226,4 +238,7 @@ class RoleWorkers:
             ev.nbytes,
             ev.local_nbytes,
             ev.elapsed_ms,
+            ev.num_descriptors,
+            "/".join(f"{ms:.2f}" for ms in ev.phases_ms) or "-",
+            f", {groups} cache groups" if groups > 1 else "",
         )

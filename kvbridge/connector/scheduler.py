@@ -22,15 +22,23 @@ connector:
 Each request is in one `RequestState` (states.py); a request whose hand-over ended is
 returned by `update_connector_output` (or reported by the call that ended it) so the
 host frees or uses its blocks: the connector never frees a block itself.
+
+Cache groups: a host whose layers keep their blocks in several block tables (a hybrid
+model: sliding-window layers and full-attention ones, each group with its own blocks
+from one pool) passes a request's blocks as one `BlockTable` per group, each from the
+first block the group still holds; a host with one table passes its block ids. Each
+group moves as a transfer of its own (`transfer_id`): tokens [start, num_tokens), start
+past the decode's prefix hit and past the first token either side's group still holds
+(a window's older blocks are freed on both sides). The workers report a request once
+its groups all ended (`KVConnectorWorker`).
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -53,11 +61,13 @@ from kvbridge.connector.states import (
 from kvbridge.errors import ConfigError
 from kvbridge.settings import DEFAULT_CLAIM_S
 from kvbridge.transfer.capability import (
+    BlockTable,
     Capability,
     Redeemed,
     issue,
     new_generation,
     prompt_digest,
+    transfer_id,
 )
 from kvbridge.transfer.capability import check as check_capability
 from kvbridge.transfer.connector import (
@@ -76,6 +86,24 @@ from kvbridge.transfer.errors import AuthError
 #: How long the host polls at the busy cadence after an introduction or a decline (their
 #: handshakes and notifications progress only while the workers poll).
 CONNECT_POLL_S = 30.0
+
+#: A request's blocks as a host gives them: its block ids (one block table), or one
+#: `BlockTable` per cache group
+BlockIds = Sequence[int] | Sequence[BlockTable]
+
+
+def block_tables(block_ids: BlockIds) -> list[BlockTable]:
+    """`block_ids` as one table per cache group."""
+    if block_ids and isinstance(block_ids[0], BlockTable):
+        return [t for t in block_ids if isinstance(t, BlockTable)]
+    return [BlockTable([int(b) for b in block_ids if not isinstance(b, BlockTable)])]
+
+
+def held_blocks(table: BlockTable, start: int, num_tokens: int, block_size: int) -> list[int]:
+    """The blocks of `table` holding tokens [start, num_tokens), start at or past its
+    first token."""
+    first = table.first_token // block_size
+    return table.block_ids[start // block_size - first : -(-num_tokens // block_size) - first]
 
 
 class Transition(NamedTuple):
@@ -144,11 +172,14 @@ class KVRequest:
     capability: Capability | None = None  # decode: what to pull; prefill: what was issued
     prompt_digest: bytes = b""  # prefill: what its capability binds (`prompt_digest`)
     block_ids: list[int] = field(default_factory=list)  # the host's blocks it concerns
+    num_groups: int = 1  # cache groups, each moved as a transfer of its own
     num_cached_tokens: int = 0  # decode: leading tokens the local prefix cache held
     remaining: int = 0  # workers yet to report the transfer
     failures: list[str] = field(default_factory=list)
     nbytes: int = 0
     local_nbytes: int = 0  # decode: copied between its workers on the host (a fan-out)
+    handshakes: int = 0  # decode: workers whose pull waited for a handshake
+    cold_peers: int = 0  # decode: (worker, producer worker) paths its READs crossed first
     started: float = 0.0
     transfer_ms: float | None = None
     #: the slowest worker's own time from Expose/Pull to done (no wait for the host's step)
@@ -314,38 +345,53 @@ class KVConnectorScheduler:
         return rec.num_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(
-        self, request_id: str, block_ids: list[int], num_external_tokens: int
+        self, request_id: str, block_ids: BlockIds, num_external_tokens: int
     ) -> None:
-        """The host allocated `block_ids` (the whole prompt's, its cached prefix first):
-        pull the last `num_external_tokens` tokens into them (none: nothing to pull, the
-        prefill instance is told and the request ends here, `pop_ended`)."""
+        """The host allocated `block_ids` (the whole prompt's, its cached prefix first;
+        or one table per cache group): pull the last `num_external_tokens` tokens into
+        them (none: nothing to pull, the prefill instance is told and the request ends
+        here, `pop_ended`)."""
         rec = self.requests[request_id]
         cap = rec.capability
         assert cap is not None and rec.state is RequestState.WAITING_FOR_REMOTE_KV
         if num_external_tokens <= 0:
             self._refuse(rec, "the decode instance holds the prompt")
             return
-        cached = rec.num_tokens - num_external_tokens
+        local, remote = block_tables(block_ids), cap.tables
+        if len(local) != len(remote):
+            self._refuse(
+                rec,
+                f"the prefill instance exposed {len(remote)} cache group(s), this instance "
+                f"has {len(local)}: both must serve the same model with the same KV cache "
+                "groups",
+            )
+            return
+        n = rec.num_tokens
+        cached = n - num_external_tokens
         bp, bd = cap.block_size, self.block_size
-        rec.block_ids = list(block_ids)
+        rec.block_ids = [b for t in local for b in t.block_ids]
         rec.num_cached_tokens = cached
+        rec.num_groups = len(local)
         rec.remaining = self.world_size
         rec.started = time.perf_counter()
-        # tokens [cached, num_tokens): both block lists start with the block holding
-        # token `cached` (a whole number of local blocks; inside a prefill block when
-        # the block sizes differ); the plan cuts pages at both sides' boundaries
-        self._meta.recv.append(
-            Pull(
-                cap.request_id,
-                cap.endpoint,
-                cap.block_ids[cached // bp - cap.start_token // bp :],
-                block_ids[cached // bd : math.ceil(cap.num_tokens / bd)],
-                cap.num_tokens,
-                start_token=cached,
-                generation=cap.generation,
+        # per group, tokens [start, num_tokens): past the local hit and past the first
+        # token either side's group holds; both block lists start with the block
+        # holding token `start` (a whole number of local blocks; inside a prefill block
+        # when the block sizes differ); the plan cuts pages at both sides' boundaries
+        for g, (theirs, ours) in enumerate(zip(remote, local, strict=True)):
+            start = max(cached, theirs.first_token, ours.first_token)
+            self._meta.recv.append(
+                Pull(
+                    transfer_id(cap.request_id, g),
+                    cap.endpoint,
+                    held_blocks(theirs, start, n, bp),
+                    held_blocks(ours, start, n, bd),
+                    n,
+                    start_token=start,
+                    generation=cap.generation,
+                )
             )
-        )
-        self._meta.recv_request_ids.append(request_id)
+            self._meta.recv_request_ids.append(request_id)
 
     def load_refused(self, request_id: str, reason: str) -> KVRequest:
         """Pull nothing (no blocks to receive it, ...): the prefill instance is told at
@@ -362,7 +408,10 @@ class KVConnectorScheduler:
     def _decline(self, rec: KVRequest, reason: str) -> None:
         cap = rec.capability
         if cap is not None:
-            self._meta.decline.append(Decline(cap.request_id, cap.endpoint, reason))
+            self._meta.decline += [
+                Decline(transfer_id(cap.request_id, g), cap.endpoint, reason)
+                for g in range(len(cap.tables))
+            ]
             self.busy_until = time.monotonic() + CONNECT_POLL_S
 
     def pop_ended(self, request_id: str) -> KVRequest:
@@ -382,13 +431,14 @@ class KVConnectorScheduler:
 
     # -- prefill: exposing --------------------------------------------------------------
     def request_finished(
-        self, request_id: str, block_ids: list[int], first_token_id: int | None, done: bool
+        self, request_id: str, block_ids: BlockIds, first_token_id: int | None, done: bool
     ) -> tuple[bool, KVTransferParams | None]:
         """The host finished a request (`done`: it needs no decode elsewhere, e.g. a stop
-        at its first token, or it was aborted). Returns (delay_free_blocks,
-        kv_transfer_params): a prefill not done is exposed for its reader, the host
-        keeps its blocks until `update_connector_output` releases them and answers the
-        params; a decode aborted while pulling keeps its blocks until the pull ends."""
+        at its first token, or it was aborted); `block_ids` as `update_state_after_alloc`
+        takes them. Returns (delay_free_blocks, kv_transfer_params): a prefill not done
+        is exposed for its reader, the host keeps its blocks until
+        `update_connector_output` releases them and answers the params; a decode aborted
+        while pulling keeps its blocks until the pull ends."""
         rec = self.requests.get(request_id)
         if rec is None:
             return False, None
@@ -402,27 +452,43 @@ class KVConnectorScheduler:
             return False, None
         if rec.state is not RequestState.PREFILLING:
             return False, None
-        if done or first_token_id is None or not block_ids:
+        tables = block_tables(block_ids)
+        if done or first_token_id is None or not any(t.block_ids for t in tables):
             self._move(rec, RequestState.RELEASED, "finished without a hand-over")
             self._ended.pop(request_id)
             return False, None
-        return True, self._expose(rec, block_ids, first_token_id)
+        return True, self._expose(rec, tables, first_token_id)
 
-    def _expose(self, rec: KVRequest, block_ids: list[int], first_token_id: int) -> RemotePrefill:
+    def _expose(
+        self, rec: KVRequest, tables: list[BlockTable], first_token_id: int
+    ) -> RemotePrefill:
         assert isinstance(rec.params, RemoteDecode)
         n = rec.num_tokens
         start = min(max(rec.params.start_token, 0), n)  # the reader holds [0, start)
-        exposed = block_ids[start // self.block_size : math.ceil(n / self.block_size)]
         lease = self.config.exposure_lease_s
         generation = new_generation()
-        self._meta.send.append(
-            Expose(rec.request_id, exposed, n, rec.params.reader or None, start, lease, generation)
-        )
+        exposed = []
+        for g, table in enumerate(tables):
+            first = min(max(start, table.first_token), n)
+            blocks = held_blocks(table, first, n, self.block_size)
+            exposed.append(BlockTable(blocks, first))
+            expose = Expose(
+                transfer_id(rec.request_id, g),
+                blocks,
+                n,
+                rec.params.reader or None,
+                first,
+                lease,
+                generation,
+            )
+            self._meta.send.append(expose)
+            self._meta.send_request_ids.append(rec.request_id)
+        one = len(tables) == 1
         cap = Capability(
             rec.request_id,
             self.instance_id,
             self.endpoint,
-            list(exposed),
+            list(exposed[0].block_ids) if one else [],
             n,
             rec.params.reader,
             time.time() + self.config.claim_s,
@@ -430,8 +496,10 @@ class KVConnectorScheduler:
             self.block_size,
             rec.prompt_digest,
             generation,
+            [] if one else exposed,
         )
-        rec.capability, rec.block_ids = cap, list(block_ids)
+        rec.capability, rec.block_ids = cap, [b for t in tables for b in t.block_ids]
+        rec.num_groups = len(tables)
         rec.remaining, rec.started = self.world_size, time.perf_counter()
         self._move(rec, RequestState.EXPOSED)
         return RemotePrefill(first_token_id, issue(cap, self._signing), self.instance_id)
@@ -442,8 +510,13 @@ class KVConnectorScheduler:
         rec = self.requests.get(request_id)
         if rec is None or rec.state is not RequestState.EXPOSED:
             return False
-        self._meta.cancel.append(Cancel(request_id, reason))
+        self._cancel(rec, reason)
         return True
+
+    def _cancel(self, rec: KVRequest, reason: str) -> None:
+        self._meta.cancel += [
+            Cancel(transfer_id(rec.request_id, g), reason) for g in range(rec.num_groups)
+        ]
 
     # -- every step -----------------------------------------------------------------------
     def build_connector_meta(
@@ -481,6 +554,8 @@ class KVConnectorScheduler:
         rec.remaining -= 1
         rec.nbytes += ev.nbytes
         rec.local_nbytes += ev.local_nbytes
+        rec.handshakes += ev.handshake
+        rec.cold_peers += ev.cold_peers
         rec.worker_ms = max(rec.worker_ms, ev.elapsed_ms)
         rec.release_causes.append(ev.cause or ("completed" if ev.ok else "aborted"))
         if not ev.ok:
@@ -489,7 +564,7 @@ class KVConnectorScheduler:
                 rec.pull_failures.add(ev.cause)
             if rec.state is RequestState.EXPOSED and rec.remaining:
                 # one worker could not expose or lost it: release the others now
-                self._meta.cancel.append(Cancel(rec.request_id, ev.reason))
+                self._cancel(rec, ev.reason)
         if rec.remaining:
             return False
         rec.transfer_ms = (time.perf_counter() - rec.started) * 1e3
@@ -544,6 +619,7 @@ class _MetaBuilder:
     recv: list[Pull] = field(default_factory=list)
     recv_request_ids: list[str] = field(default_factory=list)
     send: list[Expose] = field(default_factory=list)
+    send_request_ids: list[str] = field(default_factory=list)
     cancel: list[Cancel] = field(default_factory=list)
     decline: list[Decline] = field(default_factory=list)
     connect: list[Connect] = field(default_factory=list)
@@ -555,6 +631,7 @@ class _MetaBuilder:
             reqs_to_recv=self.recv,
             recv_request_ids=self.recv_request_ids,
             reqs_to_send=self.send,
+            send_request_ids=self.send_request_ids,
             reqs_to_cancel=self.cancel,
             reqs_to_decline=self.decline,
             peers_to_connect=self.connect,

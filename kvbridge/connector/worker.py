@@ -8,6 +8,10 @@ of orders from the scheduler side, runs `execute(metadata)`:
       -> wait_for_save (exposes, cancels) -> wait_for_recv (only if the orders ask)
       -> get_finished -> clear_connector_metadata
 
+A request of several cache groups comes as one Expose or Pull per group (under the
+groups' `transfer_id`s, each with the host's request id in the orders); the worker
+reports it once, when its last group's transfer ended here (`merge_events`).
+
 Between orders the process does nothing for it: the transfer layer's
 `kvbridge.transfer.connector.WorkerConnector`, which this wraps and which does the work,
 progresses transfers in its own thread (a NIXL read from this worker's memory progresses
@@ -19,11 +23,14 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvbridge.connector.metadata import ConnectorMetadata, KVWorkerOutput
+from kvbridge.connector.scheduler import release_cause
 from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, num_regions
@@ -44,6 +51,8 @@ from kvbridge.transfer.connector import (
 log = logging.getLogger("kvbridge.connector")
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from kvbridge.transfer.agent import Transport
     from kvbridge.transfer.export import SharedSegment
     from kvbridge.transfer.regions import CacheRegions
@@ -82,6 +91,45 @@ def adopt_segment(regions: CacheRegions, transfer: TransferConfig) -> SharedSegm
         return None
 
 
+@dataclass
+class _Parts:
+    """A request's transfers on one worker (one per cache group) until all ended."""
+
+    remaining: int
+    events: list[ConnectorEvent] = field(default_factory=list)
+
+
+def merge_events(
+    request_id: str, events: list[ConnectorEvent], role: ConnectorRole
+) -> ConnectorEvent:
+    """One event for a request whose cache groups' transfers all ended (`events`, one
+    per group): ok if each was, their reasons, bytes, cold paths and descriptors summed,
+    the longest time (with its phases), a handshake if any waited for one, the cause a
+    counter tells apart (a producer's: `release_cause`; a consumer's: the first failed
+    group's)."""
+    if len(events) == 1:
+        return msgspec.structs.replace(events[0], request_id=request_id)
+    failed = [ev for ev in events if not ev.ok]
+    if role is ConnectorRole.PRODUCER:
+        cause = release_cause(ev.cause for ev in events)
+    else:
+        cause = next((ev.cause for ev in failed if ev.cause), "")
+    longest = max(events, key=lambda ev: ev.elapsed_ms)
+    return ConnectorEvent(
+        request_id,
+        not failed,
+        "; ".join(dict.fromkeys(ev.reason for ev in failed if ev.reason)),
+        sum(ev.nbytes for ev in events),
+        longest.elapsed_ms,
+        cause,
+        sum(ev.local_nbytes for ev in events),
+        any(ev.handshake for ev in events),
+        sum(ev.cold_peers for ev in events),
+        sum(ev.num_descriptors for ev in events),
+        longest.phases_ms,
+    )
+
+
 class KVConnectorWorker:
     """One worker's connector. Built, called and shut down by the process that owns the
     cache memory, from one thread; never raises out of `execute` (a failed order comes
@@ -96,10 +144,14 @@ class KVConnectorWorker:
         self.rank = rank
         self.connector: WorkerConnector | None = None
         self._meta: ConnectorMetadata | None = None
-        #: pulls in flight, by the prefill instance's request id: (the host's id, the
-        #: local blocks); exposures in flight (producer)
-        self._loads: dict[str, tuple[str, list[int]]] = {}
-        self._exposed: set[str] = set()
+        #: pulls (consumer) and exposures (producer) in flight, by transfer id (a pull's:
+        #: the prefill instance's): the host's request id
+        self._loads: dict[str, str] = {}
+        self._exposed: dict[str, str] = {}
+        #: the host's requests with transfers not all ended here (one per cache group)
+        self._parts: dict[str, _Parts] = {}
+        #: consumer: each host request's local blocks in flight (invalid if a group fails)
+        self._pulled_blocks: dict[str, list[int]] = {}
         self._load_errors: set[int] = set()
         self._connected: list[str] = []  # introduced producers met, since the last report
         #: events for the next report: orders that raised (as failed transfers) and the
@@ -183,11 +235,12 @@ class KVConnectorWorker:
                 self._errors.append(f"Connect failed on worker {self.rank}: {exc}")
         for decline in meta.reqs_to_decline:
             self._try(decline)
-        for host_id, pull in meta.pulls():
+        pulls = meta.pulls()
+        self._expect(host_id for host_id, _ in pulls)
+        for host_id, pull in pulls:
+            self._pulled_blocks.setdefault(host_id, []).extend(pull.local_block_ids)
             if self._try(pull, request_id=host_id):
-                self._loads[pull.request_id] = (host_id, list(pull.local_block_ids))
-            else:
-                self._load_errors.update(pull.local_block_ids)
+                self._loads[pull.request_id] = host_id
 
     def wait_for_save(self) -> None:
         """Expose the bound requests' computed blocks (our KV is complete once the step
@@ -195,29 +248,39 @@ class KVConnectorWorker:
         meta = self._bound()
         if meta.worker_endpoints is not None:
             self._try(SetEndpoints(meta.worker_endpoints))
-        for expose in meta.reqs_to_send:
-            if self._try(expose, request_id=expose.request_id):
-                self._exposed.add(expose.request_id)
+        sends = meta.sends()
+        self._expect(host_id for host_id, _ in sends)
+        for host_id, expose in sends:
+            if self._try(expose, request_id=host_id):
+                self._exposed[expose.request_id] = host_id
         for cancel in meta.reqs_to_cancel:
             self._try(cancel)
 
     def wait_for_recv(self) -> None:
         """Wait up to the bound orders' `recv_wait_s` for their pulls to end here (DONE
-        or FAILED), keeping the ends for `get_finished`. Only a connector whose progress
-        thread moves the pulls meanwhile waits; the wait ends at the last pull's end."""
+        or FAILED), keeping the ends for `get_finished` (`wait_for_pulls`)."""
         meta = self._bound()
+        if meta.recv_wait_s > 0:
+            ids = {host_id for host_id, _ in meta.pulls()}
+            self.wait_for_pulls(ids, meta.recv_wait_s)
+
+    def wait_for_pulls(self, host_ids: Collection[str], timeout_s: float) -> set[str]:
+        """Wait up to `timeout_s` for this worker's pulls of `host_ids` (the host's
+        request ids) to end (DONE or FAILED), keeping the ends for `get_finished`; the
+        ids still in flight (a pull not started here counts as ended). Only a
+        connector whose progress thread moves the pulls meanwhile waits; the wait ends
+        at the last pull's end."""
         conn = self.connector
-        if meta.recv_wait_s <= 0 or conn is None or conn.progress is None:
-            return
-        pending = {p.request_id for p in meta.reqs_to_recv if p.request_id in self._loads}
-        deadline = time.monotonic() + meta.recv_wait_s
-        while pending:
+        pending = {tid for tid, hid in self._loads.items() if hid in host_ids}
+        deadline = time.monotonic() + timeout_s
+        while pending and conn is not None and conn.progress is not None:
             left = deadline - time.monotonic()
             if left <= 0 or not conn.wait_for_events(left):
-                return
+                break
             events = self._handle(Poll()).events
             pending -= {ev.request_id for ev in events}
             self._unreported += self._own(events)
+        return {self._loads[tid] for tid in pending if tid in self._loads}
 
     def get_finished(self) -> KVWorkerOutput:
         """Report what finished since the last report (the progress thread moved it;
@@ -270,24 +333,38 @@ class KVConnectorWorker:
 
     # -- helpers ------------------------------------------------------------------------------
     def _own(self, events: list[ConnectorEvent]) -> list[ConnectorEvent]:
-        """The events of this worker's own transfers, named with the host's request ids
-        (a pull's events come under the prefill instance's id); a failed pull's blocks
-        are kept for `get_block_ids_with_load_errors`."""
+        """The events of this worker's own transfers, one per host request once its
+        groups all ended, named with the host's request ids (a transfer's events come
+        under its transfer id); a failed pull's blocks are kept for
+        `get_block_ids_with_load_errors`."""
         out = []
         for ev in events:
-            if self.role is ConnectorRole.PRODUCER:
-                if ev.request_id in self._exposed:
-                    self._exposed.discard(ev.request_id)
-                    out.append(ev)
-                continue
-            load = self._loads.pop(ev.request_id, None)
-            if load is None:
-                continue
-            host_id, blocks = load
-            if not ev.ok:
-                self._load_errors.update(blocks)
-            out.append(msgspec.structs.replace(ev, request_id=host_id))
+            in_flight = self._exposed if self.role is ConnectorRole.PRODUCER else self._loads
+            host_id = in_flight.pop(ev.request_id, None)
+            if host_id is not None and (done := self._ended(host_id, ev)) is not None:
+                out.append(done)
         return out
+
+    def _expect(self, host_ids: Iterable[str]) -> None:
+        """Count the transfers each host request starts here (one per cache group)."""
+        for host_id in host_ids:
+            self._parts.setdefault(host_id, _Parts(0)).remaining += 1
+
+    def _ended(self, host_id: str, ev: ConnectorEvent) -> ConnectorEvent | None:
+        """One of `host_id`'s transfers ended; its event once they all have."""
+        parts = self._parts.get(host_id)
+        if parts is None:  # not counted (a stray event): report it as it is
+            return msgspec.structs.replace(ev, request_id=host_id)
+        parts.events.append(ev)
+        parts.remaining -= 1
+        if parts.remaining:
+            return None
+        del self._parts[host_id]
+        done = merge_events(host_id, parts.events, self.role)
+        blocks = self._pulled_blocks.pop(host_id, [])
+        if not done.ok and self.role is ConnectorRole.CONSUMER:
+            self._load_errors.update(blocks)
+        return done
 
     def _bound(self) -> ConnectorMetadata:
         assert self._meta is not None, "bind_connector_metadata first"
@@ -307,8 +384,8 @@ class KVConnectorWorker:
             reason = f"{type(order).__name__} failed on worker {self.rank}: {exc}"
             if request_id is None:
                 self._errors.append(reason)
-            else:
-                self._unreported.append(ConnectorEvent(request_id, False, reason))
+            elif done := self._ended(request_id, ConnectorEvent(request_id, False, reason)):
+                self._unreported.append(done)
             return False
         return True
 

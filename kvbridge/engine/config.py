@@ -13,7 +13,8 @@ from typing import Any
 
 from kvbridge.engine.cpu_share import check_cpu_nice
 from kvbridge.engine.errors import ModelLoadError
-from kvbridge.plan.geometry import ModelKVSpec, attention_kind
+from kvbridge.plan.cast import CASTABLE
+from kvbridge.plan.geometry import ModelKVSpec, attention_kind, normalize_dtype
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, CacheLayout, InstanceLayout, check_tp_size
 from kvbridge.plan.model_config import ConfigFile, read_config
 
@@ -139,7 +140,8 @@ class EngineConfig:
     """How one engine instance runs its model.
 
     `num_blocks` None sizes each worker's cache to `kv_cache_mb` MiB (at most what
-    `max_num_seqs` sequences of `max_model_len` tokens need). `max_model_len` None is the
+    `max_num_seqs` sequences of `max_model_len` tokens need). `kv_dtype` is the cache's
+    element type (the model computes in float32; K and V are cast on write). `max_model_len` None is the
     model's context, capped at 4096 on this CPU engine.
     """
 
@@ -161,6 +163,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
+        kv_dtype = normalize_dtype(self.kv_dtype, field="kv_dtype")
+        if kv_dtype not in CASTABLE:
+            raise ModelLoadError(
+                f"kv_dtype={self.kv_dtype!r}: the engine computes in float32 and keeps its KV "
+                f"cache in one of {', '.join(CASTABLE)}; use one of those"
+            )
+        object.__setattr__(self, "kv_dtype", kv_dtype)
         check_cpu_nice(self.cpu_nice)
         if self.cache_layout.is_channel_major:
             raise ModelLoadError(

@@ -16,6 +16,10 @@ transposing was several times slower, most for the cross-layer layouts
 
 A token's slot is ``block_id * block_size + offset``.
 
+The cache keeps K and V in its own dtype (`EngineConfig.kv_dtype`, as vLLM's
+kv_cache_dtype): the model computes in its dtype, `write` casts what it stores and
+attention casts what `gather` returns back.
+
 The tensor is allocated and zero-filled (touched) up front: copying into never-touched
 pages is several times slower (docs/benchmarks.md). Its memory comes from numpy, which
 asks the kernel for transparent huge pages on large arrays (torch's CPU allocator does
@@ -99,10 +103,11 @@ class KVCache:
 
     def write(self, layer: int, kv: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Store K and V (`kv`: [T, 2, heads, head_dim]) of T tokens at their (block, offset)
-        slots, both in one indexed copy."""
+        slots, both in one indexed copy, cast to the cache's dtype (round to nearest even)
+        where it differs from the model's."""
         blocks, offsets = slots
         # [2, heads, B, bs, dim][:, :, b, o]: adjacent advanced dims -> [2, heads, T, dim]
-        self.heads[layer][:, :, blocks, offsets] = kv.permute(1, 2, 0, 3)
+        self.heads[layer][:, :, blocks, offsets] = kv.permute(1, 2, 0, 3).to(self.tensor.dtype)
 
     def gather(
         self, layer: int, block_ids: torch.Tensor, context_len: int

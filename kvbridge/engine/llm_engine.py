@@ -106,6 +106,8 @@ class Completion:
     kv_local_nbytes: int = 0  # ... and copied between decode workers on the host (fan-out)
     kv_transfer_ms: float | None = None  # how long its pull took (decode)
     kv_ready_ms: float | None = None  # the slowest decode worker's own time for it
+    kv_handshakes: int = 0  # decode workers whose pull waited for a handshake
+    kv_cold_peers: int = 0  # paths to producer workers its pull's READs crossed first
     kv_load_error: str | None = None  # why its pull failed, if it did (decode)
     error: str | None = None  # with FinishReason.ERROR: why
 
@@ -301,6 +303,7 @@ class LLMEngine:
         seq.kv_nbytes, seq.kv_transfer_ms = rec.nbytes, rec.transfer_ms
         seq.kv_local_nbytes = rec.local_nbytes
         seq.kv_ready_ms = rec.worker_ms
+        seq.kv_handshakes, seq.kv_cold_peers = rec.handshakes, rec.cold_peers
         self._kv_host.pulled(rec)
         first = rec.first_token_id
         assert first is not None
@@ -415,6 +418,8 @@ class LLMEngine:
             seq.kv_local_nbytes,
             seq.kv_transfer_ms,
             seq.kv_ready_ms,
+            seq.kv_handshakes,
+            seq.kv_cold_peers,
             seq.kv_load_error,
             seq.error,
         )

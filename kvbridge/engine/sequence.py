@@ -58,6 +58,8 @@ class Sequence:
     kv_local_nbytes: int = 0  # ... and copied between decode workers on the host (fan-out)
     kv_transfer_ms: float | None = None  # how long its pull took
     kv_ready_ms: float | None = None  # the slowest worker's own time for the pull
+    kv_handshakes: int = 0  # workers whose pull waited for a handshake
+    kv_cold_peers: int = 0  # paths to producer workers its pull's READs crossed first
     kv_load_error: str | None = None  # why its pull failed, when it did
 
     @property

@@ -214,15 +214,23 @@ def place_cache(
     model: ModelKVSpec,
     tp_size: int,
     block_size: int,
+    pp_layers: tuple[int, ...] | None = None,
+    pp_rank: int = 0,
 ) -> tuple[InstanceLayout, PlacedCache]:
-    """One worker's caches of `model` at `tp_size` and `block_size` (every layer's, in
-    layer order) placed (`place_layers`), and the instance layout they make; ConfigError
-    if they are not one per layer or the layout does not serve `model`."""
-    if len(layers) != model.num_layers:
+    """One worker's caches of `model` at `tp_size` and `block_size` (every layer's of
+    its pipeline stage `pp_rank`, in layer order; `pp_layers`: the layers per stage,
+    None without pipeline parallelism) placed (`place_layers`), and the instance layout
+    they make; ConfigError if they are not one per layer of the stage or the layout
+    does not serve `model`."""
+    pp_size = len(pp_layers) if pp_layers else 1
+    stages = InstanceLayout(tp_size=tp_size, pp_size=pp_size, pp_layers=pp_layers)
+    start, end = stages.layer_ranges(model)[pp_rank]
+    if len(layers) != end - start:
+        where = f" (pipeline stage {pp_rank} of {pp_size} holds layers [{start}, {end}))"
         raise ConfigError(
             f"vLLM registered {len(layers)} KV caches; {model.name} has "
-            f"{model.num_layers} layers (KVBridgeConnector needs one cache per layer: "
-            "no pipeline parallelism, no hybrid caches)"
+            f"{model.num_layers} layers{where if pp_size > 1 else ''} (KVBridgeConnector "
+            "needs one cache per layer: no hybrid caches)"
         )
     # a worker holds H/tp heads, or one replicated head when tp > H (`kv_head_range`)
     num_heads = model.num_kv_heads // tp_size if tp_size <= model.num_kv_heads else 1
@@ -231,9 +239,11 @@ def place_cache(
     )
     layout = InstanceLayout(
         tp_size=tp_size,
+        pp_size=pp_size,
         block_size=block_size,
         cache_layout=placed.layout,
         dtype=normalize_dtype(layers[0].dtype),
+        pp_layers=pp_layers,
     )
     layout.check(model)
     return layout, placed

@@ -27,6 +27,12 @@ reader's reads are done:
 
 Only the link readers notify the prefill workers. Without `decode_hosts` every decode
 worker reads its own bytes, as before.
+
+A KV dtype converted in flight (`cast.py`): when the decode cache keeps another dtype
+than the prefill's (float32, bfloat16, float16), the plan's `cast` says which, its
+`decode` is the layout the reads land in (the decode workers' staging: their cache's
+layout in the prefill's dtype) and every decode worker reads its own bytes (no fan-out:
+a second hop would copy converted bytes, which the plan counts in the prefill's dtype).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.errors import IncompatibleError, LayoutError
+from kvbridge.plan.cast import Cast, check_castable, staging_layout
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, WorkerShard
 
@@ -97,7 +104,10 @@ class TransferPlan:
     request between the same two instances. `expected_notifications[p]` is how many
     decode workers notify prefill worker `p` per request. `reads` cross from the prefill
     instance (over the link when it runs on another host); `local_copies` are the
-    second hops on a decode host (empty unless planned with `decode_hosts`).
+    second hops on a decode host (empty unless planned with `decode_hosts`). `cast`
+    converts the KV on the decode side when its cache dtype differs: `decode` is then the
+    layout the reads land in (the staging, in the prefill's dtype), `cast.dst` the
+    dtype of the decode cache the decode workers cast it into.
     """
 
     model: ModelKVSpec
@@ -109,6 +119,7 @@ class TransferPlan:
     expected_notifications: tuple[int, ...]
     local_copies: tuple[LocalCopy, ...] = ()
     decode_hosts: tuple[str, ...] | None = None  # decode rank -> host identity
+    cast: Cast | None = None  # the decode side converts what it reads
 
     def reads_for(self, decode_rank: int) -> tuple[Read, ...]:
         return tuple(r for r in self.reads if r.decode_rank == decode_rank)
@@ -143,7 +154,8 @@ def check_compatible(
     prefill: InstanceLayout,
     decode: InstanceLayout,
 ) -> None:
-    """Raise IncompatibleError if the two instances cannot share a KV cache."""
+    """Raise IncompatibleError if the two instances cannot share a KV cache: another
+    model, or cache dtypes that do not convert (`cast.CASTABLE`)."""
     fields = ("num_layers", "num_attention_heads", "num_kv_heads", "head_dim", "attention")
     for field in fields:
         p, d = getattr(prefill_model, field), getattr(decode_model, field)
@@ -153,12 +165,7 @@ def check_compatible(
                 f"prefill and decode run different models: prefill {field}={p}, decode "
                 f"{field}={d}; both instances must serve the same model"
             )
-    p_dtype, d_dtype = prefill.kv_dtype(prefill_model), decode.kv_dtype(decode_model)
-    if p_dtype != d_dtype:
-        raise IncompatibleError(
-            f"prefill KV dtype={p_dtype} but decode KV dtype={d_dtype}; KV bytes are copied "
-            f"as they are, so both instances must use the same cache dtype"
-        )
+    check_castable(prefill.kv_dtype(prefill_model), decode.kv_dtype(decode_model))
 
 
 def make_plan(
@@ -175,11 +182,16 @@ def make_plan(
 
     Raises LayoutError when a layout is invalid for the model (or `decode_hosts` does
     not name one host per decode worker) and IncompatibleError when the two sides
-    differ in model or cache dtype; both name the values and what would work.
+    differ in model or in cache dtypes that do not convert; both name the values and
+    what would work. Cache dtypes that convert give a plan with a `cast` (no fan-out).
     """
     decode_model = decode_model or prefill_model
     check_compatible(prefill_model, decode_model, prefill, decode)
     model = prefill_model.with_dtype(prefill.kv_dtype(prefill_model))
+    cast = None
+    if decode.kv_dtype(decode_model) != model.dtype:
+        cast = Cast(model.dtype, decode.kv_dtype(decode_model))
+        decode, decode_hosts = staging_layout(decode, model.dtype), None
     p_workers = prefill.workers(model, "prefill")
     d_workers = decode.workers(model, "decode")
     p_stages = prefill.layer_ranges(model, "prefill")
@@ -238,6 +250,7 @@ def make_plan(
         expected,
         tuple(local),
         hosts,
+        cast,
     )
     _check_cover(plan)
     return plan

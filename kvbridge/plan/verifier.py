@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.plan.cast import run_indices
 from kvbridge.plan.copylist import CopyList, check_block_ids, copy_lists, local_copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import (
@@ -158,13 +159,6 @@ def expected_decode_cache(
     return out
 
 
-def _byte_index(offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(o, o + n) for every run (vectorized)."""
-    total = int(lengths.sum())
-    starts = np.repeat(offsets - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
-    return starts + np.arange(total)
-
-
 def num_blocks_of(layout: InstanceLayout, cache: np.ndarray) -> int:
     """The number of blocks of a cache-shaped array."""
     return int(cache.shape[layout.cache_layout.order.index("B")])
@@ -194,8 +188,8 @@ def apply_copy_lists(src: np.ndarray, dst: np.ndarray, lists: Sequence[CopyList]
                 )
         s_reg = np.repeat(cl.src_regions, cl.lengths)
         d_reg = np.repeat(cl.dst_regions, cl.lengths)
-        dst[d_reg, _byte_index(cl.dst_offsets, cl.lengths)] = src[
-            s_reg, _byte_index(cl.src_offsets, cl.lengths)
+        dst[d_reg, run_indices(cl.dst_offsets, cl.lengths)] = src[
+            s_reg, run_indices(cl.src_offsets, cl.lengths)
         ]
         copied += cl.nbytes
     return copied
@@ -323,8 +317,8 @@ def count_contiguous_runs(cl: CopyList, unit: int) -> int:
         return 0
     per = cl.lengths // unit
     s_reg, d_reg = np.repeat(cl.src_regions, per), np.repeat(cl.dst_regions, per)
-    s_rows = _byte_index(cl.src_offsets // unit, per)
-    d_rows = _byte_index(cl.dst_offsets // unit, per)
+    s_rows = run_indices(cl.src_offsets // unit, per)
+    d_rows = run_indices(cl.dst_offsets // unit, per)
     order = np.lexsort((s_rows, s_reg))
     s_reg, d_reg, s_rows, d_rows = s_reg[order], d_reg[order], s_rows[order], d_rows[order]
     breaks = (np.diff(s_rows) != 1) | (np.diff(d_rows) != 1)

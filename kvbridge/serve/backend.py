@@ -43,6 +43,11 @@ class RequestStages(msgspec.Struct, omit_defaults=True):
     #: KV bytes its decode workers copied from each other on their host (a fan-out:
     #: read over the link once, `kv_bytes`, then copied to the workers that share them)
     kv_local_bytes: int | None = None
+    #: decode workers whose pull waited for a handshake with the prefill instance (0
+    #: once the proxy's introduction met it), and paths from a decode worker to a
+    #: prefill worker that no READ had crossed before this pull's (0 once warmed up)
+    kv_handshakes: int | None = None
+    kv_cold_peers: int | None = None
     decode_ms: float | None = None  # this instance's part after the KV load
     cached_tokens: int | None = None  # the decode (or colocated) engine's prefix-cache hit
     kv_load_failed: bool | None = None  # the pull failed (`kv_load_error` says why)

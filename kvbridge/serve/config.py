@@ -27,7 +27,7 @@ from kvbridge.connector import (
 )
 from kvbridge.engine.config import EngineConfig
 from kvbridge.engine.cpu_share import COMPUTE_NICE
-from kvbridge.errors import ConfigError
+from kvbridge.errors import ConfigError, KVBridgeError
 from kvbridge.plan.layout import DEFAULT_BLOCK_SIZE, DEFAULT_LAYOUT, CacheLayout
 from kvbridge.serve.api_keys import DEFAULT_TENANT, ApiKeys
 from kvbridge.serve.body_limit import DEFAULT_MAX_BODY_MB, mib_to_bytes
@@ -102,7 +102,8 @@ class InstanceConfig:
     Each field after the first six is a setting (`kvbridge.settings`): its default, help
     and `kvbridge serve` flag are declared here, the KV runtime's (lease_s, kv_integrity,
     ...) in `TransferConfig` and carried here with `same_as`. role, tp_size, block_size
-    and cache_layout have a flag per role instead (--prefill-tp, --tp, ...), port and
+    cache_layout and kv_cache_dtype have a flag per role instead (--prefill-tp, --tp,
+    --decode-kv-cache-dtype, ...), port and
     port_file are given by whoever launches the instance.
     """
 
@@ -110,6 +111,7 @@ class InstanceConfig:
     tp_size: int
     block_size: int = DEFAULT_BLOCK_SIZE
     cache_layout: CacheLayout = field(default_factory=lambda: CacheLayout.parse(DEFAULT_LAYOUT))
+    kv_cache_dtype: str = EngineConfig.kv_dtype  # the cache's; a decode converts what it pulls
     port: int = 0  # 0: a free port, reported to `port_file` (a launched instance)
     port_file: str | None = None  # where a launched instance reports its port
     # the engine
@@ -224,6 +226,11 @@ class InstanceConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_layout", CacheLayout.parse(self.cache_layout))
+        try:  # the engine's words for a dtype it does not keep, at start-up
+            kv_dtype = EngineConfig(kv_dtype=self.kv_cache_dtype).kv_dtype
+        except KVBridgeError as exc:
+            raise ConfigError(f"--kv-cache-dtype: {exc}") from None
+        object.__setattr__(self, "kv_cache_dtype", kv_dtype)
         if not 0 <= self.port < 65536:
             raise ConfigError(f"--port {self.port} must be in [0, 65536); 0 picks a free port")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
@@ -291,6 +298,7 @@ class InstanceConfig:
             tp_size=self.tp_size,
             block_size=self.block_size,
             cache_layout=self.cache_layout,
+            kv_dtype=self.kv_cache_dtype,
             kv_cache_mb=self.kv_cache_mb,
             enable_prefix_caching=self.enable_prefix_caching,
             cpu_nice=COMPUTE_NICE[self.role.value] if self.cpu_priority else 0,

@@ -31,10 +31,11 @@ the background: the decode reservation, and the prefill's exposed KV
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import ssl
 import time
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -322,7 +323,7 @@ class DisaggBackend(Backend):
         # the prefill's exposed KV is "open" until the decode instance it was issued to
         # takes it: if that instance refuses it or cannot be reached, or the client gives
         # up first, both are released at once (not at a lease)
-        reserved, prefill, prefill_url = True, None, ""
+        reserved, prefill, prefill_url, reader = True, None, "", None
         try:
             # a decode instance holding every full block of the prompt computes the rest
             # itself: nothing to prefill elsewhere, nothing to pull
@@ -335,7 +336,16 @@ class DisaggBackend(Backend):
                 )
                 if served is not None:
                     prefill_url, prefill = served
-            async for ev in self._generate(request, prefill, decode_urls):
+            met = None
+            if prefill is not None and prefill.kv is not None:
+                met = functools.partial(
+                    self.introducer.wait_met,
+                    decode_urls[0],
+                    prefill_url,
+                    reader,
+                    prefill.instance_id or None,
+                )
+            async for ev in self._generate(request, prefill, decode_urls, met):
                 if ev is TAKEN:
                     reserved = False
                     continue
@@ -356,9 +366,12 @@ class DisaggBackend(Backend):
         request: GenerateRequest,
         prefill: wire.PrefillResult | None,
         decode_urls: list[str],
+        met: Callable[[], Awaitable[str]] | None = None,
     ) -> AsyncGenerator[GenerateEvent, None]:
         """The events of `generate`; yields `TAKEN` (never to the client) once the decode
-        instance holding the capability accepted the request, or once that is unknown."""
+        instance holding the capability accepted the request, or once that is unknown.
+        `met`, awaited after the prefill's first token is out and before the decode
+        instance is asked, waits for the pair's introduction (`Introducer.wait_met`)."""
         if prefill is not None:
             done = prefill.finish_reason is not None
             yield GenerateEvent(
@@ -373,6 +386,8 @@ class DisaggBackend(Backend):
             )
             if done:
                 return
+        if met is not None:
+            await met()  # its pull finds the prefill workers met and their paths warm
         body = msgspec.json.encode(wire.DecodeRequest(request, prefill))
         errors = []
         for i, url in enumerate(decode_urls):

@@ -16,9 +16,16 @@ the proxy introduces them ahead of requests, whatever the order they come up in:
                            again), and at once when either side restarts (a new id) or
                            comes back after it could not be reached
 
-Everything runs in one background task of the proxy's event loop: no request waits for
-it, every call has the probe timeout, and `close` stops it. A request that comes before
-an introduction finished handshakes on its own, as it always could.
+Everything runs in one background task of the proxy's event loop: every call has the
+probe timeout, and `close` stops it. An instance reports a prefill instance met
+("connected") once every decode worker handshook with it, prepared its descriptor
+lists and finished a warm-up READ from each prefill worker it reads from. A request whose
+KV is about to be pulled across a pair not met yet (the deployment is starting, an
+instance restarted and the last probe has not seen it) waits for that introduction
+(`wait_met`, at most `WAIT_MET_S`): the pair is probed and asked about at once and then
+every `WAITED_RETRY_S`, so its pull finds the paths warm instead of paying the handshake
+and the first READs itself. A pair a request waited for in vain is not waited for again
+until either side changes; its requests handshake on their own, as they always could.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ RETRY_S = 0.25
 MAX_RETRY_S = 8.0
 #: How often an introduction that holds is confirmed.
 REFRESH_S = 15.0
+#: The longest a request waits for its pair's introduction (`Introducer.wait_met`).
+WAIT_MET_S = 10.0
+#: How often an introduction a request waits for is asked about.
+WAITED_RETRY_S = 0.05
 
 #: GET path -> the instance's answer (a JSON object) or the reason it gave none.
 Probe = Callable[[str], Awaitable[Mapping[str, object] | str]]
@@ -71,6 +82,9 @@ class _Pair:
     next_at: float = 0.0
     backoff: float = RETRY_S
     connected_at: float = 0.0
+    waiters: int = 0  # requests waiting for it (`Introducer.wait_met`)
+    #: the (decode id, prefill id) a request waited for in vain (`wait_met`)
+    waited_out: tuple[str | None, str | None] | None = None
 
 
 class Introducer:
@@ -98,6 +112,8 @@ class Introducer:
         self._pairs = {(d, p): _Pair() for d in self.decode_urls for p in self.prefill_urls}
         self._task: asyncio.Task[None] | None = None
         self._next_probe = 0.0
+        self._wake = asyncio.Event()  # a request waits: step now
+        self._stepped = asyncio.Event()  # set (and replaced) after every step
 
     def start(self) -> None:
         if self._pairs and self._task is None:
@@ -132,10 +148,83 @@ class Introducer:
             except Exception:  # never let one bad answer stop introductions for good
                 log.exception("introducing instances failed; trying again")
             now = time.monotonic()
+            self._stepped.set()
+            self._stepped = asyncio.Event()
             due = [self._next_probe] + [
                 p.next_at for p in self._pairs.values() if p.state is not Introduction.WAITING
             ]
-            await asyncio.sleep(max(0.02, min(due) - now))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), max(0.02, min(due) - now))
+            self._wake.clear()
+
+    async def wait_met(
+        self,
+        decode_url: str,
+        prefill_url: str,
+        decode_id: str | None,
+        prefill_id: str | None,
+        timeout_s: float = WAIT_MET_S,
+    ) -> str:
+        """Wait (at most `timeout_s`) until the decode instance at `decode_url` has met
+        the prefill instance at `prefill_url` under these ids (None: whichever it is
+        now); returns at once if it has, if the decode instance has no KV connector, or
+        if a request waited for the pair under these ids in vain already. Makes the
+        introduction due now. Returns the pair's state as `snapshot` says it."""
+        pair = self._pairs.get((decode_url, prefill_url))
+        if pair is None or self._task is None:
+            return "not introduced by this proxy"
+        deadline = time.monotonic() + timeout_s
+        pair.waiters += 1
+        first = True
+        try:
+            while not self._met(pair, decode_id, prefill_id):
+                now = time.monotonic()
+                if pair.waited_out == (decode_id, prefill_id):
+                    break
+                if now >= deadline:
+                    pair.waited_out = (decode_id, prefill_id)
+                    log.warning(
+                        "decode instance %s has not met prefill instance %s after %.1f s (%s); "
+                        "requests do not wait for it until either restarts",
+                        decode_url,
+                        prefill_url,
+                        timeout_s,
+                        pair.reason or pair.state.value,
+                    )
+                    break
+                # due now at the first turn, then every WAITED_RETRY_S: a probe while the
+                # pair is not seen under these ids (who is it now?), its introduction
+                # (asked again after WAITED_RETRY_S while a request waits: `_introduce`)
+                due = now if first else now + WAITED_RETRY_S
+                sooner = not self._sees(pair, decode_id, prefill_id) and self._next_probe > due
+                if sooner:
+                    self._next_probe = due
+                if first and pair.next_at > due:
+                    pair.next_at, sooner = due, True
+                if sooner:
+                    self._wake.set()
+                first = False
+                stepped = self._stepped
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stepped.wait(), deadline - now)
+        finally:
+            pair.waiters -= 1
+        return pair.state.value + (f": {pair.reason}" if pair.reason else "")
+
+    @staticmethod
+    def _sees(pair: _Pair, decode_id: str | None, prefill_id: str | None) -> bool:
+        """The last probe found the pair up under these ids."""
+        return pair.ids is not None and (decode_id, prefill_id) in (
+            pair.ids,
+            (None, pair.ids[1]),
+            (pair.ids[0], None),
+            (None, None),
+        )
+
+    def _met(self, pair: _Pair, decode_id: str | None, prefill_id: str | None) -> bool:
+        if pair.state is Introduction.UNSUPPORTED:
+            return True
+        return pair.state is Introduction.CONNECTED and self._sees(pair, decode_id, prefill_id)
 
     async def step(self) -> None:
         """One round: probe when due, then make the introductions that are due."""
@@ -198,6 +287,9 @@ class Introducer:
                 pair.backoff = self.retry_s
             pair.state = Introduction.PENDING
             pair.reason = reason or "the decode workers have not all met it yet"
+            if pair.waiters:  # a request waits for it: ask again soon
+                pair.next_at = now + min(WAITED_RETRY_S, pair.backoff)
+                continue
             pair.next_at = now + pair.backoff
             pair.backoff = min(2 * pair.backoff, self.max_retry_s)
 

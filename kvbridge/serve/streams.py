@@ -90,6 +90,8 @@ class Stream:
             kv_ready_ms=comp.kv_ready_ms if transfer_ms is not None else None,
             kv_bytes=comp.kv_nbytes if transfer_ms is not None else None,
             kv_local_bytes=comp.kv_local_nbytes or None,
+            kv_handshakes=comp.kv_handshakes if transfer_ms is not None else None,
+            kv_cold_peers=comp.kv_cold_peers if transfer_ms is not None else None,
             decode_ms=elapsed_ms - (transfer_ms or 0.0),  # after the KV load
             cached_tokens=comp.num_cached_tokens,
             kv_load_failed=True if comp.kv_load_error is not None else None,

@@ -7,6 +7,11 @@ instance pulls only with a valid capability addressed to itself, and takes the b
 from it rather than from whoever called. The producer, told the reader at `expose`,
 takes completion notifications from that instance only.
 
+A request of several cache groups (a hybrid model's sliding-window and full-attention
+layers, each group with its own block table) is one capability: `groups` carries each
+group's exposed blocks (`BlockTable`), each group exposed and pulled as a transfer of
+its own (`transfer_id`).
+
 A capability binds the prompt it was computed for (`prompt_digest` of its token ids)
 as well as the block range, so it opens the KV of that prompt only: a holder who sends
 other token ids of the same length is refused. It opens one pull: the reader redeems it
@@ -37,6 +42,22 @@ _VERSION = 5  # 5: signed by the producer's certified key
 Name = Annotated[str, msgspec.Meta(max_length=256)]
 
 
+class BlockTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One cache group's blocks of a request from the one holding token `first_token`
+    on: token t lies in block `block_ids[t // block_size - first_token // block_size]`.
+    A group that no longer holds a request's first tokens (a sliding window freed the
+    blocks behind it) starts past 0."""
+
+    block_ids: Annotated[list[int], msgspec.Meta(max_length=1 << 20)]
+    first_token: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+def transfer_id(request_id: str, group: int) -> str:
+    """The id cache group `group` of `request_id` is exposed and pulled under: the
+    request's own for group 0, a suffixed one for the others."""
+    return request_id if group == 0 else f"{request_id}#g{group}"
+
+
 class Capability(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     request_id: Name
     producer: Name  # prefill instance id
@@ -54,6 +75,15 @@ class Capability(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: which exposure of `request_id` this opens (`Expose.generation`): the reader names
     #: it in its ReadDone, and uses the bytes only once the producer confirms it held it
     generation: Annotated[int, msgspec.Meta(ge=0)] = 0
+    #: a request of several cache groups: each group's exposed blocks, from token
+    #: max(start_token, the first the group holds) on (`block_ids` is then empty);
+    #: empty: one group, `block_ids`
+    groups: Annotated[list[BlockTable], msgspec.Meta(max_length=64)] = []
+
+    @property
+    def tables(self) -> list[BlockTable]:
+        """The exposed blocks of each cache group (one group: `block_ids`)."""
+        return self.groups or [BlockTable(self.block_ids, self.start_token)]
 
 
 def new_generation() -> int:

@@ -211,6 +211,14 @@ class ConnectorEvent(msgspec.Struct, frozen=True):
     #: consumer: bytes copied from another decode worker's cache on this host (the
     #: second hop of a fan-out), besides the `nbytes` read from the producer
     local_nbytes: int = 0
+    #: consumer: the pull waited for a handshake with its producer instance
+    handshake: bool = False
+    #: consumer: producer workers the pull was the first READ from (`TransferResult`)
+    cold_peers: int = 0
+    #: consumer: the READs' descriptors (copy-list runs after merging) and where the
+    #: pull's time went (`PullPhases`: queued, post, read, digest, confirm, cast; ms)
+    num_descriptors: int = 0
+    phases_ms: tuple[float, ...] = ()
 
 
 class ConnectorReply(msgspec.Struct, frozen=True):
@@ -493,7 +501,17 @@ class WorkerConnector:
                 cause = res.failure.value if res.failure is not None else ""
                 self._events.append(
                     ConnectorEvent(
-                        res.request_id, ok, res.reason, res.nbytes, elapsed, cause, res.local_nbytes
+                        res.request_id,
+                        ok,
+                        res.reason,
+                        res.nbytes,
+                        elapsed,
+                        cause,
+                        res.local_nbytes,
+                        res.handshake,
+                        res.cold_peers,
+                        res.num_descriptors,
+                        res.phases.ms,
                     )
                 )
                 self._has_events.set()

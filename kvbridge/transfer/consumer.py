@@ -18,6 +18,8 @@ in time and reported with its reason.
   * `notices.py`: the ReadDones producers wait for, and those owed after an outage.
   * `introductions.py`: meeting producers ahead of their first pull, warm-up READs.
   * `siblings.py`: this instance's other workers, for the fan-out on a decode host.
+  * `staging.py`: where a pull lands in the prefill's KV dtype before its cast into a
+    cache of another dtype (`TransferPlan.cast`), after the read, before DONE.
 
 Not thread-safe: `pull`, `poll`, `close` from one thread at a time
 (a `WorkerConnector` holds its lock around each).
@@ -55,6 +57,7 @@ from kvbridge.transfer.pull_planner import PullPlanner
 from kvbridge.transfer.pull_progress import PullProgress
 from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
 from kvbridge.transfer.siblings import Siblings, sibling_key
+from kvbridge.transfer.staging import Staging
 
 __all__ = ["KVConsumer", "PullFailure", "TransferResult", "TransferState"]
 
@@ -131,10 +134,19 @@ class KVConsumer:
         self._notices = ProducerNotices(worker)
         # failure notices producers cut off could not be told, paid after the heal
         self.owed = self._notices.owed
-        self._planner = PullPlanner(worker, self.directory, self._siblings, self._notices)
+        self.staging = Staging(worker)  # a converting plan's reads land there
+        self._planner = PullPlanner(
+            worker, self.directory, self._siblings, self._notices, self.staging
+        )
         self._introductions = Introductions(worker, self.directory, self._planner)
         self._progress = PullProgress(
-            worker, self.directory, self._planner, self._siblings, self._notices, self._views
+            worker,
+            self.directory,
+            self._planner,
+            self._siblings,
+            self._notices,
+            self._views,
+            self.staging,
         )
         self._pulls = self._progress.pulls  # by request id, until reported
 
@@ -187,6 +199,7 @@ class KVConsumer:
             start_token,
             generation=generation,
             checked=self._views is not None and is_checked(self.config.integrity, request_id),
+            handshake=not (inst.is_ready and inst.prepared),
         )
 
     def decline(self, request_id: str, endpoint: str, reason: str) -> None:
@@ -231,7 +244,8 @@ class KVConsumer:
         """Meet the producer instance at `endpoint` ahead of its first request: handshake
         with the workers this worker will read from and prepare the descriptor lists, so
         the first pull costs what a later one does. Returns at once: whether this worker
-        has met it already (so a caller may repeat the call until it has); `poll`
+        has met it already and its warm-up READs are over (so a caller may repeat the
+        call until then, and a request sent after finds warm paths); `poll`
         advances it, and a failure is logged and forgotten (the next call or pull tries
         again). With `instance_id` (the producer instance's, as its handshake names it),
         a producer met before under another id (it restarted at the same address) is
@@ -252,9 +266,10 @@ class KVConsumer:
                 f"{welcome.instance_id!r}; meeting it afresh",
             )
             inst = self.directory.instance(endpoint)
-        if inst.is_ready and inst.prepared:
+        if inst.is_ready and inst.prepared and not self._introductions.is_warming(inst):
             return True
-        self._introductions.start(endpoint, inst)
+        if not self._introductions.is_warming(inst):
+            self._introductions.start(endpoint, inst)
         return False
 
     @property

@@ -21,7 +21,7 @@ from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.descriptors import num_units, unit_descs
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.messages import Meet
-from kvbridge.transfer.peers import ProducerDirectory, ProducerInstance
+from kvbridge.transfer.peers import ProducerDirectory, ProducerInstance, ProducerWorker
 from kvbridge.transfer.pull import RELEASE_RETRY_S, DecodeWorker
 from kvbridge.transfer.pull_planner import PullPlanner
 from kvbridge.transfer.regions import CacheRegions, MemType
@@ -58,8 +58,9 @@ class Introductions:
         #: warm-up READs' destinations: unit size -> (buffer, its prepared list); the
         #: READs in flight, with when to stop waiting for them
         self._scratch: dict[int, tuple[np.ndarray, Any | None]] = {}
-        #: warm-up READs in flight: (READ, when to give up on it, its producer instance)
-        self._warming: list[tuple[Any, float, ProducerInstance]] = []
+        #: warm-up READs in flight: (READ, when to give up on it, its producer instance,
+        #: the producer worker read)
+        self._warming: list[tuple[Any, float, ProducerInstance, ProducerWorker]] = []
         self._warm_retry_at = 0.0  # a warm-up READ NIXL could not cancel: retried then
 
     def start(self, endpoint: str, inst: ProducerInstance) -> None:
@@ -71,9 +72,16 @@ class Introductions:
         """An introduction is in flight."""
         return bool(self._connecting)
 
+    def is_warming(self, inst: ProducerInstance) -> bool:
+        """`inst` is not met and prepared yet, or a warm-up READ from it is in flight:
+        a pull now would still wait for a handshake or find a path cold."""
+        return any(i is inst and not i.prepared for i in self._connecting.values()) or any(
+            w[2] is inst for w in self._warming
+        )
+
     def instances(self) -> list[ProducerInstance]:
         """The producer instances an introduction or a warm-up READ still uses."""
-        return list(self._connecting.values()) + [inst for _, _, inst in self._warming]
+        return list(self._connecting.values()) + [inst for _, _, inst, _ in self._warming]
 
     def poll(self, now: float) -> None:
         """Advance every introduction (after the directory's poll) and warm-up READ."""
@@ -107,7 +115,7 @@ class Introductions:
             for endpoint in [e for e in waits if e not in self._connecting]:
                 del waits[endpoint]
         if self._warming and now >= self._warm_retry_at:
-            self._warming = [w for w in self._warming if not self._ended_warm_up(w[0], w[1], now)]
+            self._warming = [w for w in self._warming if not self._ended_warm_up(*w, now)]
 
     def _warm_up(self, inst: ProducerInstance, now: float) -> None:
         """After an introduction: READ `WARM_UNITS` units of each producer worker this
@@ -132,14 +140,19 @@ class Introductions:
                     "decode worker %d: warm-up READ from %s: %s", self.rank, peer.endpoint, exc
                 )
                 continue
-            self._warming.append((xfer, now + self.config.handshake_timeout_s, inst))
+            self._warming.append((xfer, now + self.config.handshake_timeout_s, inst, peer))
 
-    def _ended_warm_up(self, xfer: Any, give_up_at: float, now: float) -> bool:
+    def _ended_warm_up(
+        self, xfer: Any, give_up_at: float, inst: ProducerInstance, peer: ProducerWorker, now: float
+    ) -> bool:
         """Whether a warm-up READ is over and released (a stuck one is given up on at
-        `give_up_at`; one NIXL cannot cancel is retried after `RELEASE_RETRY_S`)."""
-        if self.transport.state(xfer) is XferState.PROC and now < give_up_at:
+        `give_up_at`; one NIXL cannot cancel is retried after `RELEASE_RETRY_S`); one
+        that completed leaves `peer`'s path warm."""
+        state = self.transport.state(xfer)
+        if state is XferState.PROC and now < give_up_at:
             return False
         if self.transport.release(xfer):
+            peer.warm = peer.warm or state is XferState.DONE
             return True
         self._warm_retry_at = now + RELEASE_RETRY_S
         return False
@@ -164,7 +177,7 @@ class Introductions:
         """Release the warm-up READs in flight; returns the scratch buffers' prepared
         lists, for the caller to release with its own (the buffers are kept: they
         outlive the agent)."""
-        for xfer, _, _ in self._warming:
+        for xfer, _, _, _ in self._warming:
             self.transport.release(xfer)  # (the scratch buffers outlive the agent: kept)
         self._warming.clear()
         return [h for _, h in self._scratch.values() if h is not None]

@@ -95,6 +95,9 @@ class ProducerWorker:
     retry_at: float | None = None  # refused "busy": when to send the Hello again
     num_busy: int = 0  # "busy" refusals so far
     busy_reason: str = ""  # the last one's reason
+    #: a READ from this worker completed (a warm-up's or a pull's): NIXL's and UCX's
+    #: paths to it are set up, which the first READ over them pays
+    warm: bool = False
     session_key: bytes = b""  # signs our notifications to this worker (auth.session_key)
     session_id: bytes = b""
     #: (request id, generation) -> the worker's answer to our ReadDone (`ReadAck`)

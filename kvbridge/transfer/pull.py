@@ -74,6 +74,8 @@ class PullPhases:
         digest   hashing the bytes read (a checked pull, `integrity.py`)
         confirm  -> every producer worker read answered held (`ReadAck`): the ReadDone
                  notification, the producer's fence check (and its digest), the answer
+        cast     converting the bytes read from the staging into the cache (a plan
+                 between two KV dtypes, `staging.py`)
     """
 
     queued_s: float = 0.0
@@ -81,10 +83,26 @@ class PullPhases:
     read_s: float = 0.0
     digest_s: float = 0.0
     confirm_s: float = 0.0
+    cast_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.queued_s + self.post_s + self.read_s + self.digest_s + self.confirm_s
+        return (
+            self.queued_s + self.post_s + self.read_s + self.digest_s + self.confirm_s + self.cast_s
+        )
+
+    @property
+    def ms(self) -> tuple[float, ...]:
+        """The phases in milliseconds, in their order (for a log line or a report)."""
+        phases = (
+            self.queued_s,
+            self.post_s,
+            self.read_s,
+            self.digest_s,
+            self.confirm_s,
+            self.cast_s,
+        )
+        return tuple(round(s * 1e3, 3) for s in phases)
 
 
 @dataclass
@@ -97,6 +115,7 @@ class PullClock:
     posted: float = 0.0  # every READ posted
     read: float = 0.0  # every READ seen done
     digest_s: float = 0.0  # hashing what was read
+    cast_s: float = 0.0  # casting what was read into the cache
 
     def phases(self, now: float) -> PullPhases:
         """The phases up to `now` (the outcome), each the gap to the last mark reached."""
@@ -109,7 +128,8 @@ class PullClock:
             post_s=gaps[1],
             read_s=gaps[2],
             digest_s=self.digest_s,
-            confirm_s=max(gaps[3] - self.digest_s, 0.0),
+            confirm_s=max(gaps[3] - self.digest_s - self.cast_s, 0.0),
+            cast_s=self.cast_s,
         )
 
 
@@ -129,6 +149,8 @@ class TransferResult:
     local_nbytes: int = 0  # copied from a sibling's cache on this host (a fan-out)
     checked: bool = False  # its bytes were checked against the producers' digests
     phases: PullPhases = PullPhases()
+    handshake: bool = False  # it waited for a handshake with its producer instance
+    cold_peers: int = 0  # producer workers it was the first READ from (`ActivePull`)
 
 
 @dataclass
@@ -170,6 +192,10 @@ class ActivePull:
     told_copiers: bool = False  # a fan-out's source: told its copiers the bytes are here
     local_nbytes: int = 0
     clock: PullClock = field(default_factory=PullClock)  # where its time went
+    #: its producer instance was not met when it began: it waited for the handshake
+    handshake: bool = False
+    #: producer workers it read from that no READ had crossed before (cold paths)
+    cold_peers: int = 0
 
     @property
     def awaiting_acks(self) -> bool:

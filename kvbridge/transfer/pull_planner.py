@@ -9,6 +9,8 @@ their own, released with the pull; a worker read twice gets its notification onc
 last READ is done (`PullProgress`). A fan-out's copier READs its bytes from the
 source's cache on this host the same way (`copy`). Note that with UCX's cma transport a
 READ is copied inside `transfer()`, so a `post` of a large READ takes its copy time.
+A plan that converts the KV dtype (`TransferPlan.cast`) reads into the worker's staging
+buffer of the prefill's dtype (`staging.py`) instead of its cache.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from kvbridge.transfer.peers import ProducerDirectory, ProducerInstance, Produce
 from kvbridge.transfer.pull import LOCAL, ActivePull, DecodeWorker, TransferState
 from kvbridge.transfer.regions import CacheRegions
 from kvbridge.transfer.siblings import Siblings
+from kvbridge.transfer.staging import Staging
 
 log = logging.getLogger("kvbridge.transfer.consumer")
 
@@ -55,11 +58,14 @@ class PullPlanner:
         directory: ProducerDirectory,
         siblings: Siblings,
         notices: ProducerNotices,
+        staging: Staging,
     ) -> None:
         self.rank, self.regions, self.num_blocks = worker.rank, worker.regions, worker.num_blocks
         self.transport, self.config = worker.transport, worker.config
         self._directory, self._siblings, self._notices = directory, siblings, notices
-        self._local_dlists: dict[int, Any] = {}
+        self._staging = staging
+        # by (first address of the regions cut, unit): the cache's, a staging buffer's
+        self._local_dlists: dict[tuple[int, int], Any] = {}
         self._orphan_dlists: list[Any] = []  # of READs still uncancelled at close
 
     def prepare(self, inst: ProducerInstance) -> None:
@@ -70,6 +76,7 @@ class PullPlanner:
         cut that fine would hold ~a descriptor per token and head, and take seconds."""
         assert inst.plan is not None
         inst.prepared = True
+        local = self.local_regions(inst)
         bp, bd = inst.plan.prefill.block_size, inst.plan.decode.block_size
         tokens = math.lcm(bp, bd)
         p_ids = 1 + 2 * np.arange(tokens // bp)
@@ -81,16 +88,16 @@ class PullPlanner:
             assert peer.regions is not None and peer.welcome is not None
             if p_ids[-1] >= peer.welcome.num_blocks:
                 continue
-            g = unit_size(cl, peer.regions.lengths, self.regions.lengths)
-            if max(num_units(peer.regions, g), num_units(self.regions, g)) <= self.config.max_units:
-                self.local_dlist(g)
+            g = unit_size(cl, peer.regions.lengths, local.lengths)
+            if max(num_units(peer.regions, g), num_units(local, g)) <= self.config.max_units:
+                self.local_dlist(g, local)
                 self._directory.remote_dlist(peer, g)
                 inst.block_units[cl.read.prefill_rank] = g
         for lc in local_copy_lists(inst.plan, self.rank, d_ids, tokens):
             sib = self._siblings.workers[lc.read.source_rank]
             g = unit_size(lc, sib.regions.lengths, self.regions.lengths)
             if sib.unit is None and num_units(self.regions, g) <= self.config.max_units:
-                self.local_dlist(g)
+                self.local_dlist(g, self.regions)
                 self._siblings.dlist(sib, g)
                 sib.unit = g
 
@@ -137,6 +144,7 @@ class PullPlanner:
                 peer.regions,
                 inst.block_units.get(p),
                 functools.partial(self._directory.remote_dlist, peer),
+                self.local_regions(inst),
             )
             posts += [(p, peer, r) for r in reads]
             nbytes += cl.nbytes
@@ -147,6 +155,7 @@ class PullPlanner:
         reads_of = Counter(p for p, _, _ in posts)
         pull.silent = {p for p, n in reads_of.items() if n > 1}
         pull.awaiting = set(reads_of)
+        pull.cold_peers = sum(not inst.readers[p].warm for p in reads_of)
         for p, peer, (local, local_idx, remote, remote_idx) in posts:
             try:
                 notif = b"" if p in pull.silent else self._notices.done(pull, peer)
@@ -196,6 +205,7 @@ class PullPlanner:
                 sib.regions,
                 sib.unit,
                 functools.partial(self._siblings.dlist, sib),
+                self.regions,
             ):
                 try:
                     xfer, _ = self.transport.read(local, local_idx, remote, remote_idx, b"")
@@ -221,9 +231,10 @@ class PullPlanner:
         regions: CacheRegions,
         unit: int | None,
         remote_dlist: Callable[[int], Any],
+        local_regions: CacheRegions,
     ) -> list[tuple[Any, np.ndarray, Any, np.ndarray]]:
         """(local list, local indices, remote list, remote indices) of each READ for `cl`
-        from `agent`'s `regions`: copies that are whole `unit`s index the prepared lists
+        from `agent`'s `regions` into `local_regions`: copies that are whole `unit`s index the prepared lists
         (`remote_dlist(unit)`); the rest (a partial last block) get this request's own
         descriptors, prepared now and released with it."""
         out = []
@@ -232,11 +243,11 @@ class PullPlanner:
             whole = (cl.lengths % unit == 0) & (cl.src_offsets % unit == 0)
             whole &= cl.dst_offsets % unit == 0
             if whole.any():
-                remote_idx, local_idx = unit_indices(cl.select(whole), unit, regions, self.regions)
-                local, remote = self.local_dlist(unit), remote_dlist(unit)
+                remote_idx, local_idx = unit_indices(cl.select(whole), unit, regions, local_regions)
+                local, remote = self.local_dlist(unit, local_regions), remote_dlist(unit)
                 out.append((local, local_idx, remote, remote_idx))
         if not whole.all():
-            rdescs, ldescs = exact_descs(cl.select(~whole), regions, self.regions)
+            rdescs, ldescs = exact_descs(cl.select(~whole), regions, local_regions)
             local = self.transport.prep_local(ldescs)
             pull.temp_dlists.append(local)  # released with the request, even if the next fails
             remote = self.transport.prep_remote(agent, rdescs, regions.mem_type)
@@ -245,11 +256,21 @@ class PullPlanner:
             out.append((local, idx, remote, idx))
         return out
 
-    def local_dlist(self, g: int) -> Any:
-        """This worker's cache cut into g-byte units, prepared once per g."""
-        if g not in self._local_dlists:
-            self._local_dlists[g] = self.transport.prep_local(unit_descs(self.regions, g))
-        return self._local_dlists[g]
+    def local_regions(self, inst: ProducerInstance) -> CacheRegions:
+        """Where the reads from `inst` land: this worker's cache, or the staging buffer
+        of the prefill's dtype when the plan converts the KV."""
+        assert inst.plan is not None
+        if inst.plan.cast is None:
+            return self.regions
+        return self._staging.regions(inst.plan.cast)
+
+    def local_dlist(self, g: int, regions: CacheRegions) -> Any:
+        """`regions` (this worker's cache or a staging buffer) cut into g-byte units,
+        prepared once per g."""
+        key = (regions.addresses[0], g)
+        if key not in self._local_dlists:
+            self._local_dlists[key] = self.transport.prep_local(unit_descs(regions, g))
+        return self._local_dlists[key]
 
     def keep_until_close(self, handles: list[Any]) -> None:
         """Keep a pull's own lists until `close`: a READ NIXL could not cancel may still

@@ -55,6 +55,7 @@ from kvbridge.transfer.pull import (
 )
 from kvbridge.transfer.pull_planner import PullPlanner
 from kvbridge.transfer.siblings import Siblings
+from kvbridge.transfer.staging import Staging
 
 log = logging.getLogger("kvbridge.transfer.consumer")
 
@@ -76,12 +77,14 @@ class PullProgress:
         siblings: Siblings,
         notices: ProducerNotices,
         views: list[memoryview] | None,
+        staging: Staging,
     ) -> None:
         self.rank, self.transport, self.config = worker.rank, worker.transport, worker.config
         self._clock = worker.clock
         self._directory, self._planner = directory, planner
         self._siblings, self._notices = siblings, notices
         self._views = views  # to digest what we pulled
+        self._staging = staging  # where a converting plan's reads land, cast from there
         self.pulls: dict[str, ActivePull] = {}
         #: producers to meet afresh once no pull reads from them (`KVConsumer`)
         self.remeet: dict[str, tuple[ProducerInstance, str]] = {}
@@ -163,6 +166,7 @@ class PullProgress:
                     )
                     self.transport.release(xfer)
                     del pull.xfers[i]
+                    inst.readers[p].warm = True
                     if p not in pull.silent:
                         pull.notified.add(p)
                     elif all(q != p for q, _ in pull.xfers.values()):  # p's last READ
@@ -198,9 +202,11 @@ class PullProgress:
         """Take the ReadAcks of `pull` (every READ done): DONE once every producer
         worker read answered held, FAILED (stale) at the first that did not. Whether
         the pull ended."""
+        cast = pull.instance.plan.cast if pull.instance.plan is not None else None
         if pull.checked and pull.digests is None:  # while the producers digest theirs
             assert self._views is not None
-            views, t0 = self._views, time.perf_counter()
+            views = self._views if cast is None else self._staging.views(cast)
+            t0 = time.perf_counter()
             pull.digests = {p: digest(views, pull.copies[p], "dst") for p in pull.awaiting}
             pull.clock.digest_s = time.perf_counter() - t0
         for p in sorted(pull.awaiting):
@@ -240,6 +246,10 @@ class PullProgress:
             pull.awaiting.discard(p)
         if pull.awaiting:
             return False
+        if cast is not None:  # the bytes read are the producers': into the cache now
+            t0 = time.perf_counter()
+            self._staging.cast(pull)
+            pull.clock.cast_s = time.perf_counter() - t0
         self.finish(pull, TransferState.DONE, "")
         return True
 
@@ -390,5 +400,7 @@ class PullProgress:
                 pull.local_nbytes,
                 pull.checked,
                 pull.clock.phases(time.perf_counter()),
+                pull.handshake,
+                pull.cold_peers,
             )
         )

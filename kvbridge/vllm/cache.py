@@ -7,10 +7,20 @@ content its own way. `CacheFormat.of` reads both from vLLM; kvbridge.plan.backen
 maps them to kvbridge's layout letters (vLLM's CPU pages included) and checks the
 tensors are that allocation. A backend, layout or tensor kvbridge does not know is
 refused at start-up naming it and what works.
+
+With vLLM's hybrid KV cache manager a model's layers fall into KV cache groups (e.g.
+sliding-window and full attention), each with its own block table over one pool of
+block ids, and one layer of each group shares one tensor with a layer of every other
+group: block ids never collide, so a block's bytes belong to one group at a time.
+kvbridge registers each shared tensor once, as one layer of its cache (`slots`); a
+request's group g moves its own blocks over every such layer, which are exactly its
+layers' KV. vLLM pads a group that has fewer layers than the others; such a model is
+refused (it would move the padding's bytes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -47,11 +57,24 @@ class CacheFormat:
 
 @dataclass(frozen=True)
 class RegisteredCache:
-    """One worker's caches as kvbridge sees them."""
+    """One worker's caches as kvbridge sees them: the model it moves (a layer per
+    tensor), the layout, the regions, the blocks."""
 
+    model: ModelKVSpec
     layout: InstanceLayout
     regions: CacheRegions
     num_blocks: int
+
+
+def pipeline_layers(num_layers: int, pp_size: int) -> tuple[int, ...] | None:
+    """The layers of each pipeline stage as vLLM splits them (its `get_pp_indices`,
+    VLLM_PP_LAYER_PARTITION included); None at pp_size 1."""
+    if pp_size == 1:
+        return None
+    from vllm.distributed.utils import get_pp_indices
+
+    ranges = [get_pp_indices(num_layers, rank, pp_size) for rank in range(pp_size)]
+    return tuple(end - start for start, end in ranges)
 
 
 def layer_index(name: str) -> int:
@@ -65,18 +88,81 @@ def layer_index(name: str) -> int:
     return int(found[-1])
 
 
+def slots(kv_caches: dict[str, Any]) -> list[list[str]]:
+    """The layers of `kv_caches` by the tensor they share (layer order): one list per
+    layer without the hybrid KV cache manager, one per shared tensor with it."""
+    by_tensor: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
+    for name in sorted(kv_caches, key=layer_index):
+        t = kv_caches[name]
+        by_tensor.setdefault((t.data_ptr(), tuple(t.shape), t.stride()), []).append(name)
+    return list(by_tensor.values())
+
+
+def check_groups(groups: list[list[str]], shared: list[list[str]]) -> None:
+    """ConfigError unless each KV cache group (its layer names) has one layer in every
+    shared tensor (`shared`, from `slots`): a group vLLM padded would move bytes no
+    layer of it holds."""
+    slot_of = {name: i for i, names in enumerate(shared) for name in names}
+    for g, names in enumerate(groups):
+        held = sorted(slot_of[n] for n in names if n in slot_of)
+        if held != list(range(len(shared))):
+            raise ConfigError(
+                f"KV cache group {g} ({len(names)} layers: {', '.join(names[:4])}"
+                f"{', ...' if len(names) > 4 else ''}) holds {len(held)} of the "
+                f"{len(shared)} shared KV cache tensors; KVBridgeConnector moves hybrid "
+                "models whose KV cache groups have equal numbers of layers (vLLM pads "
+                "the others), or run with --disable-hybrid-kv-cache-manager"
+            )
+
+
 def describe_kv_caches(
     kv_caches: dict[str, Any],
     model: ModelKVSpec,
     tp_size: int,
     block_size: int,
     made_by: CacheFormat,
+    groups: list[list[str]] | None = None,
+    pp_layers: tuple[int, ...] | None = None,
+    pp_rank: int = 0,
 ) -> RegisteredCache:
     """The layout, regions and block count of one worker's `kv_caches` (vLLM's
-    `register_kv_caches` argument) as `made_by` made them; ConfigError if they are not
-    one cache per layer of `model` at `tp_size` and `block_size` in a backend's layout
-    kvbridge knows (`kvbridge.plan.backends`)."""
-    names = sorted(kv_caches, key=layer_index)
+    `register_kv_caches` argument) as `made_by` made them, and the model kvbridge moves:
+    one layer per tensor (`slots`: a hybrid model's KV cache `groups`, each group's
+    layer names, share them); ConfigError if they are not one cache per layer of
+    `model` (per shared tensor) at `tp_size` and `block_size` in a backend's layout
+    kvbridge knows (`kvbridge.plan.backends`). Under pipeline parallelism (`pp_layers`:
+    vLLM's layers per stage, `pipeline_layers`) they are the layers of stage `pp_rank`
+    only, and must be those layers."""
+    for name, t in kv_caches.items():
+        if not hasattr(t, "data_ptr"):  # an SSM layer's state: several tensors
+            raise ConfigError(
+                f"vLLM's cache of layer {name!r} (backend {made_by.backends.get(name, '?')}) "
+                f"is {len(t)} state tensors, not an attention KV cache; KVBridgeConnector "
+                "moves attention layers' KV only: SSM hybrids (Mamba, GDN layers) are not "
+                "served"
+            )
+    shared = slots(kv_caches)
+    if len(shared) < len(kv_caches):
+        if pp_layers is not None:
+            raise ConfigError(
+                f"parallel_config.pipeline_parallel_size={len(pp_layers)} with a hybrid "
+                f"model's {len(groups or [])} KV cache groups is not served by "
+                "KVBridgeConnector; use pipeline_parallel_size 1 for hybrid models, or "
+                "--disable-hybrid-kv-cache-manager"
+            )
+        check_groups(groups or [list(kv_caches)], shared)
+        model = dataclasses.replace(model, num_layers=len(shared))
+    names = [layers[0] for layers in shared]
+    if pp_layers is not None:
+        start = sum(pp_layers[:pp_rank])
+        held = [layer_index(name) for name in names]
+        if held != list(range(start, start + pp_layers[pp_rank])):
+            raise ConfigError(
+                f"vLLM registered KV caches of layers {held} on pipeline stage {pp_rank}; "
+                f"its layer split {list(pp_layers)} gives that stage layers "
+                f"[{start}, {start + pp_layers[pp_rank]}) (KVBridgeConnector needs each "
+                "stage's own layers, one cache per layer)"
+            )
     tensors = [kv_caches[name] for name in names]
     if len({t.dtype for t in tensors}) > 1 or any(t.is_cuda for t in tensors):
         raise ConfigError(
@@ -97,8 +183,10 @@ def describe_kv_caches(
         for name, t in zip(names, tensors, strict=True)
     ]
     try:
-        layout, placed = place_cache(made_by.order, layers, model, tp_size, block_size)
+        layout, placed = place_cache(
+            made_by.order, layers, model, tp_size, block_size, pp_layers, pp_rank
+        )
     except LayoutError as exc:
         raise ConfigError(f"vLLM's KV caches: {exc}") from None
     regions = CacheRegions(placed.addresses, placed.lengths, MemType.DRAM, 0)
-    return RegisteredCache(layout, regions, placed.num_blocks)
+    return RegisteredCache(model, layout, regions, placed.num_blocks)

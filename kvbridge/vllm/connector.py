@@ -6,11 +6,18 @@ vLLM builds it once per engine with role SCHEDULER (in the EngineCore process:
 `RoleWorkers` over the caches vLLM registers, `cache.describe_kv_caches`). Each side
 holds the contract's own objects, one per role the instance plays: the scheduler side's
 orders reach the workers as the connector metadata, the workers' reports come back as
-the connector worker metadata. Transfers are asynchronous: loads complete between steps
-(`get_finished`); failed loads are reported as blocks (`get_block_ids_with_load_errors`)
-so vLLM recomputes them or fails the request, as its `kv_load_failure_policy` says; each
+the connector worker metadata. A worker carries out a step's orders when vLLM binds
+them, before the forward (`bind_connector_metadata`). A first pull from a producer is
+asynchronous (it completes between steps, `get_finished`); the next ones go in step
+(vLLM takes the request in the step that allocated its blocks, the workers end the
+pull before that step's forward: `SchedulerSide`). Failed loads are reported as blocks
+(`get_block_ids_with_load_errors`; with several KV cache groups, whose block ids vLLM
+cannot map back, as failed requests of asynchronous loads: `get_transfer_results`) so
+vLLM recomputes them or fails the request, as its `kv_load_failure_policy` says; each
 pull's figures, and a prefill's pinned blocks and releases, feed vLLM's metrics
-(`stats.py`).
+(`stats.py`). It supports vLLM's hybrid KV cache
+manager (`SupportsHMA`): a hybrid model's KV cache groups each move their own blocks,
+a sliding-window group only those still inside its window (`cache.py`, `scheduler.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -37,7 +46,7 @@ from kvbridge.connector import ConnectorRole, RoleWorkers
 from kvbridge.connector.roles import decode_reports, encode_reports
 from kvbridge.connector.stats import ExposureTally
 from kvbridge.plan.geometry import load_model_spec
-from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
+from kvbridge.vllm.cache import CacheFormat, describe_kv_caches, pipeline_layers
 from kvbridge.vllm.scheduler import Orders, SchedulerSide, log
 from kvbridge.vllm.settings import ROLES, check_vllm, from_extra_config
 from kvbridge.vllm.stats import KVBridgeConnectorStats, KVBridgePromMetrics
@@ -55,9 +64,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class KVBridgeMetadata(KVConnectorMetadata):
-    """One step's orders from the scheduler side to every worker, per role."""
+    """One step's orders from the scheduler side to every worker, per role, and the
+    requests (vLLM's ids) whose pulls end before the step's forward (in step)."""
 
     orders: Orders
+    in_step: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -82,9 +93,10 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
     sibling: str = ""
 
 
-class KVBridgeConnector(KVConnectorBase_V1):
+class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge's connector for vLLM: any prefill/decode TP pair and block sizes the
-    planner can map, pulled with NIXL, capabilities and leases (docs/vllm.md)."""
+    planner can map, hybrid models' KV cache groups, pulled with NIXL, capabilities and
+    leases (docs/vllm.md)."""
 
     _cache_hit_source = CacheHitSource.P2P
 
@@ -103,22 +115,44 @@ class KVBridgeConnector(KVConnectorBase_V1):
         self.configs = settings.configs(instance_id, ROLES[str(kv.kv_role)])  # one per role
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        self.pp_size = int(vllm_config.parallel_config.pipeline_parallel_size)
         self.scheduler: SchedulerSide | None = None
         self.worker: RoleWorkers | None = None
         self._report = KVBridgeWorkerMeta()  # this step's, until vLLM takes it
         self._exposures = ExposureTally()  # scheduler side: what vLLM's stats have seen
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else [None]
+        #: vLLM maps failed blocks back to requests for one KV cache group only
+        self.reports_failed_requests = len(groups) > 1
+        self._failed_recving: set[str] = set()
+        self._in_step: set[str] = set()  # worker: in-step pulls whose end vLLM is not told
+        # an in-step pull (its producer met: no handshake) ends, done or failed, within
+        # its transfer timeout; the wait for it outlasts that by the liveness bound
+        t = settings.transfer
+        self._in_step_wait_s = t.transfer_timeout_s + t.liveness_timeout_s
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.configs, self.block_size, self.tp_size, log)
+            world_size = self.tp_size * self.pp_size  # every worker reports
+            self.scheduler = SchedulerSide(self.configs, self.block_size, world_size, log)
+            # a failed request is taken from asynchronous loads only
+            self.scheduler.in_step_pulls = not self.reports_failed_requests
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        """Under pipeline parallelism vLLM gives each worker its stage's layers only;
+        the worker is named by its rank in the instance, pp_rank * tp_size + tp_rank
+        (kvbridge's and vLLM's order)."""
+        from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
         model = load_model_spec(self._vllm_config.model_config.model)
         made_by = CacheFormat.of(self._vllm_config, kv_caches)
-        cache = describe_kv_caches(kv_caches, model, self.tp_size, self.block_size, made_by)
-        rank = get_tensor_model_parallel_rank()
-        self.worker = RoleWorkers(self.configs, model, cache.layout, rank, log)
+        pp_rank, tp_rank = get_pp_group().rank_in_group, get_tp_group().rank_in_group
+        pp_layers = pipeline_layers(model.num_layers, self.pp_size)
+        config = self._kv_cache_config
+        groups = [list(g.layer_names) for g in config.kv_cache_groups] if config else None
+        cache = describe_kv_caches(
+            kv_caches, model, self.tp_size, self.block_size, made_by, groups, pp_layers, pp_rank
+        )
+        rank = pp_rank * self.tp_size + tp_rank
+        self.worker = RoleWorkers(self.configs, cache.model, cache.layout, rank, log)
         # a prefill cache moves into shared memory where its KV is exported (`adopt`)
         self.worker.register_regions(cache.regions, cache.num_blocks, adopt=True)
 
@@ -127,10 +161,32 @@ class KVBridgeConnector(KVConnectorBase_V1):
             return KVBridgeHandshake("")
         return KVBridgeHandshake(*self.worker.get_handshake_metadata())
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Carry out the step's orders now, before vLLM's forward: start the pulls and
+        expose the prefills that finished in an earlier step (their KV is complete).
+        vLLM would call `start_load_kv` (for asynchronous loads) and `wait_for_save`
+        after the forward: a prefill's exposure, and with it the pull waiting for it,
+        would wait for the prefill instance's next forward (seconds with other prompts
+        in it), a pull would start only once the decode's forward ended. In-step pulls
+        end here (vLLM's forward computes over their blocks next)."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVBridgeMetadata) and self.worker is not None
+        self.worker.start_load_kv(connector_metadata.orders)
+        self.worker.wait_for_save()
+        in_step = connector_metadata.in_step
+        if not in_step:
+            return
+        self._in_step.update(in_step)
+        late = self.worker.wait_for_pulls(in_step, self._in_step_wait_s)
+        if late:
+            raise RuntimeError(
+                f"KVBridgeConnector: the in-step pulls of {sorted(late)} neither ended nor "
+                f"failed within {self._in_step_wait_s} s (transfer_timeout_s + "
+                "liveness_timeout_s); the step cannot compute over their blocks"
+            )
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVBridgeMetadata) and self.worker is not None
-        self.worker.start_load_kv(meta.orders)
+        return  # started when the orders were bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous
@@ -141,21 +197,37 @@ class KVBridgeConnector(KVConnectorBase_V1):
         return  # a decode worker reads the prefill's blocks in place
 
     def wait_for_save(self) -> None:
-        if self.worker is not None:
-            self.worker.wait_for_save()
+        return  # exposed when the orders were bound
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         res = self.worker.get_finished()
         self._report.reports += encode_reports(res.reports)
-        return res.finished_sending or None, res.finished_recving or None
+        if self.reports_failed_requests:
+            self._failed_recving |= {
+                ev.request_id
+                for out in res.reports.values()
+                for ev in out.finished_recving
+                if not ev.ok
+            }
+        # vLLM took an in-step pull's request already: it hears of a failed one as load
+        # errors (`get_block_ids_with_load_errors`), of none as finished receiving
+        recving = res.finished_recving - self._in_step
+        self._in_step -= res.finished_recving
+        return res.finished_sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed, self._failed_recving = self._failed_recving, set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), failed)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         out, self._report = self._report, KVBridgeWorkerMeta()
         return out if out.reports else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+        blocks = self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+        return set() if self.reports_failed_requests else blocks  # (then: failed requests)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """A worker's pulls, or (scheduler side, a prefill) its exposures (`ExposureTally`)."""
@@ -187,9 +259,10 @@ class KVBridgeConnector(KVConnectorBase_V1):
             self.worker = None
 
     # -- scheduler side ------------------------------------------------------------------
-    def set_xfer_handshake_metadata(
-        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
+        """Every worker's entry, keyed (pp_rank, tp_rank) by vLLM: in rank order."""
         assert self.scheduler is not None
         ranks = sorted(metadata)
         self.scheduler.set_worker_endpoints(
@@ -207,17 +280,21 @@ class KVBridgeConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # a pull fills every group's blocks (vLLM need not zero them)
+        config = self._kv_cache_config
+        return tuple(range(len(config.kv_cache_groups))) if config is not None else (0,)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
-        self.scheduler.after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self.scheduler.after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        return KVBridgeMetadata(
-            self.scheduler.build_orders(scheduler_output.total_num_scheduled_tokens)
-        )
+        orders, in_step = self.scheduler.build_orders(scheduler_output.total_num_scheduled_tokens)
+        return KVBridgeMetadata(orders, in_step)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
@@ -229,6 +306,11 @@ class KVBridgeConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         assert self.scheduler is not None
@@ -236,5 +318,4 @@ class KVBridgeConnector(KVConnectorBase_V1):
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         )
-        ids = block_ids[0] if block_ids and isinstance(block_ids[0], list | tuple) else block_ids
-        return self.scheduler.request_finished(request, list(ids), ok)
+        return self.scheduler.request_finished(request, block_ids, ok)

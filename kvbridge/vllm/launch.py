@@ -50,12 +50,34 @@ SMALL_HOST_ARGS = (
     "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
     "--seed", "0", "--enforce-eager", "--num-gpu-blocks-override", "128",
 )  # fmt: skip
+#: vLLM arguments for pipeline parallelism on its CPU build, in place of
+#: --enforce-eager (`small_host_args`): in eager mode its CPU worker skips the warm-up
+#: forward that allocates a later stage's buffer for the hidden states it receives, and
+#: that stage fails the first request (`assert self.intermediate_tensors is not None`
+#: in gpu_model_runner's sync_and_gather_intermediate_tensors); with one Dynamo trace,
+#: run by PyTorch's eager backend (no Inductor build), it warms up and serves.
+PP_ARGS = ("--compilation-config", '{"mode": 2, "backend": "eager"}')
 #: vLLM arguments for MLA models on its CPU build: its rotary_embedding kernel rotates a
 #: query of shape [tokens, heads, rope_dim] wrongly (only [tokens, heads * rope_dim]
 #: right), and MLA hands it [tokens, heads per rank, qk_rope_head_dim]: greedy tokens
 #: then differ with tp_size and from transformers'. torch's own rotation (the custom op
 #: off) gives the same tokens at tp 1, 2 and 3 as transformers (docs/vllm.md).
 MLA_ARGS = ("--compilation-config", '{"custom_ops": ["all", "-rotary_embedding"]}')
+#: vLLM arguments for sliding-window hybrid models under SMALL_HOST_ARGS' 128 blocks: the
+#: hybrid KV cache manager reserves for each sliding-window group a step's tokens plus
+#: the window (`SlidingWindowSpec.max_memory_usage_bytes`), so a step of vLLM's default
+#: 2048 tokens would need more blocks than the cache holds
+HYBRID_ARGS = ("--max-num-batched-tokens", "256")
+
+
+def small_host_args(traced: bool = False) -> tuple[str, ...]:
+    """SMALL_HOST_ARGS; `traced`: with PP_ARGS in place of --enforce-eager (an instance
+    with pipeline stages, and the other instance of its pair, so both compute alike)."""
+    if not traced:
+        return SMALL_HOST_ARGS
+    return tuple(a for a in SMALL_HOST_ARGS if a != "--enforce-eager") + PP_ARGS
+
+
 #: What vLLM's processes leave in /dev/shm when they are ended: shm_broadcast's
 #: SharedMemory segments, multiprocessing's named semaphores and the CPU backend's
 #: tensor-parallel buffers (`stop` removes them).

@@ -9,7 +9,10 @@ counts SmolLM2 cannot: 1 KV head (replication at tp 2) and 6 KV heads with 6 que
 heads (tp 2 <-> tp 3, sizes that are not multiples). A tiny random DeepSeek-V2 (fixed
 seed) is an MLA model: its cache is the 576-wide latent vLLM's CPU MLA backend takes
 (kv_lora_rank 512 + qk_rope_head_dim 64), every layer's MLP dense (no experts), 6
-query heads (tp 1, 2, 3). They share SmolLM2's tokenizer.
+query heads (tp 1, 2, 3). A tiny random Gemma-3 text model (fixed seed) is a hybrid:
+sliding-window layers and full-attention ones, each kind its own KV cache group in
+vLLM's hybrid KV cache manager, the window shorter than the tests' prompts. They share
+SmolLM2's tokenizer.
 
 Run in the vLLM environment: ``python -m kvbridge.vllm.models [--out DIR] [NAME ...]``.
 A folder that exists (its ``.complete`` marker written) is kept. Nothing is downloaded.
@@ -66,13 +69,42 @@ class TinyDeepseek:
     initializer_range: float = 0.08  # as TinyLlama's
 
 
+@dataclass(frozen=True)
+class TinyGemma3:
+    """A random Gemma-3 text geometry (SmolLM2's vocabulary and tokenizer): every
+    `sliding_window_pattern`-th layer full attention, the others a `sliding_window`
+    of tokens; 2 KV heads (tp 1 and 2)."""
+
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    hidden_size: int = 256
+    #: vLLM groups the 6 sliding layers and the 2 full ones into 4 KV cache groups of
+    #: 2 layers each, over 2 shared tensors
+    num_hidden_layers: int = 8
+    sliding_window: int = 32
+    sliding_window_pattern: int = 4  # three sliding layers to one full
+    intermediate_size: int = 768
+    seed: int = 0
+    initializer_range: float = 0.08  # as TinyLlama's
+
+    @property
+    def layer_types(self) -> list[str]:
+        p = self.sliding_window_pattern
+        return [
+            "full_attention" if (i + 1) % p == 0 else "sliding_attention"
+            for i in range(self.num_hidden_layers)
+        ]
+
+
 TINY = {
     "tiny-kv1": TinyLlama(num_attention_heads=4, num_key_value_heads=1),
     "tiny-kv6": TinyLlama(num_attention_heads=6, num_key_value_heads=6),
 }
 TINY_MLA = {"tiny-mla": TinyDeepseek()}
+TINY_HYBRID = {"tiny-gemma3": TinyGemma3()}
 #: DEFAULT_MODEL: converted from the shipped GGUF
-NAMES = (DEFAULT_MODEL, *TINY, *TINY_MLA)
+NAMES = (DEFAULT_MODEL, *TINY, *TINY_MLA, *TINY_HYBRID)
 
 
 def smollm2_gguf() -> Path:
@@ -132,6 +164,8 @@ def make(name: str, root: Path = DEFAULT_DIR) -> Path:
         model = _tiny_llama(TINY[name], tokenizer)
     elif name in TINY_MLA:
         model = _tiny_deepseek(TINY_MLA[name], tokenizer)
+    elif name in TINY_HYBRID:
+        model = _tiny_gemma3(TINY_HYBRID[name], tokenizer)
     else:
         raise SystemExit(f"model={name!r} is not one of {', '.join(NAMES)}")
     _write(out, model, tokenizer)
@@ -150,51 +184,73 @@ def _tokens(tokenizer: Any) -> dict[str, Any]:
     )
 
 
-def _tiny_llama(t: TinyLlama, tokenizer: Any) -> Any:
+def _random_model(model: str, config: str, t: Any, tokenizer: Any, **fields: Any) -> Any:
+    """transformers' `model` class over its `config` class with random weights (seed
+    `t.seed`): the geometry's layers, heads, MLP and init range, `fields`, SmolLM2's
+    tokens."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     torch.manual_seed(t.seed)
-    return LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=t.num_attention_heads * t.head_dim,
+    return getattr(transformers, model)(
+        getattr(transformers, config)(
             intermediate_size=t.intermediate_size,
             num_hidden_layers=t.num_hidden_layers,
             num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_key_value_heads,
-            head_dim=t.head_dim,
             initializer_range=t.initializer_range,
+            **fields,
             **_tokens(tokenizer),
         )
     )
 
 
-def _tiny_deepseek(t: TinyDeepseek, tokenizer: Any) -> Any:
-    import torch
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+def _tiny_llama(t: TinyLlama, tokenizer: Any) -> Any:
+    return _random_model(
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        t,
+        tokenizer,
+        hidden_size=t.num_attention_heads * t.head_dim,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+    )
 
-    torch.manual_seed(t.seed)
-    return DeepseekV2ForCausalLM(
-        DeepseekV2Config(
-            hidden_size=t.hidden_size,
-            intermediate_size=t.intermediate_size,
-            num_hidden_layers=t.num_hidden_layers,
-            num_attention_heads=t.num_attention_heads,
-            num_key_value_heads=t.num_attention_heads,
-            q_lora_rank=None,  # q projected directly
-            kv_lora_rank=t.kv_lora_rank,
-            qk_rope_head_dim=t.qk_rope_head_dim,
-            qk_nope_head_dim=t.qk_nope_head_dim,
-            v_head_dim=t.v_head_dim,
-            head_dim=t.qk_rope_head_dim,
-            first_k_dense_replace=t.num_hidden_layers,  # every MLP dense
-            n_routed_experts=1,
-            num_experts_per_tok=1,
-            n_shared_experts=1,
-            moe_intermediate_size=t.intermediate_size,
-            initializer_range=t.initializer_range,
-            **_tokens(tokenizer),
-        )
+
+def _tiny_deepseek(t: TinyDeepseek, tokenizer: Any) -> Any:
+    return _random_model(
+        "DeepseekV2ForCausalLM",
+        "DeepseekV2Config",
+        t,
+        tokenizer,
+        hidden_size=t.hidden_size,
+        num_key_value_heads=t.num_attention_heads,
+        q_lora_rank=None,  # q projected directly
+        kv_lora_rank=t.kv_lora_rank,
+        qk_rope_head_dim=t.qk_rope_head_dim,
+        qk_nope_head_dim=t.qk_nope_head_dim,
+        v_head_dim=t.v_head_dim,
+        head_dim=t.qk_rope_head_dim,
+        first_k_dense_replace=t.num_hidden_layers,  # every MLP dense
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        moe_intermediate_size=t.intermediate_size,
+    )
+
+
+def _tiny_gemma3(t: TinyGemma3, tokenizer: Any) -> Any:
+    return _random_model(
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        t,
+        tokenizer,
+        hidden_size=t.hidden_size,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        query_pre_attn_scalar=t.head_dim,
+        sliding_window=t.sliding_window,
+        layer_types=t.layer_types,
+        pad_token_id=0,
     )
 
 

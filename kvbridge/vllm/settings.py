@@ -21,9 +21,12 @@ ROLES = {
     "kv_consumer": (ConnectorRole.CONSUMER,),
     "kv_both": (ConnectorRole.PRODUCER, ConnectorRole.CONSUMER),
 }
-#: vLLM's parallel_config sizes the connector serves at 1 only
+#: vLLM's cache_config.cache_dtype values the connector serves: the model's dtype, or a
+#: plain float cache (a decode of another float dtype casts what it pulls, `plan.cast`)
+SERVED_CACHE_DTYPES = ("auto", "float16", "bfloat16")
+#: vLLM's parallel_config sizes the connector serves at 1 only (pipeline parallelism is
+#: served: each worker holds its stage's layers, `KVBridgeConnector.register_kv_caches`)
 UNSERVED_PARALLELISM = (
-    "pipeline_parallel_size",
     "decode_context_parallel_size",
     "prefill_context_parallel_size",
 )
@@ -47,10 +50,18 @@ def check_vllm(vllm_config: Any) -> None:
             f"kv_transfer_config.kv_role={kv.kv_role!r} is not served by KVBridgeConnector; "
             f"use one of {', '.join(ROLES)}"
         )
+    cache = getattr(vllm_config, "cache_config", None)
+    cache_dtype = getattr(cache, "cache_dtype", "auto")
+    if cache_dtype not in SERVED_CACHE_DTYPES:
+        raise ConfigError(
+            f"cache_config.cache_dtype={cache_dtype!r} (--kv-cache-dtype) is not served by "
+            "KVBridgeConnector: vLLM scales or packs such a cache per layer, which moving "
+            f"or casting its bytes does not carry; use one of {', '.join(SERVED_CACHE_DTYPES)}"
+        )
     for name in UNSERVED_PARALLELISM:
         value = getattr(vllm_config.parallel_config, name, 1)
         if value != 1:
             raise ConfigError(
                 f"parallel_config.{name}={value} is not supported by KVBridgeConnector yet; "
-                "use 1 (kvbridge's planner handles pp, this connector does not wire it up)"
+                "use 1 (a context-parallel cache splits each layer's tokens over workers)"
             )

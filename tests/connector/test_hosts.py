@@ -241,7 +241,11 @@ class VLLMInstance:
         self.load_errors: set[int] = set()
 
     def step(self) -> None:
-        self.worker.start_load_kv(self.side.build_orders(0))
+        orders, in_step = self.side.build_orders(0)
+        self.worker.start_load_kv(orders)
+        # KVBridgeConnector.bind_connector_metadata: vLLM computes over in-step pulls'
+        # blocks next; each pull ends (done or failed) within its transfer timeout
+        assert not self.worker.wait_for_pulls(in_step, 60.0)
         self.worker.wait_for_save()
         res = self.worker.get_finished()
         self.load_errors |= self.worker.get_block_ids_with_load_errors()
@@ -270,7 +274,7 @@ class VLLMHost:
         req = vllm_request(rid, {"do_remote_decode": True}, first_token=7)
         self.p.side.on_new_request(req)
         self.p.step()
-        delay, params = self.p.side.request_finished(req, [3, 5, 6], finished_ok=not abort)
+        delay, params = self.p.side.request_finished(req, ([3, 5, 6],), finished_ok=not abort)
         assert delay is (not abort)
         self.p.step()  # the expose order
         return params
@@ -283,12 +287,15 @@ class VLLMHost:
         req = vllm_request(rid, dict(handover))
         self.d.side.on_new_request(req)
         if abort:
-            assert self.d.side.request_finished(req, [], finished_ok=False) == (False, None)
+            assert self.d.side.request_finished(req, ([],), finished_ok=False) == (False, None)
             self._drive(lambda: self.decode_kv.state(rid) is None)
             return
         count, is_async = self.d.side.num_new_matched_tokens(req, 0)
-        assert (count, is_async) == (len(PROMPT), True)
-        self.d.side.after_alloc(req, [7, 1, 4], count)
+        # the first pull from the prefill instance: asynchronous; the next ones in step
+        # (vLLM computes the last prompt token itself, the pull still brings it)
+        met = bool(self.d.side.met)
+        assert (count, is_async) == ((len(PROMPT) - 1, False) if met else (len(PROMPT), True))
+        self.d.side.after_alloc(req, ([7, 1, 4],), count)
         self._drive(lambda: self.decode_kv.state(rid) is None)
 
     def refused(self, rid: str, handover: Any, capability: bytes) -> str:
@@ -388,7 +395,8 @@ def test_both_hosts_take_capabilities_only_from_enrolled_prefill_instances(host:
 
 def test_a_vllm_decode_worker_holds_the_prefill_bytes_after_its_pull() -> None:
     """The adapter's pull moves the prompt's bytes: the decode's blocks 7 and 1 hold what
-    the prefill's blocks 3 and 5 held (the prompt's two whole blocks), block by block."""
+    the prefill's blocks 3 and 5 held (the prompt's two whole blocks), block by block;
+    the first pull asynchronously, the next one in step."""
     host = VLLMHost()
     try:
         handover = host.prefill("bytes")
@@ -397,6 +405,16 @@ def test_a_vllm_decode_worker_holds_the_prefill_bytes_after_its_pull() -> None:
         for name, src in host.p.caches.items():
             dst = host.d.caches[name]
             assert torch.equal(dst[[7, 1]], src[[3, 5]]), name
+        assert not host.d.load_errors
+        # the next pull from that prefill instance goes in step: the step that orders it
+        # ends it (`VLLMInstance.step`), and its bytes are the prefill's
+        for cache in host.d.caches.values():
+            cache[[7, 1]] = 0
+        handover = host.prefill("bytes-2")
+        host.decode("bytes-2", handover)
+        assert host.d.side.met and moves(host.decode_kv, "bytes-2") == PULLED.decode
+        for name, src in host.p.caches.items():
+            assert torch.equal(host.d.caches[name][[7, 1]], src[[3, 5]]), name
         assert not host.d.load_errors
     finally:
         host.close()

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
+import torch
 
 from kvbridge.connector import (
     ConnectorRole,
@@ -33,6 +34,7 @@ from kvbridge.engine.sequence import FinishReason
 from kvbridge.engine.weights import resolve_model
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.transfer.capability import check, issue
+from kvbridge.transfer.integrity import Integrity
 from kvbridge.transfer.netdev import free_port
 
 S = RequestState
@@ -44,11 +46,18 @@ SYSTEM = (
 )
 
 
-def make(role: ConnectorRole, instance_id: str, **kwargs: object) -> LLMEngine:
+def make(
+    role: ConnectorRole,
+    instance_id: str,
+    engine: EngineConfig | None = None,
+    integrity: Integrity = TransferConfig.integrity,
+    **kwargs: object,
+) -> LLMEngine:
     # a producer that does not answer fails a handshake within a second
-    spec = ConnectorSpec(role, instance_id, TransferConfig(lease_s=30.0, handshake_timeout_s=1.0))
+    transfer = TransferConfig(lease_s=30.0, handshake_timeout_s=1.0, integrity=integrity)
+    spec = ConnectorSpec(role, instance_id, transfer)
     config = KVConnectorConfig(spec, claim_s=30.0, **kwargs)  # type: ignore[arg-type]
-    return LLMEngine("smollm2-135m", EngineConfig(num_blocks=24), connector=config)
+    return LLMEngine("smollm2-135m", engine or EngineConfig(num_blocks=24), connector=config)
 
 
 @pytest.fixture(scope="module")
@@ -391,3 +400,61 @@ def test_a_pull_ending_within_the_wait_joins_the_running_decodes_in_the_step_tha
     want = reference(decode, long)
     assert [decode.pop(r).token_ids for r in done] == [want] * 3
     drive([prefill, decode], lambda: all_free(prefill, decode))
+
+
+def prompt_blocks(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """The cache blocks of `ids`' full blocks (the prefix cache's), in prompt order, of
+    an engine whose worker lives in this process."""
+    blocks = engine.block_manager.match_prefix(ids)
+    assert len(blocks) == len(ids) // engine.config.block_size > 0
+    cache = engine.executor.runner.kv_cache  # type: ignore[attr-defined]
+    return cache.tensor[torch.tensor(blocks)]  # BHLNC: blocks first
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("decode_tp", [1, 3], ids=["tp1to1", "tp1to3"])
+def test_a_decode_cache_of_another_dtype_converts_the_kv_it_pulls(
+    pair: tuple[LLMEngine, LLMEngine],
+    engine_factory: Callable[..., LLMEngine],
+    decode_tp: int,
+) -> None:
+    """A float32-cache prefill engine -> a bfloat16-cache decode engine: the decode
+    workers read the float32 bytes into their staging (each pull checked against the
+    prefill's digest of what it exposed, taken over the staging) and cast them into
+    their cache before the pull is done. The tokens equal colocated generation with a bfloat16
+    cache, and (tp 1) the decode cache's blocks hold exactly the colocated engine's
+    bytes: both are the round-to-nearest-even bfloat16 of the same float32 K and V (a
+    prompt within one prefill chunk attends to its own K/V, never the cache's)."""
+    prefill, _ = pair
+    engine = EngineConfig(num_blocks=24, kv_dtype="bfloat16", tp_size=decode_tp)
+    decode = make(ConnectorRole.CONSUMER, f"D16-{decode_tp}", engine, Integrity.ON)
+    try:
+        ids = prefill.tokenizer.encode(PROMPT)
+        rid = f"bf16-{decode_tp}"
+        handover = RemoteDecode(f"D16-{decode_tp}")
+        prefill.add_request(ids, PARAMS, rid, kv_transfer_params=handover)
+        drive([prefill], lambda: prefill.is_finished(rid))
+        pre = prefill.pop(rid)
+        decode.add_request(ids, PARAMS, rid, kv_transfer_params=pre.kv_transfer_params)
+        drive([prefill, decode], lambda: decode.is_finished(rid))
+        out = decode.pop(rid)
+        assert out.kv_load_error is None and decode.kv.pull_failures["integrity"] == 0
+        assert transitions(decode, rid) == [(S.WAITING_FOR_REMOTE_KV, S.RUNNING)]
+        per_token = load_model_spec(resolve_model("smollm2-135m")).bytes_per_token
+        assert out.kv_nbytes == len(ids) * per_token  # float32 bytes crossed
+        colocated = engine_factory(tp_size=decode_tp, kv_dtype="bfloat16")
+        assert out.token_ids == reference(colocated)
+        if decode_tp == 1:
+            # the staging is the decode cache again in float32, whatever was pulled
+            worker = decode.executor.connector.connector  # type: ignore[attr-defined]
+            cache_bytes = decode.executor.runner.kv_cache.tensor.nbytes  # type: ignore[attr-defined]
+            assert worker.consumer.staging.nbytes == 2 * cache_bytes
+            got, want = prompt_blocks(decode, ids), prompt_blocks(colocated, ids)
+            assert got.dtype == torch.bfloat16 and got.count_nonzero() > 0
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+            # not the float32 bytes truncated: the cast rounds
+            f32 = prompt_blocks(prefill, ids)
+            assert not torch.equal(got.view(torch.int16), (f32.view(torch.int32) >> 16).short())
+        drive([prefill, decode], lambda: all_free(prefill, decode))
+    finally:
+        decode.shutdown()

@@ -56,20 +56,29 @@ class ThreeHosts:
     @classmethod
     def start(cls, net: HostNetwork, timeout_s: float = 900) -> ThreeHosts:
         dep = cls(net.add("prefill"), net.add("decode"), net.add("proxy"))
-        # prefill blocks a cut link strands are freed when the decode workers meet the
-        # prefill again after the heal, else by the lease: keep it short (but past the
-        # slow-link pull, ~18 s, which the lease would cut short); each
-        # instance holds up to MAX_QUEUED requests (64 streams fit, a burst does not)
-        dep.start_instance(dep.prefill, "prefill", 1, lease_s=40, max_queued_requests=MAX_QUEUED)
-        dep.start_instance(dep.decode, "decode", 3, max_queued_requests=MAX_QUEUED)
-        px = dep.proxy
-        upstream = ["--prefill", dep.url(dep.prefill), "--decode", dep.url(dep.decode)]
-        auth = ["--auth-token-file", TOKEN_FILE]
-        px.start(
-            serve(["--role", "proxy", "--host", px.address, "--port", str(PORT), *upstream, *auth])
-        )
+        for role in ("prefill", "decode", "proxy"):
+            dep.start_role(role)
         dep.wait_healthy(timeout_s)
         return dep
+
+    def start_role(self, role: str) -> None:
+        """Start `role`'s process on its host: prefill tp 1, decode tp 3, or the proxy."""
+        if role == "proxy":
+            px = self.proxy
+            upstream = ["--prefill", self.url(self.prefill), "--decode", self.url(self.decode)]
+            auth = ["--auth-token-file", TOKEN_FILE]
+            argv = ["--role", "proxy", "--host", px.address, "--port", str(PORT)]
+            px.start(serve([*argv, *upstream, *auth]))
+        elif role == "prefill":
+            # prefill blocks a cut link strands are freed when the decode workers meet
+            # the prefill again after the heal, else by the lease: keep it short (but
+            # past the slow-link pull, ~18 s, which the lease would cut short); each
+            # instance holds up to MAX_QUEUED requests (64 streams fit, a burst does not)
+            self.start_instance(
+                self.prefill, "prefill", 1, lease_s=40, max_queued_requests=MAX_QUEUED
+            )
+        else:
+            self.start_instance(self.decode, "decode", 3, max_queued_requests=MAX_QUEUED)
 
     def start_instance(self, host: TestHost, role: str, tp: int, **overrides: Any) -> None:
         config = small_instance(role, tp, kv_cache_mb=128, host=host.address, port=PORT)

@@ -63,6 +63,23 @@ def test_instance_counts_and_prefix_caching_reach_the_deployment() -> None:
         deployment_config(build_parser().parse_args(["serve", "--prefill-instances", "0"]))
 
 
+def test_the_kv_cache_dtype_reaches_each_roles_engine_and_fp8_is_refused_at_start_up() -> None:
+    """--decode-kv-cache-dtype sets the decode engine's cache dtype (aliases canonical),
+    through a launched instance's config document; a single role takes --kv-cache-dtype;
+    a dtype the engine does not keep is refused naming the flag, the value and what works."""
+    cfg = deployment_config(_parse("serve --decode-kv-cache-dtype bf16"))
+    assert cfg.prefill.engine_config().kv_dtype == "float32"
+    assert cfg.decode.engine_config().kv_dtype == "bfloat16"
+    assert InstanceConfig.from_json(cfg.decode.to_json()) == cfg.decode
+    one = instance_config(_parse("serve --role decode --tp 3 --kv-cache-dtype float16"))
+    assert one.engine_config().kv_dtype == "float16"
+    with pytest.raises(
+        ConfigError,
+        match=r"^--kv-cache-dtype: kv_dtype='fp8': .* one of float32, bfloat16, float16; use",
+    ):
+        deployment_config(_parse("demo --prefill-kv-cache-dtype fp8"))
+
+
 def test_a_deployment_uses_the_users_token_in_any_form_and_makes_one_up_only_without(
     tmp_path, monkeypatch
 ) -> None:  # type: ignore[no-untyped-def]

@@ -166,3 +166,82 @@ def test_close_stops_the_background_task():
         return task is not None and task.done()
 
     assert asyncio.run(main())
+
+
+def _waited(inst: Instances, *waits: tuple[str, str, float], **kw: float) -> list[str]:
+    """Run the introducer's background task; each of `waits` (decode id, prefill id,
+    timeout) is one request's `wait_met` after the one before; their answers. Probes
+    and retries are slow (`kw` may say otherwise): only a waiting request speeds them."""
+
+    async def main() -> list[str]:
+        kw.setdefault("probe_s", 60.0)
+        kw.setdefault("retry_s", 60.0)
+        intro = Introducer([P], [D], inst.probe, inst.connect, **kw)
+        intro.start()
+        try:
+            return [await intro.wait_met(D, P, d, p, t) for d, p, t in waits]
+        finally:
+            await intro.close()
+
+    return asyncio.run(main())
+
+
+def test_a_request_waits_for_its_pairs_introduction_in_flight():
+    """The first request comes while the decode workers are still meeting the prefill
+    instance (asked again only after a minute here): it waits until they have, asked
+    about every WAITED_RETRY_S meanwhile, rather than pulling over cold paths."""
+    inst = Instances()
+    _up(inst, P, "p1")
+    _up(inst, D, "d1")
+    inst.meet_after = 3
+    assert _waited(inst, ("d1", "p1", 30.0)) == ["connected"]
+    assert len(inst.connects) == 5  # not met, 3 times not yet, then met
+
+
+def test_a_request_to_a_restarted_prefill_instance_waits_for_its_new_introduction():
+    """The pair met under the prefill's old id; a request's prefill came from the
+    instance restarted (a new id) before the next probe (a minute away): the request
+    has it probed at once and waits until the decode instance has met the new one."""
+    inst = Instances()
+    _up(inst, P, "p1")
+    _up(inst, D, "d1")
+    got = asyncio.run(_restart(inst))
+    assert got == "connected" and ("d1", "p2") in inst.met
+    assert inst.connects[-1]["instance_ids"] == ["p2"]
+
+
+async def _restart(inst: Instances) -> str:
+    intro = Introducer([P], [D], inst.probe, inst.connect, probe_s=60.0, retry_s=60.0)
+    intro.start()
+    try:
+        assert await intro.wait_met(D, P, "d1", "p1", 30.0) == "connected"
+        _up(inst, P, "p2")
+        return await intro.wait_met(D, P, "d1", "p2", 30.0)
+    finally:
+        await intro.close()
+
+
+def test_a_pair_a_request_waited_for_in_vain_is_not_waited_for_again():
+    """A decode instance that never meets the prefill instance (here it always says not
+    yet) holds one request up to the bound; the next request for the same pair goes on
+    at once (it handshakes on its own, as it always could)."""
+    inst = Instances()
+    _up(inst, P, "p1")
+    _up(inst, D, "d1")
+    inst.meet_after = 10**9
+
+    async def main() -> tuple[str, int, str, int]:
+        intro = Introducer([P], [D], inst.probe, inst.connect, probe_s=60.0, retry_s=60.0)
+        intro.start()
+        try:
+            first = await intro.wait_met(D, P, "d1", "p1", 0.3)
+            calls = len(inst.connects)
+            second = await intro.wait_met(D, P, "d1", "p1", 30.0)
+            return first, calls, second, len(inst.connects)
+        finally:
+            await intro.close()
+
+    first, calls, second, after = asyncio.run(main())
+    assert first.startswith("pending") and second == first
+    assert calls >= 2  # asked again while the first request waited
+    assert after == calls  # the second one did not wait for another round

@@ -42,7 +42,10 @@ def test_a_proxy_started_first_introduces_a_prefill_instance_once_it_is_up(insta
         assert state == "connected"  # every decode worker met every prefill worker
         prompt = "The three primary colors are red, yellow and"
         out = complete(proxy.url, prompt, 8)
-        assert out["kvbridge_stages"]["kv_bytes"] > 0  # the KV came over
+        stages = out["kvbridge_stages"]
+        assert stages["kv_bytes"] > 0  # the KV came over
+        # ... without a handshake, over paths the warm-up READs had set up
+        assert (stages["kv_handshakes"], stages["kv_cold_peers"]) == (0, 0), stages
         assert out["choices"][0]["text"] == colocated(decode, prompt, 8)
     finally:
         if proxy is not None:

@@ -72,6 +72,8 @@ def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer
     results = drive(p, cs)  # both answered held (ReadAck)
     assert sorted((r.request_id, r.state) for r in results) == [("r1", TransferState.DONE)] * 2
     assert all(r.local_block_ids == (1, 6, 3) for r in results)
+    # unintroduced: each pull waited for its handshake and was the first READ over its path
+    assert [(r.handshake, r.cold_peers) for r in results] == [(True, 1)] * 2
     notify(p, cs[1], "r1")  # stale
     p.poll()
     assert p.num_ignored_notifs == 3 and len(released) == 1 and p.num_pinned_blocks == 0
@@ -378,6 +380,11 @@ def test_connect_meets_a_producer_before_its_first_request(producer, clock) -> N
     t.read_state = XferState.PROC
     c.poll()  # no handshake to wait for
     assert len(t.reads) == 2 and t.reads[1][2]  # the pull's READ, carrying its ReadDone
+    t.read_state = XferState.DONE
+    deliver(p, t.reads[1][2])
+    (result,) = drive(p, [c])
+    # it waited for no handshake, and the warm-up READ had crossed its path already
+    assert (result.state, result.handshake, result.cold_peers) == (TransferState.DONE, False, 0)
 
 
 def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(
@@ -392,6 +399,10 @@ def test_connect_says_when_met_and_meets_a_restarted_producer_afresh(
     for _ in range(20):
         p.poll(5)
         c.poll()
+    assert c.connect(p.endpoint, "P") is False  # met; its warm-up READ is in flight
+    assert isinstance(c.transport, FakeTransport)
+    c.transport.read_state = XferState.DONE
+    c.poll()  # the warm-up READ ends: the path is warm
     assert c.connect(p.endpoint, "P") is True
     port = int(p.endpoint.rsplit(":", 1)[1])
     p.close()
@@ -426,12 +437,12 @@ def test_a_producer_gone_while_idle_is_forgotten_and_met_again_when_back(clock, 
     request.addfinalizer(c.close)
     request.addfinalizer(p.close)
     assert isinstance(c.transport, FakeTransport)
+    c.transport.read_state = XferState.DONE  # the warm-up READ (one with CMA at once)
     c.connect(p.endpoint, "P")
     for _ in range(20):
         p.poll(5)
         c.poll()
     assert c.connect(p.endpoint, "P") and c.transport.peers == ["prefill0"]
-    c.transport.read_state = XferState.DONE  # the warm-up READ (one with CMA at once)
     clock.now += CONNECT_SETTLE_S
     c.poll()  # settled: nothing in flight
     port = int(p.endpoint.rsplit(":", 1)[1])

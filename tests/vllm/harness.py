@@ -24,11 +24,11 @@ from kvbridge.connector import RootKey
 from kvbridge.serve.metrics import metric_value
 from kvbridge.vllm.launch import (
     LOADED_HOST_SETTINGS,
-    SMALL_HOST_ARGS,
     free_port,
     kv_transfer_config,
     new_credential_file,
     remove_credential_file,
+    small_host_args,
     start,
     stop,
     vllm_command,
@@ -72,7 +72,12 @@ class VLLMServer:
         failure_policy: str = "fail",
         workers_on_host: int | None = None,
         vllm_args: tuple[str, ...] = (),
+        pp_size: int = 1,
+        traced: bool = False,
     ) -> None:
+        """`pp_size`: pipeline stages (each of `tp_size` workers); `traced`: vLLM's
+        arguments for pipeline parallelism (`launch.small_host_args`), for both
+        instances of a pair where either has stages."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = str(MODELS / model)
@@ -85,10 +90,11 @@ class VLLMServer:
             settings = {**LOADED_HOST_SETTINGS, "credential_file": self.credential_file}
             settings |= extra or {}
             kv = kv_transfer_config(kv_role, settings, failure_policy)
-        cmd = vllm_command(
-            self.model, self.port, tp_size, block_size, kv, *SMALL_HOST_ARGS, *vllm_args
-        )
-        env = vllm_env(tp_size, first_core, workers_on_host)
+        args = small_host_args(traced or pp_size > 1) + vllm_args
+        if pp_size > 1:
+            args += ("--pipeline-parallel-size", str(pp_size))
+        cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *args)
+        env = vllm_env(tp_size * pp_size, first_core, workers_on_host)
         env["PYTHONPATH"] = str(ROOT)
         self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
         self.proc = start(cmd, env, self._log)

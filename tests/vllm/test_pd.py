@@ -8,8 +8,9 @@ two-step P/D request, and checks that
   * the decode workers pulled exactly the prompt's KV (tokens [0, prompt_tokens), a
     partial last block included; bytes logged per worker, summed, equal tokens x
     layers x K/V x head_dim x itemsize x heads each decode worker holds; MLA: the
-    576-wide latent, which every decode worker holds whole), so the decode instance
-    did not compute it;
+    576-wide latent, which every decode worker holds whole; a hybrid model under vLLM's
+    hybrid KV cache manager: its sliding-window layers only the blocks still inside
+    the window, `moved_tokens`), so the decode instance did not compute it;
   * a second prompt extending the first, sent through `kvbridge serve --role proxy
     --engine vllm`, pulls only the tokens past the decode instance's prefix cache hit
     (MLA models: the whole prompt, as vLLM's CPU build turns prefix caching off for
@@ -19,13 +20,16 @@ Run in .venv-vllm (`make test-vllm`), one pair at a time under the heavy lock.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from kvbridge.plan.geometry import load_model_spec
-from kvbridge.vllm.launch import MLA_ARGS
+from kvbridge.plan.layout import InstanceLayout
+from kvbridge.vllm.cache import pipeline_layers
+from kvbridge.vllm.launch import HYBRID_ARGS, MLA_ARGS
 from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_completion, text, token_ids
 
 pytestmark = pytest.mark.slow
@@ -56,11 +60,20 @@ class Case:
     kv_export: str = ""
     #: the connector's fan_out setting ("": its default, auto: off on one host)
     fan_out: str = ""
+    #: pipeline stages per instance (each of its tp workers)
+    prefill_pp: int = 1
+    decode_pp: int = 1
+    #: vLLM arguments of both instances (MLA models: `launch.MLA_ARGS` besides)
+    vllm_args: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
+        def side(tp: int, pp: int) -> str:
+            return f"tp{tp}" + (f"pp{pp}" if pp > 1 else "")
+
         return (
-            f"{self.model}-tp{self.prefill_tp}-tp{self.decode_tp}"
+            f"{self.model}-{side(self.prefill_tp, self.prefill_pp)}"
+            f"-{side(self.decode_tp, self.decode_pp)}"
             f"-b{self.prefill_block}-b{self.decode_block}"
             + (f"-{self.kv_export}" if self.kv_export else "")
             + (f"-fan-out-{self.fan_out}" if self.fan_out else "")
@@ -83,6 +96,15 @@ CASES = [
     # or read by each decode worker from prefill workers that are not a multiple away
     Case("tiny-mla", 1, 2, prefill_block=16, decode_block=16, fan_out="on"),
     Case("tiny-mla", 2, 3, prefill_block=16, decode_block=16),
+    # pipeline parallel: each worker holds its stage's layers (vLLM's split, 2 + 2): a
+    # decode worker holding every layer reads both prefill stages, a decode stage reads
+    # its layers from both prefill workers
+    Case("tiny-kv6", 1, 2, prefill_pp=2),
+    Case("tiny-kv6", 2, 1, decode_pp=2),
+    # a hybrid model (Gemma-3: 6 sliding-window layers, window 32, and 2 full ones)
+    # under vLLM's hybrid KV cache manager: 4 KV cache groups, each its own blocks
+    Case("tiny-gemma3", 1, 2, vllm_args=HYBRID_ARGS),
+    Case("tiny-gemma3", 2, 1, vllm_args=HYBRID_ARGS),
 ]
 
 
@@ -99,33 +121,67 @@ def export_processes() -> list[int]:
     return found
 
 
-def bytes_per_token(model: str, tp_size: int) -> int:
-    """KV bytes of one token summed over the workers of an instance at `tp_size`
-    (replicated heads counted on every worker holding them; tp_size 1: the distinct KV).
-    An MLA model's spec has one head, its latent: every worker holds it."""
+def held_per_token(model: str, tp_size: int, pp_size: int) -> dict[int, int]:
+    """KV bytes of one token each worker of an instance holds, by rank: its stage's
+    layers (vLLM's split) x its heads (a replicated one included) x K/V x head bytes."""
+    spec = load_model_spec(MODELS / model)
+    layout = InstanceLayout(
+        tp_size=tp_size, pp_size=pp_size, pp_layers=pipeline_layers(spec.num_layers, pp_size)
+    )
+    return {
+        w.rank: w.num_local_layers * w.num_local_heads * spec.num_kv_tensors * spec.head_bytes
+        for w in layout.workers(spec)
+    }
+
+
+def layer_bytes_per_token(model: str, tp_size: int) -> int:
+    """KV bytes of one token of one layer summed over the workers of an instance at
+    `tp_size` (replicated heads counted on every worker holding them; tp_size 1: the
+    distinct KV). An MLA model's spec has one head, its latent: every worker holds it."""
     spec = load_model_spec(MODELS / model)
     heads = spec.num_kv_heads
     held = heads if tp_size <= heads else tp_size  # one head per worker when tp > heads
-    return spec.num_layers * spec.num_kv_tensors * spec.head_bytes * held
+    return spec.num_kv_tensors * spec.head_bytes * held
+
+
+def moved_tokens(model: str, start: int, num_tokens: int, block_size: int) -> int:
+    """Tokens moved for a prompt of `num_tokens` past a decode hit of `start`, summed
+    over the model's layers. A sliding-window layer (config.json's `layer_types`) holds
+    only the blocks vLLM keeps for the next token's window: it frees (on both sides)
+    the whole blocks of the first num_tokens - sliding_window + 1 tokens."""
+    cfg = json.loads((MODELS / model / "config.json").read_text())
+    kinds = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    freed = max(num_tokens - cfg.get("sliding_window", num_tokens) + 1, 0)
+    first_held = {"full_attention": 0, "sliding_attention": freed // block_size * block_size}
+    return sum(num_tokens - max(start, first_held[kind]) for kind in kinds)
+
+
+def pulled_bytes(model: str, tp_size: int, start: int, num_tokens: int, block_size: int) -> int:
+    """What an instance at `tp_size` pulls of a prompt past a decode hit of `start`."""
+    moved = moved_tokens(model, start, num_tokens, block_size)
+    return moved * layer_bytes_per_token(model, tp_size)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
-    workers = case.prefill_tp + case.decode_tp  # pinned one per core only if they fit
+    # pinned one per core only if they fit
+    workers = case.prefill_tp * case.prefill_pp + case.decode_tp * case.decode_pp
+    traced = case.prefill_pp > 1 or case.decode_pp > 1  # both alike (launch.PP_ARGS)
     extra = {"kv_export": case.kv_export} if case.kv_export else {}
     if case.fan_out:
         extra["fan_out"] = case.fan_out
     is_mla = load_model_spec(MODELS / case.model).is_mla
-    args = MLA_ARGS if is_mla else ()  # (the same tokens at every tp: launch.MLA_ARGS)
+    # (the same tokens at every tp: launch.MLA_ARGS)
+    args = (*MLA_ARGS, *case.vllm_args) if is_mla else case.vllm_args
     prefill = VLLMServer(
         case.model, case.prefill_tp, case.prefill_block, tmp_path / "prefill.log",
         kv_role="kv_producer", first_core=0, workers_on_host=workers, extra=extra,
-        vllm_args=args,
+        vllm_args=args, pp_size=case.prefill_pp, traced=traced,
     )  # fmt: skip
     decode = VLLMServer(
         case.model, case.decode_tp, case.decode_block, tmp_path / "decode.log",
         kv_role="kv_consumer", first_core=1, workers_on_host=workers, extra=extra,
-        vllm_args=args,
+        vllm_args=args, pp_size=case.decode_pp, traced=traced,
     )  # fmt: skip
     try:
         prefill.wait_ready()
@@ -145,19 +201,31 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         if case.kv_export == "process":  # every producer worker exports
             assert len(export_processes()) == case.prefill_tp
         n = out["usage"]["prompt_tokens"]
+        # vLLM kept its hybrid KV cache manager on: KVBridgeConnector declares SupportsHMA
+        assert "Turning off hybrid kv cache manager" not in decode.log_text()
         pulls = decode.pulled(since)
-        assert sorted(p.rank for p in pulls) == list(range(case.decode_tp)), decode.log_tail()
+        held = held_per_token(case.model, case.decode_tp, case.decode_pp)
+        assert sorted(p.rank for p in pulls) == sorted(held), decode.log_tail()
         # the prompt's tokens exactly, its partial last block included
         assert {(p.start_token, p.num_tokens) for p in pulls} == {(0, n)}, decode.log_tail()
+        # a sliding-window layer pulls only the blocks inside its window (`moved_tokens`)
+        layers = load_model_spec(MODELS / case.model).num_layers
+        windowed = moved_tokens(case.model, 0, n, case.decode_block) < n * layers
+        if not windowed:  # each decode worker its own heads of its own layers
+            assert {p.rank: p.nbytes + p.local_nbytes for p in pulls} == {
+                rank: n * b for rank, b in held.items()
+            }
         got = sum(p.nbytes + p.local_nbytes for p in pulls)
-        assert got == n * bytes_per_token(case.model, case.decode_tp)
+        assert got == pulled_bytes(case.model, case.decode_tp, 0, n, case.decode_block)
         if case.fan_out == "on":  # each head read from the prefill once, copied for the rest
-            assert sum(p.nbytes for p in pulls) == n * bytes_per_token(case.model, 1)
+            assert sum(p.nbytes for p in pulls) == pulled_bytes(
+                case.model, 1, 0, n, case.decode_block
+            )
             assert all(p.local_nbytes for p in pulls if p.nbytes == 0) and got > sum(
                 p.nbytes for p in pulls
             )
         # the same pulls in vLLM's own metrics (the connector's stats, on /metrics)
-        assert decode.metric("kvbridge_pull_time_seconds_count") == case.decode_tp
+        assert decode.metric("kvbridge_pull_time_seconds_count") == len(held)
         assert decode.metric("kvbridge_pull_bytes_sum") == sum(p.nbytes for p in pulls)
         assert decode.metric("kvbridge_failed_pulls_total") == 0
 
@@ -178,8 +246,12 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         hit = 0 if is_mla else n // case.decode_block * case.decode_block
         pulls = decode.pulled(since)
         assert (hit > 0 or is_mla) and {(p.start_token, p.num_tokens) for p in pulls} == {(hit, n2)}
-        assert sum(p.nbytes + p.local_nbytes for p in pulls) == (n2 - hit) * bytes_per_token(
-            case.model, case.decode_tp
+        if not windowed:  # each decode worker its own heads of its own layers
+            assert {p.rank: p.nbytes + p.local_nbytes for p in pulls} == {
+                rank: (n2 - hit) * b for rank, b in held.items()
+            }
+        assert sum(p.nbytes + p.local_nbytes for p in pulls) == pulled_bytes(
+            case.model, case.decode_tp, hit, n2, case.decode_block
         )
     finally:
         prefill.stop()

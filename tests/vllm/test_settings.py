@@ -94,8 +94,9 @@ def test_a_credential_file_names_the_instance_and_its_roles(tmp_path) -> None:
 
 
 def test_vllm_settings_the_connector_does_not_serve_are_refused_at_start_up() -> None:
-    """kv_role, pipeline or context parallelism: refused naming the field, the value
-    and what works (vLLM's config read by its attributes); MLA models are served."""
+    """kv_role, context parallelism, an fp8 KV cache: refused naming the field, the value
+    and what works (vLLM's config read by its attributes); MLA models and pipeline
+    parallelism are served."""
 
     def vllm_config(kv_role: str = "kv_both", use_mla: bool = False, **parallel: int):
         sizes = {"pipeline_parallel_size": 1, "decode_context_parallel_size": 1} | parallel
@@ -107,11 +108,20 @@ def test_vllm_settings_the_connector_does_not_serve_are_refused_at_start_up() ->
 
     check_vllm(vllm_config())
     check_vllm(vllm_config(use_mla=True))
+    check_vllm(vllm_config(pipeline_parallel_size=2))
     with pytest.raises(ConfigError, match=r"kv_role='kv_none' .* use one of kv_producer, "):
         check_vllm(vllm_config("kv_none"))
     with pytest.raises(
-        ConfigError, match=r"^parallel_config.pipeline_parallel_size=2 is not supported .* use 1"
+        ConfigError, match=r"^parallel_config.decode_context_parallel_size=2 is not .* use 1"
     ):
-        check_vllm(vllm_config(pipeline_parallel_size=2))
+        check_vllm(vllm_config(decode_context_parallel_size=2))
     with pytest.raises(ConfigError, match=r"^parallel_config.prefill_context_parallel_size=2 "):
         check_vllm(vllm_config(prefill_context_parallel_size=2))
+    fp8 = vllm_config()
+    fp8.cache_config = SimpleNamespace(cache_dtype="fp8")
+    with pytest.raises(
+        ConfigError,
+        match=r"^cache_config.cache_dtype='fp8' \(--kv-cache-dtype\) is not served .* "
+        r"use one of auto, float16, bfloat16$",
+    ):
+        check_vllm(fp8)

@@ -56,11 +56,13 @@ class PagedAttention:
         for s in meta.seqs:
             qs = q[s.query_start : s.query_start + s.query_len].transpose(0, 1)  # [h, q, d]
             if s.query_len == s.context_len:
-                # A whole prompt: attend to this step's K/V directly (the cache holds a copy).
+                # A whole prompt: attend to this step's K/V directly (the cache holds a
+                # copy, in its own dtype): a prompt's first chunk never depends on it.
                 kvs = kv[s.query_start : s.query_start + s.query_len].permute(1, 2, 0, 3)
                 ks, vs = kvs[0], kvs[1]  # [kv_heads, q, d]
             else:
                 ks, vs = cache.gather(layer, s.block_ids, s.context_len)
+                ks, vs = ks.to(q.dtype), vs.to(q.dtype)  # the cache's dtype may be narrower
             mask = None
             causal = s.query_len > 1
             if causal and s.context_len > s.query_len:
