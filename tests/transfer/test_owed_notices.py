@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.consumer import KVConsumer, TransferResult, TransferState
 from kvbridge.transfer.errors import HandshakeError
 from kvbridge.transfer.owed import OwedNotices
@@ -90,11 +91,20 @@ def heal(p: KVProducer) -> None:
 
 def meet_again(p: KVProducer, cs: list[KVConsumer], instance_id: str) -> None:
     """What the proxy's introducer does after an outage: connect until every worker met
-    the producer again; then a few more polls (pay what is owed)."""
-    until(
-        lambda: all(c.connect(p.endpoint, instance_id) for c in cs),
-        lambda: [p.poll(5), *poll(cs)],
-    )
+    the producer again (its warm-up READs, posted after the handshake, completed: a
+    worker has met a producer once they are over); then a few more polls (pay what is
+    owed)."""
+    before = [len(c.transport.reads) for c in cs]
+
+    def step() -> None:
+        p.poll(5)
+        poll(cs)
+        for c, n in zip(cs, before, strict=True):
+            t = c.transport
+            assert isinstance(t, FakeTransport)
+            t.xfer_states.update({i: XferState.DONE for i in range(n + 1, len(t.reads) + 1)})
+
+    until(lambda: all(c.connect(p.endpoint, instance_id) for c in cs), step)
     for _ in range(5):
         p.poll(5)
         poll(cs)
