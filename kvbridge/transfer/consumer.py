@@ -266,10 +266,11 @@ class KVConsumer:
                 f"{welcome.instance_id!r}; meeting it afresh",
             )
             inst = self.directory.instance(endpoint)
-        if inst.is_ready and inst.prepared and not self._introductions.is_warming(inst):
+        if self._introductions.is_warming(inst):
+            return False
+        if inst.is_ready and inst.prepared:
             return True
-        if not self._introductions.is_warming(inst):
-            self._introductions.start(endpoint, inst)
+        self._introductions.start(endpoint, inst)
         return False
 
     @property
