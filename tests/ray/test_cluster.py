@@ -107,9 +107,11 @@ def test_a_decode_dying_mid_pull_leaves_no_prefill_block_pinned_past_the_lease(
     cluster: RayCluster,
 ) -> None:
     """The decode replica is killed while it pulls: the prefill replica's own figures, as
-    Ray exports them, show the request's blocks pinned, then freed with one more release
-    that is not a completed pull: aborted when the decode's orphaned engine, shutting
-    down, says its pulls failed, lease_expired when nobody says; vLLM's KV cache empty."""
+    Ray exports them, show the request's blocks freed with one more release that is not a
+    completed pull (aborted when the decode's orphaned engine, shutting down, says its
+    pulls failed, lease_expired when nobody says), no block pinned and vLLM's KV cache
+    empty. (How long the blocks stay pinned before the release depends on which of the
+    two comes first, so the test does not wait to see them pinned.)"""
 
     def figures() -> dict[str, dict[str, float]]:
         """Each prefill replica's pinned blocks, KV cache usage and unfinished releases."""
@@ -127,24 +129,21 @@ def test_a_decode_dying_mid_pull_leaves_no_prefill_block_pinned_past_the_lease(
     with pull_under_way(cluster, {**LONG, "cache_salt": "orphan"}) as (_, asked):
         cluster.kill_replica(Side.DECODE)
 
-    def pinning() -> tuple[str, float] | None:
-        """The replica holding blocks in vLLM's cache, and how many."""
+    def freed() -> str | None:
+        """The replica whose blocks were released unfinished once, now pinning nothing
+        and with vLLM's cache empty (a step's figures: vLLM's freed blocks and the
+        connector's release come together)."""
         now = figures()
-        held = [(r, n) for r, n in now[PINNED].items() if n > 0 and now[USAGE].get(r, 0) > 0]
-        return held[0] if len(held) == 1 else None
+        grown = [r for r, n in now[UNFINISHED].items() if n == before.get(r, 0) + 1]
+        done = [r for r in grown if now[PINNED].get(r) == 0 and now[USAGE].get(r) == 0]
+        return done[0] if len(grown) == 1 and done else None
 
-    replica, _ = cluster.wait_for("the prefill's blocks pinned for the dead decode", pinning, 120)
-
-    def freed() -> bool:
-        # a step's figures: vLLM's freed blocks and the connector's release come together
-        now = figures()
-        return (
-            now[PINNED].get(replica) == 0
-            and now[USAGE].get(replica) == 0
-            and now[UNFINISHED].get(replica, 0) == before.get(replica, 0) + 1
-        )
-
-    cluster.wait_for(
+    replica = cluster.wait_for(
         "the blocks freed by the decode's notice or the lease", freed, LEASE_S + 120, 1
     )
+    # no other replica released anything unfinished
+    after = figures()[UNFINISHED]
+    assert {r: n for r, n in after.items() if r != replica} == {
+        r: n for r, n in before.items() if r != replica
+    }
     asked.result(900)  # the client's request ended too (as Ray Serve ends it)
