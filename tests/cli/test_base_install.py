@@ -15,10 +15,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def base_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv with kvbridge installed, no extras: pip (this one's, run for the
+    venv's interpreter: ensurepip would install pip into it first, the slow part of
+    making it) installs only what kvbridge itself requires."""
     venv = tmp_path_factory.mktemp("base") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120
+    )
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
     out = subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "-q", str(ROOT)],
+        [*pip, "install", "-q", str(ROOT)],
         capture_output=True,
         text=True,
         timeout=600,

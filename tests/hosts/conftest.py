@@ -23,8 +23,15 @@ def network(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def three_hosts(network):
+def hosts(network) -> ThreeHosts:
+    """The module's prefill, decode and proxy hosts, nothing started on them yet."""
+    return ThreeHosts(network.add("prefill"), network.add("decode"), network.add("proxy"))
+
+
+@pytest.fixture(scope="module")
+def three_hosts(hosts):
     """Prefill (tp 1), decode (tp 3) and proxy, each on its own host, started with
-    `kvbridge serve --role ...` and the deployment's token."""
-    dep = ThreeHosts.start(network)
-    yield dep
+    `kvbridge serve --role ...` and the deployment's token; or the same deployment as
+    the module's tests before left it serving (the start-order tests start it so)."""
+    hosts.serve(900)
+    yield hosts

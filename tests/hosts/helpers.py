@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kvbridge.harness.hosts import HostNetwork, TestHost
+from kvbridge.harness.hosts import TestHost
 from kvbridge.serve.demo import wait_introduced
 from kvbridge.serve.metrics import metric_value
 from kvbridge.serve.tls import client_context
@@ -53,13 +53,17 @@ class ThreeHosts:
     #: each instance host's credential file (by host name), as the operator gave it
     credentials: dict[str, str] = field(default_factory=dict)
 
-    @classmethod
-    def start(cls, net: HostNetwork, timeout_s: float = 900) -> ThreeHosts:
-        dep = cls(net.add("prefill"), net.add("decode"), net.add("proxy"))
+    def serve(self, timeout_s: float) -> None:
+        """Return once the three roles serve: as they are if each one runs and answers
+        /health 200, else each (re)started."""
+        hosts = (self.prefill, self.decode, self.proxy)
+        if all(h.is_running and self.is_healthy(h) for h in hosts):
+            return
+        for host in hosts:
+            host.kill()
         for role in ("prefill", "decode", "proxy"):
-            dep.start_role(role)
-        dep.wait_healthy(timeout_s)
-        return dep
+            self.start_role(role)
+        self.wait_healthy(timeout_s)
 
     def start_role(self, role: str) -> None:
         """Start `role`'s process on its host: prefill tp 1, decode tp 3, or the proxy."""

@@ -1,7 +1,18 @@
 """kvbridge serve across three test hosts (prefill, decode, proxy), as a user deploys it
 with `kvbridge serve --role ...`: the KV crosses a real link over TCP, and the link is
-slowed, cut and healed under it. One deployment serves the whole module, in order; the
-last test kills the prefill host."""
+slowed, cut and healed under it. One deployment serves the whole module, in order: the
+first tests start it in each start order and leave it serving the others; a later test
+kills the prefill host.
+
+The first pull in every start order (`kvbridge bench first-pull` times them): the proxy
+started with the instances, before them, after them, and each instance restarted under
+a serving proxy. A request sent as soon as the proxy answers /health 200 finds its
+prefill instance met by every decode worker and every path to a prefill worker warmed
+by a READ already, as a later request does. Shown by what each pull reports
+(`kv_handshakes`: decode workers that waited for a handshake; `kv_cold_peers`: paths
+to a prefill worker its READs were the first over, which the decode worker counts when
+it posts them, so 0 says a warm-up READ over each path completed before) and by the
+bytes that crossed the prefill host's cable; never by how long anything took."""
 
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ import httpx
 import msgspec
 import pytest
 
+from kvbridge.bench.first_pull import ORDERS, run_order
 from kvbridge.harness.hosts import HostNetwork
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.wire import DecodeRequest
@@ -33,6 +45,22 @@ pytestmark = pytest.mark.slow
 LIVENESS_S = 5.0
 #: The header of a TLS 1.2/1.3 record of application data.
 TLS_APPLICATION_DATA = b"\x17\x03\x03"
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_the_first_pull_finds_warm_paths(hosts: ThreeHosts, order: str) -> None:
+    """Each order (re)starts the module's deployment; the last leaves it serving as the
+    `three_hosts` fixture starts it (the tests below go on with it)."""
+    sent = hosts.prefill.bytes_sent()
+    series = run_order(hosts, order, requests=3)
+    crossed = hosts.prefill.bytes_sent() - sent
+    for i, stages in enumerate(series.stages):
+        assert stages["kv_bytes"] > 0 and not stages.get("kv_load_failed"), (i, stages)
+        # the decode host's 3 workers each read over a path met and warmed before
+        assert stages["kv_handshakes"] == 0, (order, i, stages)
+        assert stages["kv_cold_peers"] == 0, (order, i, stages)
+    # the KV crossed the prefill host's cable (the handshakes and warm-up READs too)
+    assert crossed > sum(s["kv_bytes"] for s in series.stages)
 
 
 def test_three_hosts_answer_as_one_host(three_hosts: ThreeHosts) -> None:
