@@ -122,7 +122,10 @@ def clear_slots(regions: CacheRegions, boxes: list[SlotBox]) -> None:
             )
         raw = (ctypes.c_uint8 * box.span).from_address(regions.addresses[box.region] + box.offset)
         view = np.lib.stride_tricks.as_strided(
-            np.frombuffer(raw, dtype=np.uint8), box.shape, box.strides, writeable=True
+            np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8),
+            box.shape,
+            box.strides,
+            writeable=True,
         )
         view[...] = 0
 
