@@ -23,6 +23,7 @@ from kvbridge.plan.verifier import (
     region_bytes,
     verify_plan,
 )
+from tests.plan.helpers import READ_ENDS
 
 LLAMA = load_model_spec("llama-3.2-1b")
 
@@ -430,19 +431,7 @@ def test_a_partial_last_block_read_to_its_end_costs_the_descriptors_of_a_full_on
         )
 
 
-@pytest.mark.parametrize(
-    "bp, bd, n, end",
-    [
-        (32, 32, 33, 64),
-        (32, 32, 64, 64),
-        (64, 32, 200, 224),
-        (32, 64, 200, 224),
-        (32, 64, 70, 96),
-        (64, 32, 70, 96),
-        (16, 24, 40, 48),
-        (24, 16, 40, 48),
-    ],
-)
+@pytest.mark.parametrize("bp, bd, n, end", READ_ENDS)
 def test_read_end_stops_where_the_first_sides_last_block_ends(bp, bd, n, end):
     """min(ceil(n/bp)*bp, ceil(n/bd)*bd): never a block more on either side, the prompt's
     last block whole on the side whose block ends first (partly whole on the other)."""

@@ -23,6 +23,7 @@ from kvbridge.plan.verifier import (
     region_bytes,
 )
 from kvbridge.transfer.regions import CacheRegions, MemType, clear_slots, read_end
+from tests.plan.helpers import READ_ENDS
 
 SMOL = load_model_spec("smollm2-135m")
 MLA = ModelKVSpec(3, 4, 1, 24, "bfloat16", AttentionKind.MLA, "mla")
@@ -60,17 +61,7 @@ def test_a_device_memory_cache_is_neither_cleared_nor_read_past_the_last_token()
         clear_slots(vram, [])
 
 
-@pytest.mark.parametrize(
-    "bp, bd, n, end",
-    [
-        (32, 32, 208, 224),
-        (64, 32, 208, 224),
-        (64, 32, 200, 224),
-        (32, 16, 40, 48),
-        (16, 32, 40, 48),
-        (32, 64, 70, 96),
-    ],
-)
+@pytest.mark.parametrize("bp, bd, n, end", READ_ENDS)
 @pytest.mark.parametrize("layout", ["LBHKNC:K=CN", "BHLNC"])
 @pytest.mark.parametrize("start", [0, 32])
 def test_a_pull_read_to_the_end_of_its_last_block_is_byte_exact(bp, bd, n, end, layout, start):
