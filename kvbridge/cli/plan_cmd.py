@@ -293,13 +293,14 @@ def default_tokens(plan: TransferPlan) -> int:
 def descriptor_counts(
     plan: TransferPlan, num_tokens: int, seed: int = 0
 ) -> dict[int, tuple[int, int]]:
-    """(unmerged, merged) descriptors per decode rank for a request with shuffled blocks."""
+    """(unmerged, merged) descriptors per decode rank for a request with shuffled blocks,
+    read as the runtime reads it: to `read_end`, its last block whole."""
     rng = np.random.default_rng(seed)
     out = {}
     p_ids = rng.permutation(4 * (-(-num_tokens // plan.prefill.block_size)))
     d_ids = rng.permutation(4 * (-(-num_tokens // plan.decode.block_size)))
     for d in plan.decode_workers:
-        lists = copy_lists(plan, d.rank, p_ids, d_ids, num_tokens)
+        lists = copy_lists(plan, d.rank, p_ids, d_ids, plan.read_end(num_tokens))
         out[d.rank] = (sum(c.num_unmerged for c in lists), sum(c.num_descriptors for c in lists))
     return out
 

@@ -110,12 +110,15 @@ def run_check(
     """Run the check (see module docstring); with `start_token`, partial pulls of tokens
     [start_token, num_tokens) that must leave each decode worker's earlier tokens as they
     were. `options` go to every worker (`WorkerSpec`)."""
-    make_plan(model, prefill, decode)  # refuse an incompatible pair before spawning
+    plan = make_plan(model, prefill, decode)  # refuse an incompatible pair before spawning
     work = make_workload(prefill, decode, num_requests, num_tokens, seed)
-    if start_token:
-        work = dataclasses.replace(
-            work, decode=[msgspec.structs.replace(s, start_token=start_token) for s in work.decode]
-        )
+    # each pull reads its last block whole: the decode slots past its last token get the
+    # zeros its producer wrote there (the prefill caches hold other bytes in them)
+    end = plan.read_end(num_tokens)
+    decode_spans = [
+        msgspec.structs.replace(s, start_token=start_token, read_end=end) for s in work.decode
+    ]
+    work = dataclasses.replace(work, decode=decode_spans)
     own = cluster is None
     c = cluster or Cluster()
     failures: list[str] = []

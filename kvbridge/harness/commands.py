@@ -21,10 +21,11 @@ class Span(msgspec.Struct, frozen=True, array_like=True):
     num_tokens: int
     key: int
     start_token: int = 0  # a partial pull moves tokens [start_token, num_tokens) only
+    read_end: int = 0  # a decode's: slots [num_tokens, read_end) were read as zeros
 
     def to_request(self) -> RequestSpan:
         ids = np.asarray(self.block_ids, dtype=np.int64)
-        return RequestSpan(ids, self.num_tokens, self.key, self.start_token)
+        return RequestSpan(ids, self.num_tokens, self.key, self.start_token, self.read_end)
 
     def blocks_from(self, block_size: int) -> list[int]:
         """The blocks holding tokens [start_token, num_tokens)."""

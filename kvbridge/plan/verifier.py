@@ -49,12 +49,14 @@ class VerificationError(KVBridgeError):
 class RequestSpan:
     """One request's blocks on one instance: its block ids in token order, and the
     first token its values are written for (a partial pull leaves [0, start_token) as
-    it was)."""
+    it was). `read_end` past `num_tokens`: the slots [num_tokens, read_end) were read
+    whole from a producer that zeroed them (`TransferPlan.read_end`), so they hold 0."""
 
     block_ids: np.ndarray
     num_tokens: int
     key: int = 1
     start_token: int = 0
+    read_end: int = 0
 
 
 def _mix(*parts: np.ndarray | int) -> np.ndarray:
@@ -123,6 +125,8 @@ def _request_values(
         mask = np.broadcast_to(held, out.shape)
         values = _mix(g["layer"], g["kv"], g["head"], token, g["elem"], int(req.key))
         out[mask] = np.broadcast_to(values, out.shape)[mask].astype(dtype)
+        zeroed = (position[g["block"]] >= 0) & (token >= req.num_tokens) & (token < req.read_end)
+        out[np.broadcast_to(zeroed, out.shape)] = 0
 
 
 def fill_worker_cache(

@@ -30,8 +30,10 @@ from kvbridge.transfer.errors import AuthError, ProtocolError
 #: halves (`LBHKNC:K=CN`), which a version-2 peer described as token-major; 4 fences
 #: pulls (`ReadDone.generation`, `ReadAck`): a version-3 reader would use bytes no
 #: producer confirmed; 5 plans a fan-out on the decode host (`Hello.decode_hosts`): a
-#: version-4 producer would wait for ReadDones of workers that copy on their host.
-PROTOCOL_VERSION = 5
+#: version-4 producer would wait for ReadDones of workers that copy on their host; 6
+#: reads a pull's last block whole (`TransferPlan.read_end`): a version-5 producer
+#: leaves another request's KV in the slots past the last token and digests fewer bytes.
+PROTOCOL_VERSION = 6
 
 #: Bounds on untrusted fields (a worker holds at most this many cache regions, ...).
 MAX_REGIONS = 4096

@@ -11,6 +11,8 @@ not read again, so it counts as done, and the release says ABORTED with its reas
 One cut off when it gave up sends it after the link heals, over its new handshake
 session (any session of that decode worker whose plan matches is taken); one for a
 request released meanwhile (by its lease) is ignored, not counted as a replay.
+Exposing zeroes the slots past the request's last token in its last block (readers read
+that block whole, `TransferPlan.read_end`; those slots may hold another request's KV).
 A notification that arrives before its request's `expose` (engines race) is kept for
 one lease and applied by `expose`. Notifications for already released (or never
 exposed) requests and from workers the plan does not expect are ignored (logged).
@@ -51,6 +53,7 @@ from kvbridge.plan.copylist import blocks_needed, copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.plan.planner import TransferPlan, make_plan
+from kvbridge.plan.slots import token_slots
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.credential import Credential
@@ -73,7 +76,13 @@ from kvbridge.transfer.messages import (
     spec_error,
     welcome_body,
 )
-from kvbridge.transfer.regions import CacheRegions, worker_shard_checked
+from kvbridge.transfer.regions import (
+    CacheRegions,
+    MemType,
+    clear_slots,
+    read_end,
+    worker_shard_checked,
+)
 from kvbridge.transfer.sessions import Session, SessionRefused, SessionTable
 from kvbridge.transfer.side_channel import SideChannelServer
 
@@ -236,6 +245,7 @@ class KVProducer:
             raise TransferError(
                 f"{span} of {request_id!r} does not fit {len(ids)} blocks of {bp} tokens"
             )
+        self._clear_tail(ids, num_tokens, start_token)
         lease = self.config.lease_s if lease_s is None else lease_s
         self._exposed[request_id] = _Exposure(
             ids, num_tokens, self._clock() + lease, lease, reader, generation, start_token
@@ -245,6 +255,24 @@ class KVProducer:
             self._sessions.reserve(reader)
         for _, msg, session in self._early.pop(request_id, []):
             self._apply(msg, session)
+
+    def _clear_tail(self, block_ids: tuple[int, ...], num_tokens: int, start_token: int) -> None:
+        """Zero the slots past token `num_tokens` in the block holding its last token
+        (every layer, head and K/V half this worker holds), before they are exposed: a
+        reader reads that block whole (`TransferPlan.read_end`), and those slots may
+        still hold another request's KV. The block is this request's own (a partial
+        block is never shared) and nothing writes it while it is pinned. A device-memory
+        cache is not cleared; its readers stop at the last token (`read_end`)."""
+        bp = self.layout.block_size
+        last = (num_tokens - 1) // bp - start_token // bp  # index in block_ids
+        if num_tokens % bp == 0 or not 0 <= last < len(block_ids):
+            return
+        if self.regions.mem_type is not MemType.DRAM:
+            return
+        boxes = token_slots(
+            self.model, self.layout, self.shard, block_ids[last], num_tokens % bp, bp
+        )
+        clear_slots(self.regions, boxes)
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Release `request_id`'s blocks now (cause ABORTED): its router gave up on it
@@ -484,12 +512,11 @@ class KVProducer:
         skip = msg.start_token // bp - exp.start_token // bp
         if views is None or not 0 <= skip < len(exp.block_ids) or msg.start_token >= exp.num_tokens:
             return b""
+        end = read_end(plan, exp.num_tokens, self.regions.mem_type)  # what the reader read
         # stand-in decode block ids: the source runs (and their order) do not depend on them
-        d_ids = np.arange(blocks_needed(exp.num_tokens, bd, msg.start_token))
+        d_ids = np.arange(blocks_needed(end, bd, msg.start_token))
         try:
-            lists = copy_lists(
-                plan, msg.rank, exp.block_ids[skip:], d_ids, exp.num_tokens, msg.start_token
-            )
+            lists = copy_lists(plan, msg.rank, exp.block_ids[skip:], d_ids, end, msg.start_token)
         except KVBridgeError as exc:
             log.warning("prefill worker %d: no digest of %r: %s", self.rank, msg.request_id, exc)
             return b""

@@ -3,8 +3,10 @@
 Once per producer instance the descriptor lists a whole-block request needs are
 prepared, over units of the gcd of its copies' offsets, lengths and region sizes
 (`descriptors.py`). Per pull one NIXL READ is posted per producer worker, indexing those
-lists and carrying the `ReadDone` notification to that worker. Copies that are not whole
-units of the lists (a partial last block) go in a second READ with descriptor lists of
+lists and carrying the `ReadDone` notification to that worker. A pull reads its
+prompt's last block whole where both sides' blocks go on (`TransferPlan.read_end`), so
+it is whole units too at equal block sizes; copies that are not (a pull that starts or
+ends inside a block of one side only) go in a second READ with descriptor lists of
 their own, released with the pull; a worker read twice gets its notification once its
 last READ is done (`PullProgress`). A fan-out's copier READs its bytes from the
 source's cache on this host the same way (`copy`). Note that with UCX's cma transport a
@@ -37,11 +39,26 @@ from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.notices import ProducerNotices
 from kvbridge.transfer.peers import ProducerDirectory, ProducerInstance, ProducerWorker
 from kvbridge.transfer.pull import LOCAL, ActivePull, DecodeWorker, TransferState
-from kvbridge.transfer.regions import CacheRegions
+from kvbridge.transfer.regions import CacheRegions, read_end
 from kvbridge.transfer.siblings import Siblings
 from kvbridge.transfer.staging import Staging
 
 log = logging.getLogger("kvbridge.transfer.consumer")
+
+
+def pull_end(pull: ActivePull) -> int:
+    """Where `pull` stops reading: its prompt's last block whole where the producer
+    instance's cache is host memory (`regions.read_end`); the same for a fan-out's
+    reader and its copiers."""
+    inst = pull.instance
+    assert inst.plan is not None and inst.worker0.regions is not None
+    return read_end(inst.plan, pull.num_tokens, inst.worker0.regions.mem_type)
+
+
+def prompt_nbytes(pull: ActivePull, cl: CopyList) -> int:
+    """The bytes of `pull`'s tokens [start_token, num_tokens) in `cl`: what a pull
+    reports (the slots read past its last token carry no KV)."""
+    return cl.read.bytes_per_token * (pull.num_tokens - pull.start_token)
 
 
 class PullPlanner:
@@ -71,8 +88,8 @@ class PullPlanner:
     def prepare(self, inst: ProducerInstance) -> None:
         """Prepare, once per instance, the descriptor lists a whole-block request needs
         (probe: scattered odd block ids on both sides, so no run merges across blocks),
-        and remember their unit per prefill rank. Copies finer than that unit (those of a
-        partial last block) get per-request descriptors instead: a list of whole regions
+        and remember their unit per prefill rank. Copies finer than that unit (a block
+        cut inside on one side only) get per-request descriptors instead: a list of whole regions
         cut that fine would hold ~a descriptor per token and head, and take seconds."""
         assert inst.plan is not None
         inst.prepared = True
@@ -112,7 +129,7 @@ class PullPlanner:
             self.rank,
             pull.producer_block_ids,
             pull.local_block_ids,
-            pull.num_tokens,
+            pull_end(pull),
             pull.start_token,
         )
         nbytes = ndesc = nunmerged = nidx = 0
@@ -147,11 +164,11 @@ class PullPlanner:
                 self.local_regions(inst),
             )
             posts += [(p, peer, r) for r in reads]
-            nbytes += cl.nbytes
+            nbytes += prompt_nbytes(pull, cl)
             ndesc += cl.num_descriptors
             nunmerged += cl.num_unmerged
         # A prefill worker read by one READ gets the notification with it; one read by
-        # several (whole blocks + a partial last block) gets it after the last completes.
+        # several (whole blocks + a block cut inside) gets it after the last completes.
         reads_of = Counter(p for p, _, _ in posts)
         pull.silent = {p for p, n in reads_of.items() if n > 1}
         pull.awaiting = set(reads_of)
@@ -195,7 +212,7 @@ class PullPlanner:
             pull.instance.plan,
             self.rank,
             pull.local_block_ids,
-            pull.num_tokens,
+            pull_end(pull),
             pull.start_token,
         ):
             for local, local_idx, remote, remote_idx in self._reads(
@@ -214,7 +231,7 @@ class PullPlanner:
                         f"READ from decode worker {sib.rank}'s cache on this host failed: {exc}"
                     ) from None
                 pull.xfers[max(pull.xfers, default=-1) + 1] = (LOCAL, xfer)
-            pull.local_nbytes += cl.nbytes
+            pull.local_nbytes += prompt_nbytes(pull, cl)
         log.debug(
             "decode worker %d: %r copies %d bytes from decode worker %d",
             self.rank,
@@ -235,7 +252,7 @@ class PullPlanner:
     ) -> list[tuple[Any, np.ndarray, Any, np.ndarray]]:
         """(local list, local indices, remote list, remote indices) of each READ for `cl`
         from `agent`'s `regions` into `local_regions`: copies that are whole `unit`s index the prepared lists
-        (`remote_dlist(unit)`); the rest (a partial last block) get this request's own
+        (`remote_dlist(unit)`); the rest (a block cut inside) get this request's own
         descriptors, prepared now and released with it."""
         out = []
         whole = np.zeros(len(cl.lengths), dtype=bool)

@@ -10,6 +10,7 @@ the transport never assume either, they take one address per region.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ import numpy as np
 
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, WorkerShard, num_regions, region_nbytes
+from kvbridge.plan.planner import TransferPlan
+from kvbridge.plan.slots import SlotBox
 from kvbridge.transfer.errors import TransferError
 
 
@@ -103,3 +106,33 @@ def worker_shard_checked(
             f"({num_blocks} blocks)"
         )
     return shard
+
+
+def clear_slots(regions: CacheRegions, boxes: list[SlotBox]) -> None:
+    """Zero `boxes` (`kvbridge.plan.slots.token_slots`) of host-memory `regions`, one
+    numpy assignment per box; TransferError for device memory, which this process
+    cannot write directly, or a box outside its region (an internal bug)."""
+    if regions.mem_type is not MemType.DRAM:
+        raise TransferError(f"cannot clear slots of a {regions.mem_type.value} cache")
+    for box in boxes:
+        if box.offset < 0 or box.offset + box.span > regions.lengths[box.region]:
+            raise TransferError(
+                f"slots at offset {box.offset} (+{box.span} bytes) lie outside region "
+                f"{box.region} of {regions.lengths[box.region]} bytes"
+            )
+        raw = (ctypes.c_uint8 * box.span).from_address(regions.addresses[box.region] + box.offset)
+        view = np.lib.stride_tricks.as_strided(
+            np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8),
+            box.shape,
+            box.strides,
+            writeable=True,
+        )
+        view[...] = 0
+
+
+def read_end(plan: TransferPlan, num_tokens: int, producer: MemType) -> int:
+    """Where a pull of `num_tokens` tokens stops reading from a producer whose cache is
+    in `producer` memory: `plan.read_end` (the last block whole) from host memory, whose
+    producer zeroes the slots past the last token when it exposes them
+    (`KVProducer.expose`); exactly `num_tokens` from device memory, which it cannot."""
+    return plan.read_end(num_tokens) if producer is MemType.DRAM else num_tokens

@@ -39,3 +39,18 @@ def check_plan_structure(plan: TransferPlan) -> None:
     # one notification per distinct reader
     for w in plan.prefill_workers:
         assert plan.expected_notifications[w.rank] == len(plan.readers_of(w.rank))
+
+
+#: (prefill block size, decode block size, prompt tokens, `TransferPlan.read_end`):
+#: equal sizes, a block more than the prompt's on neither side, sizes not multiples
+READ_ENDS = [
+    (32, 32, 33, 64),
+    (32, 32, 64, 64),
+    (32, 32, 208, 224),
+    (64, 32, 200, 224),
+    (32, 64, 200, 224),
+    (32, 64, 70, 96),
+    (64, 32, 70, 96),
+    (16, 24, 40, 48),
+    (24, 16, 40, 48),
+]

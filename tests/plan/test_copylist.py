@@ -23,6 +23,7 @@ from kvbridge.plan.verifier import (
     region_bytes,
     verify_plan,
 )
+from tests.plan.helpers import READ_ENDS
 
 LLAMA = load_model_spec("llama-3.2-1b")
 
@@ -407,3 +408,37 @@ def test_the_verifier_sees_a_channel_major_half_moved_as_token_major():
     # wrong element named by layer, K/V, head, block, slot and channel (not by offset)
     first = _first_mismatch(m, right.decode, d, initial, want)
     assert "elements wrong, first at layer 0 K head 0 block 0 slot 0 element 0" in first
+
+
+@pytest.mark.parametrize("layout", [CPU, "BHLNC", "LBNHC"])
+def test_a_partial_last_block_read_to_its_end_costs_the_descriptors_of_a_full_one(layout):
+    """vLLM's CPU pages, SmolLM2 tp 1 -> tp 1 at block 32, a 208-token prompt (6 full
+    blocks and 16 tokens): read to `read_end` (224) its last page moves whole, so the
+    pull takes exactly the descriptors of a 7-block prompt; cut at its last token, K's
+    channel-major half of the last block is a run per channel, head and layer."""
+    lay = InstanceLayout(1, block_size=32, cache_layout=layout)
+    plan = make_plan(SMOL_F32, lay, lay)
+    assert plan.read_end(208) == 224
+    p_ids, d_ids = [11, 3, 17, 5, 9, 1, 13], [4, 20, 2, 8, 14, 6, 0]  # no two adjacent
+    (whole,) = copy_lists(plan, 0, p_ids, d_ids, 224)
+    (read,) = copy_lists(plan, 0, p_ids, d_ids, plan.read_end(208))
+    (cut,) = copy_lists(plan, 0, p_ids, d_ids, 208)
+    assert read.num_descriptors == whole.num_descriptors
+    if layout == CPU:  # a run per (block, layer): K and V of its 3 heads are one page each
+        assert read.num_descriptors == 7 * SMOL.num_layers
+        assert cut.num_descriptors == 6 * SMOL.num_layers + SMOL.num_layers * 3 * (
+            SMOL.head_dim + 1
+        )
+
+
+@pytest.mark.parametrize("bp, bd, n, end", READ_ENDS)
+def test_read_end_stops_where_the_first_sides_last_block_ends(bp, bd, n, end):
+    """min(ceil(n/bp)*bp, ceil(n/bd)*bd): never a block more on either side, the prompt's
+    last block whole on the side whose block ends first (partly whole on the other)."""
+    plan = make_plan(SMOL, InstanceLayout(1, block_size=bp), InstanceLayout(1, block_size=bd))
+    assert plan.read_end(n) == end
+    for b in (bp, bd):
+        assert -(-end // b) == -(-n // b)  # the same blocks hold it on both sides
+    (cl,) = copy_lists(plan, 0, np.arange(-(-n // bp)), np.arange(-(-n // bd)), end)
+    assert cl.nbytes == end * cl.read.bytes_per_token
+    verify_plan(plan, end)  # the runs to `end` are byte-exact

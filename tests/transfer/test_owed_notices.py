@@ -52,11 +52,12 @@ def until(what: Callable[[], bool], step: Callable[[], object], timeout_s: float
 
 
 def pull_and_cut(p: KVProducer, cs: list[KVConsumer]) -> None:
-    """Every consumer pulls "r1" (20 tokens: two READs posted), then `p`'s side channel
-    goes away mid-pull (the link is cut: no heartbeat is answered, nothing arrives)."""
+    """Every consumer pulls "r1" (20 tokens from token 4: two READs posted, one for the
+    block cut inside), then `p`'s side channel goes away mid-pull (the link is cut: no
+    heartbeat is answered, nothing arrives)."""
     p.expose("r1", [5, 2], 20)
     for c in cs:
-        c.pull("r1", p.endpoint, [5, 2], [1, 6], 20)
+        c.pull("r1", p.endpoint, [5, 2], [1, 6], 20, 4)
     until(lambda: all(len(c.transport.reads) == 2 for c in cs), lambda: [p.poll(5), *poll(cs)])
     p._server.close()
 

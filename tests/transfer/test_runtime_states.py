@@ -80,22 +80,23 @@ def test_pull_handshakes_posts_one_read_and_releases_after_every_reader(producer
 
 
 def pull_split(p: KVProducer, clock: Clock) -> tuple[KVConsumer, FakeTransport]:
-    """Request "r1": 20 tokens = one whole block of 16 + 4 tokens, pulled by decode
-    worker 0, its two READs posted."""
+    """Request "r1": 20 tokens pulled from token 4 by decode worker 0 (its cache held
+    [0, 4) already), its two READs posted: tokens [4, 16) cut inside block 5, and block
+    2 read whole (its 4 tokens and the zeroed slots after them, `read_end`)."""
     p.expose("r1", [5, 2], 20)
     c = consumer(0, clock)
-    c.pull("r1", p.endpoint, [5, 2], [1, 6], 20)
+    c.pull("r1", p.endpoint, [5, 2], [1, 6], 20, 4)
     drive(p, [c])
     t = c.transport
     assert isinstance(t, FakeTransport) and len(t.reads) == 2
     return c, t
 
 
-def test_a_partial_last_block_is_a_second_read_and_the_notification_follows_both(
+def test_a_block_cut_inside_is_a_second_read_and_the_notification_follows_both(
     producer, clock
 ) -> None:
-    """20 tokens = 1 whole block of 16 + 4 tokens: the whole block indexes the lists
-    prepared at handshake; the 4 tokens get their own descriptors (a list of whole
+    """Tokens [4, 20) of blocks of 16: the whole last block indexes the lists prepared
+    at handshake; the 12 tokens of the first get their own descriptors (a list of whole
     regions cut per token would take seconds to prepare); the producer is told once
     both READs are done."""
     p, _ = producer
@@ -118,7 +119,7 @@ def test_split_reads_notify_only_after_the_last_and_never_after_a_failure(produc
     p, _ = producer
     c, t = pull_split(p, clock)
     p.expose("r2", [3, 4], 20)
-    t.xfer_states = {1: XferState.DONE}  # the whole block is in, the partial one is not
+    t.xfer_states = {1: XferState.DONE}  # the whole block is in, the cut one is not
     assert drive(p, [c]) == [] and t.sent == []
     t.xfer_states = {1: XferState.DONE, 2: XferState.DONE}
     assert drive(p, [c]) == []
@@ -128,10 +129,10 @@ def test_split_reads_notify_only_after_the_last_and_never_after_a_failure(produc
     # its own descriptor lists (4 layers x K/V: one run each) are released with it
     assert t.released_dlists == [("local", 8), ("remote", "prefill0", 8)]
 
-    # r2: the whole block is in, the partial one still running at the deadline: the
+    # r2: the whole block is in, the cut one still running at the deadline: the
     # producer hears ok=False (release now), never ok=True
     t.sent.clear()
-    c.pull("r2", p.endpoint, [3, 4], [2, 7], 20)
+    c.pull("r2", p.endpoint, [3, 4], [2, 7], 20, 4)
     drive(p, [c])
     assert len(t.reads) == 4
     t.xfer_states[3] = XferState.DONE

@@ -3,7 +3,8 @@
 Each case starts a prefill and a decode instance (one process per worker), pulls
 concurrent requests with shuffled, non-contiguous block ids through the runtime (37
 tokens: a partial last block, so the second READ of each pull is exercised too), and
-checks every decode worker byte for byte and every block released on both sides.
+checks every decode worker byte for byte (each pull reads its last block whole: zeros
+past the prompt's last token) and every block released on both sides.
 Cases mix cache layouts (cross-layer and per layer), TP and PP sizes, block sizes, MLA.
 """
 
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.harness.check import run_check
+from kvbridge.harness.check import make_workload, run_check
+from kvbridge.plan.copylist import copy_lists
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
+from kvbridge.plan.planner import make_plan
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +63,30 @@ def test_transfer_is_byte_exact_and_releases_every_block(case: str) -> None:
     from kvbridge.plan.planner import make_plan
 
     assert report.bytes == 3 * 37 * make_plan(model, prefill, decode).bytes_per_token
+
+
+def test_a_last_block_read_whole_brings_zeros_past_the_prompt_not_the_prefills_bytes() -> None:
+    """vLLM's CPU pages (K channel-major), tp 1 -> tp 1 at block 32, 40-token prompts:
+    each pull reads its last block whole (`read_end`, 64) with real NIXL agents. The
+    prefill caches' slots past token 40 hold bytes of no request pulled (the harness
+    fills them with the worker's own pattern, as another request's KV would be), the
+    decode's with its own: the check (`expected_decode_cache` with `read_end`) demands
+    the prompt's bytes in [0, 40), zeros in [40, 64) and every other decode byte as it
+    was, and the pull takes the descriptors of a whole-block prompt, not a run per
+    channel of the last block."""
+    model = ModelKVSpec(3, 6, 3, 16, "float32", AttentionKind.GQA, "test")
+    prefill = decode = lay(1, "LBHKNC:K=CN", 32)
+    plan = make_plan(model, prefill, decode)
+    assert plan.read_end(40) == 64
+    report = run_check(model, prefill, decode, num_requests=3, num_tokens=40, timeout_s=60)
+    assert report.failures == [] and report.verified
+    assert report.bytes == 3 * 40 * plan.bytes_per_token  # the prompts' KV, reported
+    work = make_workload(prefill, decode, 3, 40)  # the same blocks as the check's
+    whole = [
+        copy_lists(plan, 0, p.block_ids, d.block_ids, 64)[0].num_descriptors
+        for p, d in zip(work.prefill, work.decode, strict=True)
+    ]
+    assert report.descriptors == sum(whole)
 
 
 def test_many_concurrent_requests() -> None:
