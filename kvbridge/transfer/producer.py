@@ -482,7 +482,7 @@ class KVProducer:
         plan, views = session.plan, self._views
         bp, bd = plan.prefill.block_size, plan.decode.block_size
         skip = msg.start_token // bp - exp.start_token // bp
-        if views is None or not 0 <= skip < len(exp.block_ids) or msg.start_token >= exp.num_tokens:
+        if not 0 <= skip < len(exp.block_ids) or msg.start_token >= exp.num_tokens:
             return b""
         # stand-in decode block ids: the source runs (and their order) do not depend on them
         d_ids = np.arange(blocks_needed(exp.num_tokens, bd, msg.start_token))
