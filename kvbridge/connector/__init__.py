@@ -59,14 +59,14 @@ if TYPE_CHECKING:
     from kvbridge.transfer.identity import Identity
     from kvbridge.transfer.netdev import device_of as net_device_of
     from kvbridge.transfer.netdev import free_port
-    from kvbridge.transfer.regions import CacheRegions, MemType
+    from kvbridge.transfer.regions import CacheRegions, MemType, memory_of
 
 _LAZY = {
     "Identity": "kvbridge.transfer.identity",
     **dict.fromkeys(["Credential", "RootKey"], "kvbridge.transfer.credential"),
     "SharedSegment": "kvbridge.transfer.export",
     "free_port": "kvbridge.transfer.netdev",
-    **dict.fromkeys(["CacheRegions", "MemType"], "kvbridge.transfer.regions"),
+    **dict.fromkeys(["CacheRegions", "MemType", "memory_of"], "kvbridge.transfer.regions"),
     **dict.fromkeys(
         [
             "ConnectorMetadata",
@@ -133,5 +133,6 @@ __all__ = [
     "free_port",
     "is_loopback",
     "load_token",
+    "memory_of",
     "net_device_of",
 ]

@@ -61,16 +61,23 @@ if TYPE_CHECKING:
 def adopt_segment(regions: CacheRegions, transfer: TransferConfig) -> SharedSegment | None:
     """A host's cache moved into shared memory in place, for a producer whose peers read
     from an export process; None where they read from its own agent: inline, auto
-    without a token, or a cache this cannot move (auto: logged; process: ConfigError
-    naming why)."""
+    without a token, or a cache this cannot move, a GPU cache among them (auto: logged;
+    process: ConfigError naming why)."""
     from kvbridge.transfer.errors import TransferError
     from kvbridge.transfer.export import SharedSegment
 
     if not transfer.wants_export_process:
         return None
+    from kvbridge.transfer.regions import MemType
+
     spans = sorted(zip(regions.addresses, regions.lengths, strict=True))
     gaps = [a for (a, n), (b, _) in itertools.pairwise(spans) if a + n != b]
     try:
+        if regions.mem_type is not MemType.DRAM:  # an export process maps host memory
+            raise TransferError(
+                f"it lies in device memory ({regions.mem_type.value}, device "
+                f"{regions.device_id}), which cannot be moved into shared memory"
+            )
         if gaps:
             raise TransferError(
                 f"its {len(spans)} layer regions are not one contiguous buffer (a gap after "

@@ -59,6 +59,9 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     kv_export: str = "inline"
     #: `FanOut` value: the harness's decode workers fan out only when told (one host)
     fan_out: str = "off"
+    #: where the cache lies: "" host memory (a numpy array); a torch device ("cuda:0",
+    #: "cpu") a torch tensor on it, registered as that device's memory (`memory_of`)
+    device: str = ""
     netns: str = ""  # run on this test host (harness.hosts): its network namespace
     hostname: str = ""  # ... under this hostname, in UTS and IPC namespaces ...
     host_pid: int = 0  # ... those of this process (`TestHost.holder_pid`), 0: its own

@@ -128,9 +128,21 @@ class _Worker:
             self.cache.fill(spec.salt)
         self.scratch.fill(1)  # touched
         self.initial = self.cache.copy() if spec.role == "decode" and spec.pattern else None
-        regions = CacheRegions.from_array(
-            self.cache, num_regions(self.kv_model, self.layout, self.shard)
-        )
+        n = num_regions(self.kv_model, self.layout, self.shard)
+        self.on_device: Any = None  # the cache on `spec.device`, where one is named
+        if spec.device:
+            if segment is not None:
+                raise KVBridgeError(
+                    f"device={spec.device!r} with kv_export='process': an export process "
+                    "maps host memory only; use kv_export='inline'"
+                )
+            import torch
+
+            flat = torch.from_numpy(self.cache.reshape(-1).view(np.uint8))
+            self.on_device = flat.to(spec.device, copy=True)
+            regions = CacheRegions.from_tensor(self.on_device, n)
+        else:
+            regions = CacheRegions.from_array(self.cache, n)
         name = f"{spec.instance_id}-{spec.role}-{spec.rank}-{os.getpid()}"
         scratch = CacheRegions.from_array(self.scratch[None, :])
         self.transport: Transport
@@ -277,6 +289,8 @@ class _Worker:
             elif isinstance(cmd, Pull) and consumer is not None:
                 consumer.pull(**msgspec.structs.asdict(cmd))  # its fields are the call's
             elif isinstance(cmd, Verify) and self.initial is not None:
+                if self.on_device is not None:  # what the device cache holds now
+                    self.cache.reshape(-1).view(np.uint8)[:] = self.on_device.cpu().numpy()
                 want = expected_decode_cache(
                     self.kv_model,
                     self.layout,

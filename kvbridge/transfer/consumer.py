@@ -41,7 +41,7 @@ from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.identity import Identity, bound_fingerprint
-from kvbridge.transfer.integrity import Integrity, is_checked, region_views
+from kvbridge.transfer.integrity import is_checked, region_views
 from kvbridge.transfer.introductions import Introductions
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire
 from kvbridge.transfer.notices import ProducerNotices
@@ -100,13 +100,6 @@ class KVConsumer:
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self._clock = clock
         self._views = region_views(regions)  # to digest what we pulled
-        if self._views is None and config.integrity is not Integrity.OFF:
-            log.warning(
-                "decode worker %d: integrity=%s is not checked for a %s cache (host memory only)",
-                rank,
-                config.integrity.value,
-                regions.mem_type.value,
-            )
         self.host = socket.gethostname()
         worker = DecodeWorker(rank, instance_id, regions, num_blocks, transport, config, clock)
         self._siblings = Siblings(
@@ -198,7 +191,7 @@ class KVConsumer:
             self._clock() + self.config.transfer_timeout_s,
             start_token,
             generation=generation,
-            checked=self._views is not None and is_checked(self.config.integrity, request_id),
+            checked=is_checked(self.config.integrity, request_id),
             handshake=not (inst.is_ready and inst.prepared),
         )
 

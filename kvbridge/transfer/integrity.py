@@ -16,8 +16,11 @@ hashes its copy while the producer hashes its own, and a mismatch fails the pull
 
 The check costs more than a same-host pull on a loaded 2-core machine (docs/benchmarks.md),
 so by default it is sampled: `Integrity.SAMPLE` checks one request in `SAMPLE_EVERY`,
-chosen by its request id, so every decode worker of a request decides alike. DRAM only:
-a VRAM cache is never hashed (the check is skipped, with a warning once).
+chosen by its request id, so every decode worker of a request decides alike. A cache in
+device memory (VRAM) is hashed too: its runs are gathered on its device by torch (the
+process that owns a GPU cache has it), copied to the host a chunk at a time and hashed
+in the same order, so a host cache and a GPU cache of the same bytes give the same
+digest.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from __future__ import annotations
 import ctypes
 import enum
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +40,8 @@ from kvbridge.transfer.regions import CacheRegions, MemType
 SAMPLE_EVERY = 8
 #: Bytes of a digest (SHA-256, truncated).
 DIGEST_BYTES = 16
+#: A device cache's runs are copied to the host in chunks of about this many bytes.
+GATHER_BYTES = 64 << 20
 
 
 class Integrity(enum.Enum):
@@ -55,20 +61,46 @@ def is_checked(mode: Integrity, request_id: str) -> bool:
     return mode is Integrity.ON
 
 
-def region_views(regions: CacheRegions) -> list[memoryview] | None:
-    """Read-only byte views of host-memory cache regions; None for device memory (VRAM),
-    which this process cannot read directly."""
+def region_views(regions: CacheRegions) -> list[Any]:
+    """Read-only byte views of the cache regions: memoryviews of host memory (DRAM); of
+    device memory (VRAM), torch uint8 tensors over each region on its device."""
     if regions.mem_type is not MemType.DRAM:
-        return None
+        return device_views(regions)
     return [
         memoryview((ctypes.c_uint8 * n).from_address(a)).cast("B").toreadonly()
         for a, n in zip(regions.addresses, regions.lengths, strict=True)
     ]
 
 
-def digest(views: Sequence[memoryview], lists: Sequence[CopyList], side: str) -> bytes:
+class _DeviceSpan:
+    """`n` bytes at device address `address`, as CUDA's array interface describes them
+    (torch reads it: `torch.as_tensor` wraps the memory, it neither copies nor owns it)."""
+
+    def __init__(self, address: int, n: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (n,),
+            "typestr": "|u1",
+            "data": (address, True),  # read-only
+            "version": 3,
+            "strides": None,
+        }
+
+
+def device_views(regions: CacheRegions) -> list[Any]:
+    """Torch uint8 tensors over device regions (VRAM) on their GPU, sharing its memory."""
+    import torch
+
+    device = torch.device("cuda", regions.device_id)
+    return [
+        torch.as_tensor(_DeviceSpan(a, n), device=device)
+        for a, n in zip(regions.addresses, regions.lengths, strict=True)
+    ]
+
+
+def digest(views: Sequence[Any], lists: Sequence[CopyList], side: str) -> bytes:
     """The digest of the bytes of `lists`' runs on one side ("src": the prefill worker's
-    regions, "dst": the decode worker's), taken in source order."""
+    regions, "dst": the decode worker's), taken in source order; `views` from
+    `region_views` (or torch uint8 tensors, one per region, on any device)."""
     if not lists:
         return hashlib.sha256().digest()[:DIGEST_BYTES]
     src_regions = np.concatenate([cl.src_regions for cl in lists])
@@ -78,8 +110,31 @@ def digest(views: Sequence[memoryview], lists: Sequence[CopyList], side: str) ->
     lengths = np.concatenate([cl.lengths for cl in lists])
     order = np.lexsort((src_offsets, src_regions))
     h = hashlib.sha256()
-    for r, o, n in zip(
+    runs = zip(
         regions[order].tolist(), offsets[order].tolist(), lengths[order].tolist(), strict=True
-    ):
-        h.update(views[r][o : o + n])
+    )
+    if isinstance(views[0], memoryview):
+        for r, o, n in runs:
+            h.update(views[r][o : o + n])
+    else:
+        for chunk in gathered(views, runs):
+            h.update(chunk)
     return h.digest()[:DIGEST_BYTES]
+
+
+def gathered(views: Sequence[Any], runs: Iterator[tuple[int, int, int]]) -> Iterator[Any]:
+    """The bytes of `runs` (region, offset, length) of torch tensors `views`, in order,
+    gathered on the tensors' device and copied to the host about `GATHER_BYTES` at a time
+    (one copy per chunk, not per run), as host arrays."""
+    import torch
+
+    parts: list[Any] = []
+    size = 0
+    for r, o, n in runs:
+        parts.append(views[r][o : o + n])
+        size += n
+        if size >= GATHER_BYTES:
+            yield torch.cat(parts).cpu().numpy()
+            parts, size = [], 0
+    if parts:
+        yield torch.cat(parts).cpu().numpy()

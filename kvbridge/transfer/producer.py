@@ -510,7 +510,7 @@ class KVProducer:
         plan, views = session.plan, self._views
         bp, bd = plan.prefill.block_size, plan.decode.block_size
         skip = msg.start_token // bp - exp.start_token // bp
-        if views is None or not 0 <= skip < len(exp.block_ids) or msg.start_token >= exp.num_tokens:
+        if not 0 <= skip < len(exp.block_ids) or msg.start_token >= exp.num_tokens:
             return b""
         end = read_end(plan, exp.num_tokens, self.regions.mem_type)  # what the reader read
         # stand-in decode block ids: the source runs (and their order) do not depend on them

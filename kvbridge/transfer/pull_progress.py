@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from kvbridge.errors import KVBridgeError
 from kvbridge.transfer.agent import XferState
@@ -76,7 +77,7 @@ class PullProgress:
         planner: PullPlanner,
         siblings: Siblings,
         notices: ProducerNotices,
-        views: list[memoryview] | None,
+        views: list[Any],
         staging: Staging,
     ) -> None:
         self.rank, self.transport, self.config = worker.rank, worker.transport, worker.config
@@ -204,7 +205,6 @@ class PullProgress:
         the pull ended."""
         cast = pull.instance.plan.cast if pull.instance.plan is not None else None
         if pull.checked and pull.digests is None:  # while the producers digest theirs
-            assert self._views is not None
             views = self._views if cast is None else self._staging.views(cast)
             t0 = time.perf_counter()
             pull.digests = {p: digest(views, pull.copies[p], "dst") for p in pull.awaiting}

@@ -26,7 +26,21 @@ from kvbridge.transfer.errors import TransferError
 
 class MemType(enum.Enum):
     DRAM = "DRAM"  # host memory
-    VRAM = "VRAM"  # CUDA device memory
+    VRAM = "VRAM"  # GPU device memory (CUDA; ROCm's HIP devices, which torch names cuda)
+
+
+def memory_of(device: Any) -> tuple[MemType, int]:
+    """NIXL's memory type and device id for memory on torch `device` (its `type` and
+    `index`): host memory (cpu) is DRAM 0, a GPU (cuda, ROCm included) VRAM of its
+    index; TransferError for any other kind of device."""
+    if device.type == "cpu":
+        return MemType.DRAM, 0
+    if device.type == "cuda":
+        return MemType.VRAM, int(device.index or 0)
+    raise TransferError(
+        f"memory on device {device} cannot be registered with NIXL here; use host memory "
+        "(cpu) or a GPU (cuda, ROCm's devices included)"
+    )
 
 
 @dataclass(frozen=True)
@@ -78,10 +92,7 @@ class CacheRegions:
         n = num_regions
         step = cache.numel() * cache.element_size() // n
         base = int(cache.data_ptr())
-        if cache.is_cuda:
-            mem, dev = MemType.VRAM, int(cache.device.index or 0)
-        else:
-            mem, dev = MemType.DRAM, 0
+        mem, dev = memory_of(cache.device)
         return cls(tuple(base + r * step for r in range(n)), (step,) * n, mem, dev)
 
 

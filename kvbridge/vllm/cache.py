@@ -6,7 +6,9 @@ layout (an order of L, B, H, N, C), and each layer's attention backend reads the
 content its own way. `CacheFormat.of` reads both from vLLM; kvbridge.plan.backends
 maps them to kvbridge's layout letters (vLLM's CPU pages included) and checks the
 tensors are that allocation. A backend, layout or tensor kvbridge does not know is
-refused at start-up naming it and what works.
+refused at start-up naming it and what works. A worker's caches lie in host memory
+(vLLM's CPU build) or on its one GPU (CUDA, ROCm), registered as that device's memory
+(`cache_memory`).
 
 With vLLM's hybrid KV cache manager a model's layers fall into KV cache groups (e.g.
 sliding-window and full attention), each with its own block table over one pool of
@@ -26,8 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge.connector import CacheRegions, MemType
-from kvbridge.errors import ConfigError, LayoutError
+from kvbridge.connector import CacheRegions, MemType, memory_of
+from kvbridge.errors import ConfigError, KVBridgeError, LayoutError
 from kvbridge.plan.backends import LayerTensor, place_cache
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
@@ -115,6 +117,32 @@ def check_groups(groups: list[list[str]], shared: list[list[str]]) -> None:
             )
 
 
+def cache_memory(kv_caches: dict[str, Any]) -> tuple[MemType, int]:
+    """Where one worker's `kv_caches` lie, as NIXL registers it: host memory (vLLM's CPU
+    build) as DRAM, one GPU (CUDA or ROCm) as VRAM of its index; ConfigError for caches
+    on several devices (host and GPU, two GPUs) or on a kind of device NIXL is not given
+    here, naming the device of each and what works."""
+    on: dict[str, list[str]] = {}
+    for name in sorted(kv_caches, key=layer_index):
+        on.setdefault(str(kv_caches[name].device), []).append(name)
+    if len(on) > 1:
+        where = "; ".join(
+            f"{device}: {', '.join(names[:2])}{', ...' if len(names) > 2 else ''}"
+            for device, names in on.items()
+        )
+        raise ConfigError(
+            f"vLLM KV caches of one worker lie on {len(on)} devices ({where}); "
+            "KVBridgeConnector registers a worker's caches on one device: all in host "
+            "memory (vLLM's CPU build) or all on the worker's own GPU (one CUDA or ROCm "
+            "device per worker)"
+        )
+    device = kv_caches[next(iter(kv_caches))].device
+    try:
+        return memory_of(device)
+    except KVBridgeError as exc:
+        raise ConfigError(f"vLLM's KV caches: {exc}") from None
+
+
 def describe_kv_caches(
     kv_caches: dict[str, Any],
     model: ModelKVSpec,
@@ -164,12 +192,12 @@ def describe_kv_caches(
                 "stage's own layers, one cache per layer)"
             )
     tensors = [kv_caches[name] for name in names]
-    if len({t.dtype for t in tensors}) > 1 or any(t.is_cuda for t in tensors):
+    if len({t.dtype for t in tensors}) > 1:
         raise ConfigError(
-            f"vLLM KV caches are {sorted({str(t.dtype) for t in tensors})} on "
-            f"{sorted({str(t.device) for t in tensors})}; KVBridgeConnector's vLLM glue "
-            "serves CPU caches of one dtype for now: use vLLM's CPU build"
+            f"vLLM KV caches are {sorted({str(t.dtype) for t in tensors})}; "
+            "KVBridgeConnector's vLLM glue serves caches of one dtype per worker"
         )
+    mem_type, device_id = cache_memory(kv_caches)
     layers = [
         LayerTensor(
             name,
@@ -188,5 +216,5 @@ def describe_kv_caches(
         )
     except LayoutError as exc:
         raise ConfigError(f"vLLM's KV caches: {exc}") from None
-    regions = CacheRegions(placed.addresses, placed.lengths, MemType.DRAM, 0)
+    regions = CacheRegions(placed.addresses, placed.lengths, mem_type, device_id)
     return RegisteredCache(model, layout, regions, placed.num_blocks)

@@ -3,7 +3,8 @@
 It moves no bytes; tests inject notifications and READ outcomes. It is used beside
 the real NIXL tests (test_transfers.py, test_faults.py), never instead of them. Also the
 small model, layouts and helpers the state-machine tests share (a settable clock, fake
-cache regions, polling, signed notifications).
+cache regions, polling, signed notifications) and a host tensor that says it lies on a
+GPU (`OnDevice`).
 """
 
 from __future__ import annotations
@@ -148,3 +149,17 @@ def deliver(p: KVProducer, data: bytes) -> None:
     """Hand `p` a notification, as NIXL delivers one."""
     assert isinstance(p.transport, FakeTransport)
     p.transport.inbox.setdefault("decode", []).append(data)
+
+
+class OnDevice:
+    """A host tensor that says it lies on `device` ("cuda:1": torch names a device that
+    is not there): what kvbridge reads of a GPU cache (its device, addresses, shape,
+    strides, dtype) without one. Its bytes are never read as device memory here."""
+
+    def __init__(self, tensor: Any, device: str) -> None:
+        import torch
+
+        self._t, self.device = tensor, torch.device(device)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)

@@ -146,3 +146,34 @@ def test_sampling_picks_the_same_requests_everywhere_and_about_one_in_n() -> Non
     assert picked == [i for i in ids if is_checked(Integrity.SAMPLE, i)]
     assert 0.5 < len(picked) * SAMPLE_EVERY / len(ids) < 1.5
     assert all(is_checked(Integrity.ON, i) and not is_checked(Integrity.OFF, i) for i in ids)
+
+
+def test_a_digest_over_tensors_equals_the_digest_over_host_memory(monkeypatch) -> None:
+    """A GPU cache's digest gathers its runs with torch on the cache's device and hashes
+    them a chunk at a time (`integrity.gathered`): the same bytes give the digest of the
+    host path, on either side, however the chunks cut the runs (here torch tensors on
+    the host: the code path a GPU runs, on its device)."""
+    import torch
+
+    from kvbridge.plan.planner import make_plan
+    from kvbridge.transfer import integrity
+    from kvbridge.transfer.integrity import digest, region_views
+
+    pw, dw = Worker(PREFILL, 0, "prefill", True), Worker(DECODE, 1, "decode", False)
+    lists = copy_lists(make_plan(MODEL, PREFILL, DECODE), 1, [5, 2], [1, 6, 3], 20)
+    apply_copy_lists(pw.bytes, dw.bytes, lists)
+    for w, side in ((pw, "src"), (dw, "dst")):
+        views = region_views(w.regions)
+        assert all(isinstance(v, memoryview) for v in views)  # host memory: as before
+        tensors = [torch.from_numpy(np.frombuffer(v, dtype=np.uint8).copy()) for v in views]
+        want = digest(views, lists, side)
+        assert digest(tensors, lists, side) == want
+        monkeypatch.setattr(integrity, "GATHER_BYTES", 24)  # many chunks
+        assert digest(tensors, lists, side) == want
+        monkeypatch.undo()
+    assert digest(region_views(pw.regions), lists, "src") == digest(
+        region_views(dw.regions), lists, "dst"
+    )
+    # one byte the pull holds (the first run's, in the decode worker's tensors), changed
+    tensors[int(lists[0].dst_regions[0])][int(lists[0].dst_offsets[0])] ^= 1
+    assert digest(tensors, lists, "dst") != digest(region_views(dw.regions), lists, "dst")

@@ -1,4 +1,6 @@
-"""Cache regions as registered with NIXL: host arrays and tensors (DRAM), CUDA tensors (VRAM)."""
+"""Cache regions as registered with NIXL: host arrays and tensors (DRAM), GPU tensors
+(VRAM; described here with a tensor that names a CUDA device, registered for real in
+tests/gpu)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,9 @@ import numpy as np
 import pytest
 
 from kvbridge.transfer.errors import TransferError
-from kvbridge.transfer.regions import CacheRegions, MemType
+from kvbridge.transfer.regions import CacheRegions, MemType, memory_of
+
+from .fakes import OnDevice
 
 
 def test_regions_of_an_engine_style_host_tensor() -> None:
@@ -35,18 +39,15 @@ def test_regions_of_a_host_array_and_their_nixl_rows() -> None:
     assert rows[:, 1].tolist() == [2048] * 4
 
 
-@pytest.mark.gpu
-def test_cuda_tensor_registers_as_vram() -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    from kvbridge.transfer.agent import NixlTransport
+def test_a_gpu_tensor_is_vram_of_its_device_and_other_devices_are_refused() -> None:
+    import torch
 
-    cache = torch.zeros(4, 2, 16, 8, 64, dtype=torch.bfloat16, device="cuda:0")
-    regions = CacheRegions.from_tensor(cache)
-    assert regions.mem_type is MemType.VRAM and regions.device_id == 0
-    transport = NixlTransport("gpu-test", regions)
-    try:
-        assert transport.metadata()
-    finally:
-        transport.close()
+    cache = torch.zeros(2, 4, 8)
+    regions = CacheRegions.from_tensor(OnDevice(cache, "cuda:3"), 2)
+    assert (regions.mem_type, regions.device_id) == (MemType.VRAM, 3)
+    assert regions.addresses == (cache.data_ptr(), cache.data_ptr() + 128)
+    assert regions.as_array()[:, 2].tolist() == [3, 3]  # NIXL's device id column
+    assert memory_of(torch.device("cuda")) == (MemType.VRAM, 0)
+    assert memory_of(torch.device("cpu")) == (MemType.DRAM, 0)
+    with pytest.raises(TransferError, match=r"device meta cannot be registered .* use host"):
+        CacheRegions.from_tensor(OnDevice(cache, "meta"))

@@ -170,3 +170,17 @@ def test_a_fan_out_on_the_decode_host_arrives_byte_exact(case: str) -> None:
     assert report.bytes == tokens * fan.link_bytes_per_token < tokens * plain.bytes_per_token
     assert report.local_bytes == tokens * fan.local_bytes_per_token > 0
     assert report.bytes + report.local_bytes == tokens * plain.bytes_per_token
+
+
+def test_caches_held_in_torch_tensors_move_byte_exact_with_a_fan_out() -> None:
+    """The harness's `device` path, which tests/gpu runs with "cuda:0": each worker's
+    cache a torch tensor on that device (here the host's), registered from the tensor
+    (`CacheRegions.from_tensor`), read back to verify. MLA prefill tp 2 -> decode tp 4
+    with a fan-out: reads, sibling copies and integrity digests on the tensors."""
+    model, prefill, decode, _ = FAN_OUT["MLA 2->4"]
+    report = run_check(
+        model, prefill, decode, num_requests=2, num_tokens=50, timeout_s=60,
+        fan_out="on", device="cpu",
+    )  # fmt: skip
+    assert report.failures == [] and report.verified
+    assert report.local_bytes > 0 and report.bytes > 0

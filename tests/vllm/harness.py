@@ -199,6 +199,28 @@ def pd_completion(
     return first, out
 
 
+def pd_token_exact(
+    prefill: VLLMServer, decode: VLLMServer, prompt: str, max_tokens: int
+) -> tuple[dict[str, Any], int]:
+    """Both instances ready, vLLM's two-step P/D request, and its tokens checked equal to
+    colocated vLLM's at the prefill's and the decode's settings (the same instances asked
+    without kv_transfer_params, with a cache salt: nothing of the P/D request reused);
+    returns the decode's response and where the decode log stood before the request."""
+    prefill.wait_ready()
+    decode.wait_ready()
+    since = len(decode.log_text())
+    first, out = pd_completion(prefill, decode, prompt, max_tokens)
+    ref_p = prefill.complete(prompt, max_tokens, cache_salt="colocated")
+    ref_d = decode.complete(prompt, max_tokens, cache_salt="colocated")
+    assert token_ids(out) == token_ids(ref_p) == token_ids(ref_d), (
+        text(out),
+        text(ref_p),
+        text(ref_d),
+    )
+    assert token_ids(first) == token_ids(out)[:1]
+    return out, since
+
+
 def token_ids(resp: dict[str, Any]) -> list[int]:
     return list(resp["choices"][0]["token_ids"])
 

@@ -22,7 +22,8 @@ from kvbridge.plan import InstanceLayout, make_plan
 from kvbridge.plan.backends import BACKEND_CONTENT, VLLM_ORDERS, Content, dense_strides
 from kvbridge.plan.geometry import AttentionKind, ModelKVSpec
 from kvbridge.plan.layout import cache_strides
-from kvbridge.vllm.cache import CacheFormat, describe_kv_caches
+from kvbridge.transfer.regions import MemType
+from kvbridge.vllm.cache import CacheFormat, RegisteredCache, describe_kv_caches
 
 #: (backend, vLLM's KV cache layout): CPU attention declares LBHNC only; FlashAttention
 #: and the MLA backends declare none (any layout); FlashInfer on SM100 LBHNC and BLHNC
@@ -47,8 +48,11 @@ def block_of(backend: str) -> int:
     return 16 if model_of(backend).is_mla else 32  # CPU_MLA takes 16, CPU_ATTN multiples of 32
 
 
-def allocate(order: str, model: ModelKVSpec, block: int) -> tuple[torch.Tensor, dict]:
-    """A worker's caches as vLLM allocates them: one buffer, per-layer [B, H, N, C]."""
+def allocate(
+    order: str, model: ModelKVSpec, block: int, device: str = "cpu"
+) -> tuple[torch.Tensor, dict]:
+    """A worker's caches as vLLM allocates them on `device`: one buffer, per-layer
+    [B, H, N, C]."""
     heads = 1 if model.is_mla else model.num_kv_heads // TP
     names = [f"model.layers.{i}.self_attn.attn" for i in range(model.num_layers)]
     try:
@@ -64,7 +68,7 @@ def allocate(order: str, model: ModelKVSpec, block: int) -> tuple[torch.Tensor, 
         ext = {"L": model.num_layers, "B": BLOCKS, "H": heads, "N": block}
         ext["C"] = model.num_kv_tensors * model.head_dim
         st = dense_strides(order, ext)
-        raw = torch.zeros(model.num_layers * BLOCKS * heads * block * ext["C"])
+        raw = torch.zeros(model.num_layers * BLOCKS * heads * block * ext["C"], device=device)
         views = [
             raw.as_strided([ext[a] for a in "BHNC"], [st[a] for a in "BHNC"], i * st["L"])
             for i in range(model.num_layers)
@@ -78,7 +82,7 @@ def allocate(order: str, model: ModelKVSpec, block: int) -> tuple[torch.Tensor, 
     tensor = KVCacheTensor(
         size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride
     )
-    raw = torch.zeros(size, dtype=torch.int8)
+    raw = torch.zeros(size, dtype=torch.int8, device=device)
     views = create_kv_cache_views(raw, spec, BLOCKS, layout, tensor)
     return raw, dict(zip(names, views, strict=True))
 
@@ -112,14 +116,22 @@ def write(backend: str, cache: torch.Tensor, kv: torch.Tensor) -> None:
 def test_each_element_lies_where_the_connectors_layout_and_regions_say(
     backend: str, order: str
 ) -> None:
+    reg = check_elements(backend, order, "cpu")
+    assert (reg.regions.mem_type, reg.regions.device_id) == (MemType.DRAM, 0)
+
+
+def check_elements(backend: str, order: str, device: str) -> RegisteredCache:
+    """Allocate a worker's caches of `backend` under `order` on `device`, write them as
+    the backend does, and check every element lies where `describe_kv_caches` says (its
+    layout and regions); what it described."""
     model, block = model_of(backend), block_of(backend)
-    raw, caches = allocate(order, model, block)
+    raw, caches = allocate(order, model, block, device)
     heads = caches[next(iter(caches))].shape[1]
     gen = torch.Generator().manual_seed(7)
     # [layer][K/V][block][token][head][channel]
     values = torch.randn(
         model.num_layers, model.num_kv_tensors, BLOCKS, block, heads, model.head_dim, generator=gen
-    )
+    ).to(device)
     for layer, cache in enumerate(caches.values()):
         write(backend, cache, values[layer])
     reg = describe_kv_caches(
@@ -140,8 +152,10 @@ def test_each_element_lies_where_the_connectors_layout_and_regions_say(
             region = region + idx * st[axis][0]
             offset = offset + idx * st[axis][1]
         at = addresses[region] + offset - base
-        assert torch.equal(flat[at // 4], values[:, kv]), f"{backend} {order} {'KV'[kv]}"
+        got = flat[(at // 4).to(device)]
+        assert torch.equal(got, values[:, kv]), f"{backend} {order} {'KV'[kv]}"
         assert int(at.max()) + 4 <= raw.numel() * raw.element_size()
+    return reg
 
 
 def test_a_layout_it_does_not_know_is_refused_naming_backend_shape_and_what_works() -> None:

@@ -30,7 +30,7 @@ from kvbridge.plan.geometry import load_model_spec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.vllm.cache import pipeline_layers
 from kvbridge.vllm.launch import HYBRID_ARGS, MLA_ARGS
-from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_completion, text, token_ids
+from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_token_exact, text, token_ids
 
 pytestmark = pytest.mark.slow
 
@@ -184,18 +184,7 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         vllm_args=args, pp_size=case.decode_pp, traced=traced,
     )  # fmt: skip
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
-        since = len(decode.log_text())
-        first, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
-        ref_p = prefill.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
-        ref_d = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
-        assert token_ids(out) == token_ids(ref_p) == token_ids(ref_d), (
-            text(out),
-            text(ref_p),
-            text(ref_d),
-        )
-        assert token_ids(first) == token_ids(out)[:1]
+        out, since = pd_token_exact(prefill, decode, PROMPT, MAX_TOKENS)
         if case.model == "smollm2-135m":
             assert text(out).startswith(" Paris.")
         if case.kv_export == "process":  # every producer worker exports
