@@ -72,7 +72,8 @@ demo-vllm: vllm-models
 	$(VLLM_BIN)/kvbridge demo --engine vllm
 
 # One vLLM P/D pair at a time, each under the heavy lock (a pair takes 7-10 GiB); every
-# case compares tokens with colocated vLLM and checks the KV bytes the decode workers pulled.
+# case compares tokens with colocated vLLM and checks the KV bytes the decode workers pulled;
+# the last pair runs on two test hosts (MLA's latent over the link once; needs root).
 VLLM_PYTEST := $(VLLM_BIN)/pytest -q -p no:cacheprovider
 test-vllm: vllm-models
 	$(VLLM_PYTEST) tests/vllm/test_cache.py tests/vllm/test_layouts.py tests/vllm/test_stats.py \
@@ -82,6 +83,7 @@ test-vllm: vllm-models
 	for case in $$($(VLLM_PYTEST) --collect-only tests/vllm/test_pd.py | grep '::'); do \
 		flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x "$$case" || exit 1; \
 	done
+	flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) tests/vllm/test_pd_hosts.py  # test hosts: root
 
 # --- Ray Serve LLM: the same connector, vLLM deployed by Ray (docs/ray.md). ------------------
 # ray[serve] and ray[llm]'s other requirements go into .venv-vllm; never ray[llm] itself: it
