@@ -72,16 +72,18 @@ demo-vllm: vllm-models
 	$(VLLM_BIN)/kvbridge demo --engine vllm
 
 # One vLLM P/D pair at a time, each under the heavy lock (a pair takes 7-10 GiB); every
-# case compares tokens with colocated vLLM and checks the KV bytes the decode workers pulled.
+# case compares tokens with colocated vLLM and checks the KV bytes the decode workers pulled;
+# the last pair runs on two test hosts (MLA's latent over the link once; needs root).
 VLLM_PYTEST := $(VLLM_BIN)/pytest -q -p no:cacheprovider
 test-vllm: vllm-models
 	$(VLLM_PYTEST) tests/vllm/test_cache.py tests/vllm/test_layouts.py tests/vllm/test_stats.py \
-		tests/vllm/test_scheduler.py tests/vllm/test_hybrid.py tests/vllm/test_bench_log.py \
-		tests/vllm/test_device.py tests/test_gpu_suite.py
+		tests/vllm/test_scheduler.py tests/vllm/test_hybrid.py tests/vllm/test_hybrid_failure.py \
+		tests/vllm/test_bench_log.py tests/vllm/test_device.py tests/test_gpu_suite.py
 	$(VLLM_PYTEST) tests/connector/test_hosts.py -k "not engine"  # vLLM's own Request objects
 	for case in $$($(VLLM_PYTEST) --collect-only tests/vllm/test_pd.py | grep '::'); do \
 		flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x "$$case" || exit 1; \
 	done
+	flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) tests/vllm/test_pd_hosts.py  # test hosts: root
 
 # --- Ray Serve LLM: the same connector, vLLM deployed by Ray (docs/ray.md). ------------------
 # ray[serve] and ray[llm]'s other requirements go into .venv-vllm; never ray[llm] itself: it

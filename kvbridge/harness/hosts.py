@@ -197,6 +197,10 @@ class TestHost:
         """Bytes this host has sent on its link (the bridge end's receive counter)."""
         return int(Path(f"/sys/class/net/{self.veth}/statistics/rx_bytes").read_text())
 
+    def bytes_received(self) -> int:
+        """Bytes this host's link has delivered to it (the bridge end's send counter)."""
+        return int(Path(f"/sys/class/net/{self.veth}/statistics/tx_bytes").read_text())
+
     @contextlib.contextmanager
     def capture(self) -> Iterator[Capture]:
         """What a sniffer on this host's cable sees: every frame its link carries, both

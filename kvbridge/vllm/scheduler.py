@@ -74,9 +74,11 @@ class SchedulerSide(RoleSchedulers):
     with several KV cache groups (`in_step_pulls` off): vLLM hears of its failed pulls
     as failed requests, which it takes only from asynchronous loads."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, in_step_pulls: bool = True, **kwargs: Any) -> None:
+        """`RoleSchedulers`' arguments, and whether a pull from a met producer may go in
+        step (`in_step_pulls`: off for several KV cache groups)."""
         super().__init__(*args, **kwargs)
-        self.in_step_pulls = True  # whether a pull from a met producer goes in step
+        self.in_step_pulls = in_step_pulls
         self.met: set[str] = set()  # producer endpoints a pull ended from, RUNNING
         self.in_step: set[str] = set()  # requests told to load synchronously, not yet pulled
         self._ordered_in_step: list[str] = []  # this step's in-step pulls

@@ -1,7 +1,9 @@
 """Real vLLM servers (the CPU build, `.venv-vllm`) for the connector's tests.
 
 `VLLMServer` starts `python -m vllm.entrypoints.openai.api_server` in a session of its
-own (stopped by killing that process group), on 127.0.0.1, and waits for /health.
+own (stopped by killing that process group), on 127.0.0.1, or as a test host's process
+on its address (`kvbridge.harness.hosts`: asked from inside its network namespace), and
+waits for /health.
 `pd_completion` is vLLM's two-step P/D request as a proxy makes it: the prefill
 instance with kv_transfer_params {"do_remote_decode": true} and max_tokens 1, then
 the decode instance with the params the prefill returned.
@@ -9,14 +11,16 @@ the decode instance with the params the prefill returned.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -37,10 +41,15 @@ from kvbridge.vllm.launch import (
     warm_up,
 )
 
+if TYPE_CHECKING:
+    from kvbridge.harness.hosts import TestHost
+
 ROOT = Path(__file__).resolve().parents[2]
 #: the test deployment's root key: it enrolls every test instance (`credential_file`)
 CREDENTIAL_ROOT = RootKey.generate()
 MODELS = Path(os.environ.get("KVBRIDGE_VLLM_MODELS", ROOT / ".cache" / "vllm-models"))
+#: the port a vLLM instance on a test host serves on (the host's address is its own)
+HOST_PORT = 8000
 #: "kvbridge decode worker R pulled ID: tokens [S, N), B bytes in T ms"
 PULLED = re.compile(
     r"decode worker (\d+) pulled (\S+): tokens \[(\d+), (\d+)\), (\d+) bytes "
@@ -74,14 +83,19 @@ class VLLMServer:
         vllm_args: tuple[str, ...] = (),
         pp_size: int = 1,
         traced: bool = False,
+        on: TestHost | None = None,
     ) -> None:
         """`pp_size`: pipeline stages (each of `tp_size` workers); `traced`: vLLM's
         arguments for pipeline parallelism (`launch.small_host_args`), for both
-        instances of a pair where either has stages."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        instances of a pair where either has stages; `on`: the test host it runs on
+        (its output then goes to the host's log, not `log_path`; its connector binds
+        the host's address only with `extra`'s `host`)."""
+        self.on = on
+        address = on.address if on is not None else "127.0.0.1"
+        self.port = HOST_PORT if on is not None else free_port()
+        self.url = f"http://{address}:{self.port}"
         self.model = str(MODELS / model)
-        self.log_path = log_path
+        self.log_path = on.log_path if on is not None else log_path
         self.tp_size = tp_size
         kv = None
         self.credential_file: str | None = None
@@ -93,21 +107,35 @@ class VLLMServer:
         args = small_host_args(traced or pp_size > 1) + vllm_args
         if pp_size > 1:
             args += ("--pipeline-parallel-size", str(pp_size))
-        cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *args)
+        cmd = vllm_command(self.model, self.port, tp_size, block_size, kv, *args, host=address)
         env = vllm_env(tp_size * pp_size, first_core, workers_on_host)
         env["PYTHONPATH"] = str(ROOT)
-        self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
-        self.proc = start(cmd, env, self._log)
+        self._log = None
+        if on is not None:
+            on.start(cmd, env)
+            assert on.proc is not None
+            self.proc = on.proc
+        else:
+            self._log = open(log_path, "wb")  # noqa: SIM115  (closed in stop)
+            self.proc = start(cmd, env, self._log)
+
+    @contextlib.contextmanager
+    def reach(self) -> Iterator[None]:
+        """Where this thread reaches the instance from: its test host's network, or here."""
+        with self.on.inside() if self.on is not None else contextlib.nullcontext():
+            yield
 
     def wait_ready(self, timeout_s: float = 600) -> None:
         """Healthy (`launch.wait_healthy`, its failures with the log), then warmed up."""
         try:
-            wait_healthy(self.url, self.proc, timeout_s)
+            with self.reach():
+                wait_healthy(self.url, self.proc, timeout_s)
         except RuntimeError as exc:  # the process exited
             raise RuntimeError(f"vLLM: {exc}; log {self.log_path}:\n{self.log_tail()}") from None
         except TimeoutError as exc:
             raise TimeoutError(f"vLLM: {exc}; log {self.log_path}") from None
-        warm_up(self.url, self.model)  # its first forward's one-off work done
+        with self.reach():
+            warm_up(self.url, self.model)  # its first forward's one-off work done
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -125,7 +153,8 @@ class VLLMServer:
 
     def metric(self, name: str) -> float:
         """A series of vLLM's /metrics (`vllm:<name>`), summed over its labels."""
-        text = httpx.get(self.url + "/metrics", timeout=30).text
+        with self.reach():
+            text = httpx.get(self.url + "/metrics", timeout=30).text
         return metric_value(text, name, prefix="vllm:")
 
     def complete(self, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -137,13 +166,18 @@ class VLLMServer:
             "return_token_ids": True,
             **extra,
         }
-        r = httpx.post(self.url + "/v1/completions", json=body, timeout=600)
+        with self.reach():
+            r = httpx.post(self.url + "/v1/completions", json=body, timeout=600)
         assert r.status_code == 200, (r.status_code, r.text)
         return dict(r.json())
 
     def stop(self) -> None:
-        stop(self.proc)
-        self._log.close()
+        if self.on is not None:
+            self.on.kill()  # every process of the host, its private /dev/shm with them
+        else:
+            stop(self.proc)
+        if self._log is not None:
+            self._log.close()
         if self.credential_file:
             remove_credential_file(self.credential_file)
 

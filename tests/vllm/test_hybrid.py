@@ -50,25 +50,30 @@ def tokens(buf: torch.Tensor, block: int, num: int) -> tuple[torch.Tensor, torch
     return k, v
 
 
+def hybrid_buffer(fill: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """vLLM's hybrid allocation for tiny-gemma3 at tp 1: two shared tensors (every
+    element its own value), and each layer's cache, the j-th layer of every group
+    viewing the j-th tensor."""
+    buf = torch.full((2, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM), fill)
+    buf += torch.arange(buf.numel(), dtype=buf.dtype).reshape(buf.shape) * 1e-3
+    caches = {
+        f"model.layers.{i}.self_attn.attn": buf[j] for g in GEMMA3_GROUPS for j, i in enumerate(g)
+    }
+    return buf, caches
+
+
 class Instance:
     """One vLLM instance of tiny-gemma3 at tp 1 as the adapter sees it."""
 
     def __init__(self, name: str, kv_role: str, fill: float) -> None:
-        buf = torch.full((2, NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM), fill)
-        buf += torch.arange(buf.numel(), dtype=buf.dtype).reshape(buf.shape) * 1e-3
-        self.buf = buf
-        caches = {
-            f"model.layers.{i}.self_attn.attn": buf[j]
-            for g in GEMMA3_GROUPS
-            for j, i in enumerate(g)
-        }
+        self.buf, caches = hybrid_buffer(fill)
         made_by = CacheFormat(dict.fromkeys(caches, "CPU_ATTN"), "LBHNC")
         cache = describe_kv_caches(caches, MODEL, 1, BLOCK, made_by, names(GEMMA3_GROUPS))
         roles = ROLES[kv_role]
         credential = ROOT.certify(roles, name, Identity.generate())
         configs = ConnectorSettings(transfer=TRANSFER, credential=credential).configs(name, roles)
-        self.side = SchedulerSide(configs, BLOCK, 1)
-        self.side.in_step_pulls = False  # as KVBridgeConnector sets it for several groups
+        # as KVBridgeConnector makes it for several groups
+        self.side = SchedulerSide(configs, BLOCK, 1, in_step_pulls=False)
         self.worker = RoleWorkers(configs, cache.model, cache.layout, 0)
         self.worker.register_regions(cache.regions, cache.num_blocks, adopt=True)
         self.side.set_worker_endpoints(*map(lambda e: [e], self.worker.get_handshake_metadata()))
