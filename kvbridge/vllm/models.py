@@ -11,8 +11,9 @@ seed) is an MLA model: its cache is the 576-wide latent vLLM's CPU MLA backend t
 (kv_lora_rank 512 + qk_rope_head_dim 64), every layer's MLP dense (no experts), 6
 query heads (tp 1, 2, 3). A tiny random Gemma-3 text model (fixed seed) is a hybrid:
 sliding-window layers and full-attention ones, each kind its own KV cache group in
-vLLM's hybrid KV cache manager, the window shorter than the tests' prompts. They share
-SmolLM2's tokenizer.
+vLLM's hybrid KV cache manager, the window shorter than the tests' prompts. A tiny
+random Nemotron-H (fixed seed) is an SSM hybrid: Mamba-2 layers (a conv and an SSM state
+per request, no token axis) between attention layers. They share SmolLM2's tokenizer.
 
 Run in the vLLM environment: ``python -m kvbridge.vllm.models [--out DIR] [NAME ...]``.
 A folder that exists (its ``.complete`` marker written) is kept. Nothing is downloaded.
@@ -97,14 +98,45 @@ class TinyGemma3:
         ]
 
 
+@dataclass(frozen=True)
+class TinyNemotronH:
+    """A random Nemotron-H geometry (SmolLM2's vocabulary and tokenizer): Mamba-2 mixers
+    (`M`), attention (`*`) and MLP (`-`) layers in `pattern`; 2 Mamba groups and 2 KV
+    heads (tp 1 and 2)."""
+
+    pattern: str = "M-*-M-"
+    hidden_size: int = 256
+    mamba_num_heads: int = 8
+    mamba_head_dim: int = 32
+    n_groups: int = 2
+    ssm_state_size: int = 16
+    conv_kernel: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    seed: int = 0
+    initializer_range: float = 0.08  # as TinyLlama's
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return len(self.pattern)
+
+    @property
+    def layers_block_type(self) -> list[str]:
+        kinds = {"M": "mamba", "*": "attention", "-": "mlp"}
+        return [kinds[c] for c in self.pattern]
+
+
 TINY = {
     "tiny-kv1": TinyLlama(num_attention_heads=4, num_key_value_heads=1),
     "tiny-kv6": TinyLlama(num_attention_heads=6, num_key_value_heads=6),
 }
 TINY_MLA = {"tiny-mla": TinyDeepseek()}
 TINY_HYBRID = {"tiny-gemma3": TinyGemma3()}
+TINY_SSM = {"tiny-nemotron-h": TinyNemotronH()}
 #: DEFAULT_MODEL: converted from the shipped GGUF
-NAMES = (DEFAULT_MODEL, *TINY, *TINY_MLA, *TINY_HYBRID)
+NAMES = (DEFAULT_MODEL, *TINY, *TINY_MLA, *TINY_HYBRID, *TINY_SSM)
 
 
 def smollm2_gguf() -> Path:
@@ -166,6 +198,8 @@ def make(name: str, root: Path = DEFAULT_DIR) -> Path:
         model = _tiny_deepseek(TINY_MLA[name], tokenizer)
     elif name in TINY_HYBRID:
         model = _tiny_gemma3(TINY_HYBRID[name], tokenizer)
+    elif name in TINY_SSM:
+        model = _tiny_nemotron_h(TINY_SSM[name], tokenizer)
     else:
         raise SystemExit(f"model={name!r} is not one of {', '.join(NAMES)}")
     _write(out, model, tokenizer)
@@ -250,6 +284,26 @@ def _tiny_gemma3(t: TinyGemma3, tokenizer: Any) -> Any:
         query_pre_attn_scalar=t.head_dim,
         sliding_window=t.sliding_window,
         layer_types=t.layer_types,
+        pad_token_id=0,
+    )
+
+
+def _tiny_nemotron_h(t: TinyNemotronH, tokenizer: Any) -> Any:
+    return _random_model(
+        "NemotronHForCausalLM",
+        "NemotronHConfig",
+        t,
+        tokenizer,
+        hidden_size=t.hidden_size,
+        layers_block_type=t.layers_block_type,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=t.head_dim,
+        mamba_num_heads=t.mamba_num_heads,
+        mamba_head_dim=t.mamba_head_dim,
+        n_groups=t.n_groups,
+        ssm_state_size=t.ssm_state_size,
+        conv_kernel=t.conv_kernel,
+        chunk_size=64,
         pad_token_id=0,
     )
 
