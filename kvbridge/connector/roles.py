@@ -62,8 +62,13 @@ class RoleSchedulers:
         block_size: int,
         world_size: int,
         log: logging.Logger = _log,
+        state_groups: frozenset[int] = frozenset(),
     ) -> None:
-        self.sides = {c.role: KVConnectorScheduler(c, block_size, world_size) for c in configs}
+        """`state_groups`: the cache groups holding a per-request state
+        (`KVConnectorScheduler`)."""
+        self.sides = {
+            c.role: KVConnectorScheduler(c, block_size, world_size, state_groups) for c in configs
+        }
         self.block_size = block_size
         self.log = log
 

@@ -31,6 +31,15 @@ group moves as a transfer of its own (`transfer_id`): tokens [start, num_tokens)
 past the decode's prefix hit and past the first token either side's group still holds
 (a window's older blocks are freed on both sides). The workers report a request once
 its groups all ended (`KVConnectorWorker`).
+
+State groups (`state_groups`: an SSM layer's conv and SSM state, vLLM's Mamba groups)
+hold one state per request, no token axis: a request's last block in such a group (its
+running state) moves whole, as that block's tokens [0, block_size), so both instances
+must page it alike (the same block_size and tp_size). A state cannot be rewound: the
+decode recomputes the prompt's last token (it needs its logits), so it must start from
+the state after the others. The producer host therefore computes the prompt less its
+last token and names that prefix (`add_request`); a consumer with state groups takes a
+capability for its prompt less its last token, digest and all, and pulls those tokens.
 """
 
 from __future__ import annotations
@@ -213,10 +222,19 @@ def release_cause(worker_causes: Iterable[str]) -> str:
 class KVConnectorScheduler:
     """The driver's connector. Owned by the host's scheduler; single-threaded."""
 
-    def __init__(self, config: KVConnectorConfig, block_size: int, world_size: int) -> None:
+    def __init__(
+        self,
+        config: KVConnectorConfig,
+        block_size: int,
+        world_size: int,
+        state_groups: frozenset[int] = frozenset(),
+    ) -> None:
+        """`state_groups`: the cache groups holding a per-request state (module
+        docstring), whose block moves whole."""
         self.config = config
         self.block_size = block_size
         self.world_size = world_size
+        self.state_groups = state_groups
         self.endpoint = ""  # producer: worker 0's side channel (in capabilities)
         self.requests: dict[str, KVRequest] = {}  # hand-overs not ended
         self.redeemed = Redeemed()  # decode: the capabilities it has taken (each once)
@@ -269,16 +287,25 @@ class KVConnectorScheduler:
         self, request_id: str, prompt_ids: list[int], params: KVTransferParams
     ) -> KVRequest:
         """Take a request with hand-over params. Decode: its capability is checked now
-        (CapabilityRefused: nothing will be pulled, nothing is held)."""
-        n = len(prompt_ids)
+        (CapabilityRefused: nothing will be pulled, nothing is held). With state groups
+        the prefill's `prompt_ids` are its prompt less the last token (the host computes
+        only those), and a decode pulls its prompt less its last token."""
         if isinstance(params, RemoteDecode):
             self._need(ConnectorRole.PRODUCER, "RemoteDecode")
-            rec = KVRequest(request_id, RequestState.PREFILLING, n, params)
+            rec = KVRequest(request_id, RequestState.PREFILLING, len(prompt_ids), params)
             rec.prompt_digest = prompt_digest(prompt_ids)
             return self._new(rec)
         self._need(ConnectorRole.CONSUMER, "RemotePrefill")
-        cap = self._check(params, request_id, prompt_ids) if params.capability else None
-        return self._new(KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, n, params, cap))
+        covered = self.covered_prompt(prompt_ids)
+        cap = self._check(params, request_id, covered) if params.capability else None
+        return self._new(
+            KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, len(covered), params, cap)
+        )
+
+    def covered_prompt(self, prompt_ids: list[int]) -> list[int]:
+        """The tokens of a prompt a hand-over covers: all of them, or, with state groups,
+        all but the last (the decode recomputes it from the state after the others)."""
+        return prompt_ids[:-1] if self.state_groups and len(prompt_ids) > 1 else prompt_ids
 
     def _check(self, params: RemotePrefill, request_id: str, prompt_ids: list[int]) -> Capability:
         """The capability, checked: signed by a prefill instance our root enrolled,
@@ -378,7 +405,29 @@ class KVConnectorScheduler:
         # token either side's group holds; both block lists start with the block
         # holding token `start` (a whole number of local blocks; inside a prefill block
         # when the block sizes differ); the plan cuts pages at both sides' boundaries
+        if self.state_groups and bp != bd:
+            self._refuse(
+                rec,
+                f"the prefill instance's block_size={bp} differs from this instance's "
+                f"{bd}: a state group's block (an SSM layer's state) moves whole, so both "
+                "instances must run the same block_size",
+            )
+            return
         for g, (theirs, ours) in enumerate(zip(remote, local, strict=True)):
+            if g in self.state_groups:  # the running state: the last block, whole
+                self._meta.recv.append(
+                    Pull(
+                        transfer_id(cap.request_id, g),
+                        cap.endpoint,
+                        theirs.block_ids[-1:],
+                        ours.block_ids[-1:],
+                        bd,
+                        generation=cap.generation,
+                        is_state=True,
+                    )
+                )
+                self._meta.recv_request_ids.append(request_id)
+                continue
             start = max(cached, theirs.first_token, ours.first_token)
             self._meta.recv.append(
                 Pull(
@@ -469,13 +518,16 @@ class KVConnectorScheduler:
         generation = new_generation()
         exposed = []
         for g, table in enumerate(tables):
-            first = min(max(start, table.first_token), n)
-            blocks = held_blocks(table, first, n, self.block_size)
+            if g in self.state_groups:  # the running state: the last block, whole
+                first, blocks, num_tokens = 0, table.block_ids[-1:], self.block_size
+            else:
+                first = min(max(start, table.first_token), n)
+                blocks, num_tokens = held_blocks(table, first, n, self.block_size), n
             exposed.append(BlockTable(blocks, first))
             expose = Expose(
                 transfer_id(rec.request_id, g),
                 blocks,
-                n,
+                num_tokens,
                 rec.params.reader or None,
                 first,
                 lease,

@@ -127,6 +127,22 @@ class TransferPlan:
     def local_copies_for(self, decode_rank: int) -> tuple[LocalCopy, ...]:
         return tuple(c for c in self.local_copies if c.decode_rank == decode_rank)
 
+    @property
+    def same_pages(self) -> bool:
+        """Whether each decode worker's page of a block is byte for byte the page of the
+        prefill worker of its own rank, read from that worker alone: both instances
+        alike (tp_size, pp_size, block_size, layout, dtype) and no fan-out. Only then may
+        a page that holds no heads or tokens (an SSM layer's state, sharded its own way)
+        move whole."""
+        p, d = self.prefill, self.decode
+        return (
+            (p.tp_size, p.pp_size, p.block_size, p.cache_layout, p.dtype)
+            == (d.tp_size, d.pp_size, d.block_size, d.cache_layout, d.dtype)
+            and self.cast is None
+            and not self.local_copies
+            and all(r.prefill_rank == r.decode_rank for r in self.reads)
+        )
+
     def readers_of(self, prefill_rank: int) -> tuple[int, ...]:
         return tuple(sorted({r.decode_rank for r in self.reads if r.prefill_rank == prefill_rank}))
 

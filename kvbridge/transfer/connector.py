@@ -152,6 +152,9 @@ class Pull(msgspec.Struct, frozen=True, tag="pull"):
     num_tokens: int
     start_token: int = 0  # read tokens [start_token, num_tokens); both lists from its block
     generation: int = 0  # the exposure's (its capability's): the producer confirms it
+    #: the blocks hold a per-request state (an SSM layer's), read whole: it fails unless
+    #: both instances page it alike (`same_pages`)
+    is_state: bool = False
 
 
 class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
@@ -431,6 +434,7 @@ class WorkerConnector:
                 request.num_tokens,
                 request.start_token,
                 request.generation,
+                request.is_state,
             )
             self._started[request.request_id] = time.monotonic()
         elif isinstance(request, Cancel):

@@ -153,12 +153,14 @@ class KVConsumer:
         num_tokens: int,
         start_token: int = 0,
         generation: int = 0,
+        is_state: bool = False,
     ) -> None:
         """Start loading `request_id`'s tokens [start_token, num_tokens) from the producer
         instance at `endpoint` (its worker 0's side channel) into `local_block_ids`;
         returns at once. Both block lists start with the block holding token
         `start_token` (a partial pull: this worker holds the earlier tokens already).
-        `generation` is the exposure's (the capability's): the producer confirms it."""
+        `generation` is the exposure's (the capability's): the producer confirms it.
+        `is_state`: the blocks hold a per-request state read whole (`Pull.is_state`)."""
         if request_id in self._pulls:
             raise TransferError(f"request_id={request_id!r} is already being pulled")
         local = np.asarray(local_block_ids, dtype=np.int64).ravel()
@@ -193,6 +195,7 @@ class KVConsumer:
             generation=generation,
             checked=is_checked(self.config.integrity, request_id),
             handshake=not (inst.is_ready and inst.prepared),
+            is_state=is_state,
         )
 
     def decline(self, request_id: str, endpoint: str, reason: str) -> None:

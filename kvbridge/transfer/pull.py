@@ -168,6 +168,7 @@ class ActivePull:
     decline: str | None = None  # not a pull: tell the producer we will not read, and why
     generation: int = 0  # the exposure read (its capability's)
     checked: bool = False  # its bytes are checked against the producers' digests
+    is_state: bool = False  # its blocks hold a per-request state, read whole (`Pull`)
     state: TransferState = TransferState.HANDSHAKING
     xfers: dict[int, tuple[int, Any]] = field(default_factory=dict)  # i -> (prefill rank, READ)
     temp_dlists: list[Any] = field(default_factory=list)

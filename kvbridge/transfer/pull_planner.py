@@ -123,6 +123,15 @@ class PullPlanner:
         workers it reads nothing from, and note its fan-out source, if any."""
         inst = pull.instance
         assert inst.plan is not None
+        if pull.is_state and not inst.plan.same_pages:
+            theirs, ours = inst.plan.prefill, inst.plan.decode
+            raise TransferError(
+                f"{pull.request_id!r} holds an SSM layer's state, moved as whole pages, but "
+                f"the prefill instance runs tp_size={theirs.tp_size}, block_size="
+                f"{theirs.block_size} and this one tp_size={ours.tp_size}, block_size="
+                f"{ours.block_size} (or they differ in layout, dtype or fan-out); an SSM "
+                "hybrid moves between instances of the same tp_size and block_size"
+            )
         pull.clock.posting = time.perf_counter()
         lists = copy_lists(
             inst.plan,

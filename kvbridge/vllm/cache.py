@@ -18,6 +18,12 @@ kvbridge registers each shared tensor once, as one layer of its cache (`slots`);
 request's group g moves its own blocks over every such layer, which are exactly its
 layers' KV. vLLM pads a group that has fewer layers than the others; such a model is
 refused (it would move the padding's bytes).
+
+An SSM hybrid's state layers (Mamba: a conv and an SSM state per request) are groups of
+their own: vLLM pads their page to the attention page and gives the connector each as
+bytes, [num_blocks, 1, 1, state bytes], over a shared tensor's pages
+(`check_state_layers`). A request's state is one such page, moved whole: its bytes are
+the page of the attention layer sharing the tensor.
 """
 
 from __future__ import annotations
@@ -100,6 +106,44 @@ def slots(kv_caches: dict[str, Any]) -> list[list[str]]:
     return list(by_tensor.values())
 
 
+def check_state_layers(
+    kv_caches: dict[str, Any], state_layers: frozenset[str], made_by: CacheFormat
+) -> dict[int, list[str]]:
+    """The SSM state layers of `kv_caches` by the address of the attention tensor whose
+    pages they share; ConfigError for a state layer that is not vLLM's byte view of
+    whole pages of one (its first byte a page's first, a page apart, no larger), naming
+    the layer, its shape and what works."""
+    attention = {t.data_ptr(): t for name, t in kv_caches.items() if name not in state_layers}
+    by_page: dict[int, list[str]] = {}
+    for name in sorted(state_layers & kv_caches.keys(), key=layer_index):
+        t = kv_caches[name]
+        backend = made_by.backends.get(name, "?")
+        if not hasattr(t, "data_ptr"):
+            raise ConfigError(
+                f"vLLM's cache of SSM layer {name!r} (backend {backend}) is {len(t)} state "
+                "tensors; KVBridgeConnector moves an SSM layer's state as the byte view of "
+                "the pages it shares with attention layers, as vLLM 0.32 registers it"
+            )
+        page = attention.get(t.data_ptr())
+        page_bytes = page.stride(0) * page.element_size() if page is not None else 0
+        if (
+            page is None
+            or t.dim() != 4
+            or t.element_size() != 1
+            or t.shape[0] != page.shape[0]
+            or t.stride(0) != page_bytes
+            or t.shape[1] * t.shape[2] * t.shape[3] > page_bytes
+        ):
+            raise ConfigError(
+                f"vLLM's cache of SSM layer {name!r} (backend {backend}) is "
+                f"{tuple(t.shape)} {t.dtype} with strides {t.stride()}; KVBridgeConnector "
+                "moves an SSM layer's state as whole pages of an attention layer's "
+                "tensor (vLLM's hybrid KV cache manager on, one page size)"
+            )
+        by_page.setdefault(t.data_ptr(), []).append(name)
+    return by_page
+
+
 def check_groups(groups: list[list[str]], shared: list[list[str]]) -> None:
     """ConfigError unless each KV cache group (its layer names) has one layer in every
     shared tensor (`shared`, from `slots`): a group vLLM padded would move bytes no
@@ -152,6 +196,7 @@ def describe_kv_caches(
     groups: list[list[str]] | None = None,
     pp_layers: tuple[int, ...] | None = None,
     pp_rank: int = 0,
+    state_layers: frozenset[str] = frozenset(),
 ) -> RegisteredCache:
     """The layout, regions and block count of one worker's `kv_caches` (vLLM's
     `register_kv_caches` argument) as `made_by` made them, and the model kvbridge moves:
@@ -160,16 +205,22 @@ def describe_kv_caches(
     `model` (per shared tensor) at `tp_size` and `block_size` in a backend's layout
     kvbridge knows (`kvbridge.plan.backends`). Under pipeline parallelism (`pp_layers`:
     vLLM's layers per stage, `pipeline_layers`) they are the layers of stage `pp_rank`
-    only, and must be those layers."""
+    only, and must be those layers. `state_layers`: the SSM layers (their KV cache
+    groups' layer names), each over the pages of a tensor it shares with attention
+    layers (`check_state_layers`)."""
     for name, t in kv_caches.items():
-        if not hasattr(t, "data_ptr"):  # an SSM layer's state: several tensors
+        if not hasattr(t, "data_ptr") and name not in state_layers:
             raise ConfigError(
                 f"vLLM's cache of layer {name!r} (backend {made_by.backends.get(name, '?')}) "
-                f"is {len(t)} state tensors, not an attention KV cache; KVBridgeConnector "
-                "moves attention layers' KV only: SSM hybrids (Mamba, GDN layers) are not "
-                "served"
+                f"is {len(t)} state tensors, not an attention KV cache, and no KV cache "
+                "group names it an SSM layer; KVBridgeConnector moves attention layers' KV "
+                "and the state of vLLM's Mamba KV cache groups"
             )
-    shared = slots(kv_caches)
+    on_pages = check_state_layers(kv_caches, state_layers, made_by)
+    attention = {n: t for n, t in kv_caches.items() if n not in state_layers}
+    shared = slots(attention)
+    for on_tensor in shared:  # each shared tensor's SSM layers too, for the group check
+        on_tensor += on_pages.pop(attention[on_tensor[0]].data_ptr(), [])
     if len(shared) < len(kv_caches):
         if pp_layers is not None:
             raise ConfigError(
@@ -180,7 +231,7 @@ def describe_kv_caches(
             )
         check_groups(groups or [list(kv_caches)], shared)
         model = dataclasses.replace(model, num_layers=len(shared))
-    names = [layers[0] for layers in shared]
+    names = [next(n for n in on_tensor if n in attention) for on_tensor in shared]
     if pp_layers is not None:
         start = sum(pp_layers[:pp_rank])
         held = [layer_index(name) for name in names]

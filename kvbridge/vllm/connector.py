@@ -93,6 +93,17 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
     sibling: str = ""
 
 
+def state_groups(kv_cache_config: KVCacheConfig | None) -> frozenset[int]:
+    """The KV cache groups of SSM layers (vLLM's `MambaSpec`: a conv and an SSM state per
+    request, no token axis)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    return frozenset(
+        g for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, MambaSpec)
+    )
+
+
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     """kvbridge's connector for vLLM: any prefill/decode TP pair and block sizes the
     planner can map, hybrid models' KV cache groups, pulled with NIXL, capabilities and
@@ -137,6 +148,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 self.block_size,
                 world_size,
                 log,
+                state_groups(kv_cache_config),
                 in_step_pulls=not self.reports_failed_requests,
             )
 
@@ -153,8 +165,17 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         pp_layers = pipeline_layers(model.num_layers, self.pp_size)
         config = self._kv_cache_config
         groups = [list(g.layer_names) for g in config.kv_cache_groups] if config else None
+        state_layers = frozenset(name for g in state_groups(config) for name in (groups or [])[g])
         cache = describe_kv_caches(
-            kv_caches, model, self.tp_size, self.block_size, made_by, groups, pp_layers, pp_rank
+            kv_caches,
+            model,
+            self.tp_size,
+            self.block_size,
+            made_by,
+            groups,
+            pp_layers,
+            pp_rank,
+            state_layers,
         )
         rank = pp_rank * self.tp_size + tp_rank
         self.worker = RoleWorkers(self.configs, cache.model, cache.layout, rank, log)

@@ -68,6 +68,11 @@ MLA_ARGS = ("--compilation-config", '{"custom_ops": ["all", "-rotary_embedding"]
 #: the window (`SlidingWindowSpec.max_memory_usage_bytes`), so a step of vLLM's default
 #: 2048 tokens would need more blocks than the cache holds
 HYBRID_ARGS = ("--max-num-batched-tokens", "256")
+#: vLLM arguments for SSM hybrids (Mamba layers) on its CPU build: prefix caching on sets
+#: its Mamba cache mode "align", whose prefill checkpoints its CPU scan does not return
+#: (`IndexError: index 1 is out of bounds for dimension 0 with size 1` in mamba_mixer2's
+#: conv_ssm_forward, colocated too); off, a request's state is one block
+SSM_ARGS = ("--no-enable-prefix-caching",)
 
 
 def small_host_args(traced: bool = False) -> tuple[str, ...]:

@@ -170,6 +170,9 @@ def _write(out: Path, model: object, tokenizer: object) -> None:
     cfg.pop("quantization_config", None)
     cfg["torch_dtype"] = "float32"
     cfg["architectures"] = [type(model).__name__]
+    # transformers derives it from the layer pattern for some models (Nemotron-H) and
+    # leaves it out; published checkpoints carry it, and kvbridge's reader needs it
+    cfg.setdefault("num_hidden_layers", config.num_hidden_layers)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tokenizer.save_pretrained(str(tmp))  # type: ignore[attr-defined]
     (tmp / _DONE).write_text("")

@@ -8,7 +8,8 @@ issues capabilities, orders exposes, pulls and declines, and keeps each request'
 reports reach it as vLLM's connector worker metadata. vLLM owns every block: a decode
 request aborted while pulling waits in vLLM's own scheduler. A request's blocks come
 per KV cache group (`group_tables`; one group without vLLM's hybrid KV cache manager).
-Nothing here imports vLLM (requests are read by their attributes).
+A model with state groups (SSM layers) prefills its prompt less the last token
+(`truncate_prompt`). Nothing here imports vLLM (requests are read by their attributes).
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def group_tables(block_ids: Sequence[Sequence[int]], block_size: int) -> list[Bl
     return tables
 
 
+def truncate_prompt(request: Any, num_tokens: int) -> None:
+    """Drop the last `num_tokens` prompt tokens of a vLLM request before it is scheduled
+    (as vLLM's NixlConnector does for Mamba models): a prefill of a model with state
+    groups computes the state after the tokens its decode does not recompute."""
+    del request.prompt_token_ids[-num_tokens:]
+    del request._all_token_ids[-num_tokens:]
+    request.num_prompt_tokens -= num_tokens
+
+
 class SchedulerSide(RoleSchedulers):
     """The engine's hand-over contracts, one per role (`RoleSchedulers`: each role's
     config, vLLM's block size and TP size, `log`), reading vLLM's requests; called from
@@ -94,7 +104,11 @@ class SchedulerSide(RoleSchedulers):
         try:
             handover = decode_transfer_params(params)
             if isinstance(handover, RemoteDecode) and self.producer is not None:
-                self.producer.add_request(rid, list(request.prompt_token_ids), handover)
+                prompt = list(request.prompt_token_ids)
+                covered = self.producer.covered_prompt(prompt)
+                if len(covered) < len(prompt):
+                    truncate_prompt(request, len(prompt) - len(covered))
+                self.producer.add_request(rid, covered, handover)
             elif isinstance(handover, RemotePrefill) and self.consumer is not None:
                 self.consumer.add_request(rid, list(request.prompt_token_ids), handover)
         except (CapabilityRefused, ValueError) as exc:  # binascii.Error: not base64

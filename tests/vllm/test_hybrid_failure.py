@@ -75,7 +75,9 @@ class ConnectorDecode:
             parallel_config=ParallelConfig(),
         )
         groups = SimpleNamespace(
-            kv_cache_groups=[SimpleNamespace(layer_names=g) for g in names(GEMMA3_GROUPS)]
+            kv_cache_groups=[
+                SimpleNamespace(layer_names=g, kv_cache_spec=None) for g in names(GEMMA3_GROUPS)
+            ]
         )
         self.scheduler = KVBridgeConnector(config, KVConnectorRole.SCHEDULER, groups)  # type: ignore[arg-type]
         self.worker = KVBridgeConnector(config, KVConnectorRole.WORKER, groups)  # type: ignore[arg-type]

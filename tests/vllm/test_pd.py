@@ -29,8 +29,16 @@ import pytest
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.vllm.cache import pipeline_layers
-from kvbridge.vllm.launch import HYBRID_ARGS, MLA_ARGS
-from tests.vllm.harness import MODELS, Proxy, VLLMServer, pd_token_exact, text, token_ids
+from kvbridge.vllm.launch import HYBRID_ARGS, MLA_ARGS, SSM_ARGS
+from tests.vllm.harness import (
+    MODELS,
+    Proxy,
+    VLLMServer,
+    pd_completion,
+    pd_token_exact,
+    text,
+    token_ids,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -275,6 +283,57 @@ def test_a_lost_prefill_is_recomputed_under_the_recompute_policy(tmp_path: Path)
         log = decode.log_text()[since:]
         assert "failed to pull" in log and not decode.pulled(since)
         assert decode.metric("kvbridge_failed_pulls_total") == 1
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def test_pd_ssm_hybrid_token_exact(tmp_path: Path) -> None:
+    """An SSM hybrid (tiny-nemotron-h: Mamba-2 layers 0 and 4, attention layer 2) under
+    vLLM's hybrid KV cache manager, prefill tp 1 -> decode tp 1: three KV cache groups
+    (each Mamba layer's, the attention layer's) over one shared tensor. The prefill
+    computes the prompt less its last token, the decode pulls those tokens' KV and each
+    Mamba layer's state after them (one page each, whole) and computes the last token
+    itself: the tokens equal colocated vLLM's, and each decode worker pulled exactly
+    the n - 1 tokens' attention KV and two state pages."""
+    prefill = VLLMServer(
+        "tiny-nemotron-h", 1, 32, tmp_path / "prefill.log", kv_role="kv_producer",
+        first_core=0, workers_on_host=2, vllm_args=SSM_ARGS,
+    )  # fmt: skip
+    decode = VLLMServer(
+        "tiny-nemotron-h", 1, 32, tmp_path / "decode.log", kv_role="kv_consumer",
+        first_core=1, workers_on_host=2, vllm_args=SSM_ARGS,
+    )  # fmt: skip
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        since = len(decode.log_text())
+        first, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
+        ref_p = prefill.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
+        ref_d = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
+        assert token_ids(out) == token_ids(ref_p) == token_ids(ref_d), text(out)
+        n = out["usage"]["prompt_tokens"]
+        assert "Turning off hybrid kv cache manager" not in decode.log_text()
+        pulls = decode.pulled(since)
+        assert {(p.rank, p.start_token, p.num_tokens) for p in pulls} == {(0, 0, n - 1)}
+        # one attention layer: 2 KV heads x K/V x 64 x float32 a token; a Mamba layer's
+        # state lies in a page of that tensor (vLLM pads it to 32 tokens of it)
+        token_bytes = 2 * 2 * 64 * 4
+        assert pulls[0].nbytes == (n - 1) * token_bytes + 2 * 32 * token_bytes
+        assert decode.metric("kvbridge_pull_bytes_sum") == pulls[0].nbytes
+        assert decode.metric("kvbridge_failed_pulls_total") == 0
+
+        # through kvbridge's proxy, a longer prompt (no prefix cache: pulled whole)
+        since = len(decode.log_text())
+        longer = PROMPT + MORE
+        proxy = Proxy(prefill, decode, tmp_path / "proxy.log")
+        try:
+            out2 = proxy.complete(longer, MAX_TOKENS)
+        finally:
+            proxy.stop()
+        assert text(out2) == text(prefill.complete(longer, MAX_TOKENS, cache_salt="colocated"))
+        n2 = out2["usage"]["prompt_tokens"]
+        assert {(p.start_token, p.num_tokens) for p in decode.pulled(since)} == {(0, n2 - 1)}
     finally:
         prefill.stop()
         decode.stop()
