@@ -297,11 +297,15 @@ def test_a_hybrid_models_groups_plan_byte_exact_with_the_bytes_of_their_tokens()
     assert full.link_bytes + 3 * sliding.link_bytes == 2 * 258_048  # both decode workers
 
 
-def test_an_ssm_layers_state_is_refused_naming_the_layer() -> None:
-    """vLLM registers a Mamba layer's cache as its state tensors (conv, SSM)."""
+def test_state_tensors_of_a_layer_no_group_names_ssm_are_refused_naming_it() -> None:
+    """A layer registered as state tensors (conv, SSM) outside vLLM's Mamba KV cache
+    groups (tests/vllm/test_state_cache.py: the ones inside them)."""
     model = from_hf_config({**GEMMA3, "num_hidden_layers": 2})
     caches: dict = vllm_cpu_caches(2, 5, 2, 32, 64)
     caches["model.layers.1.mixer"] = [torch.zeros(5, 4, 3), torch.zeros(5, 2, 64, 16)]
     made_by = CacheFormat({**cpu(caches).backends, "model.layers.1.mixer": "MAMBA2"}, "LBHNC")
-    with pytest.raises(ConfigError, match=r"'model.layers.1.mixer' \(backend MAMBA2\) is 2 state "):
+    with pytest.raises(
+        ConfigError,
+        match=r"'model.layers.1.mixer' \(backend MAMBA2\) is 2 state .* no KV cache group names it an SSM",
+    ):
         describe_kv_caches(caches, model, 1, 32, made_by)

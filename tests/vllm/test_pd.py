@@ -308,7 +308,7 @@ def test_pd_ssm_hybrid_token_exact(tmp_path: Path) -> None:
         prefill.wait_ready()
         decode.wait_ready()
         since = len(decode.log_text())
-        first, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
+        _, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
         ref_p = prefill.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
         ref_d = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
         assert token_ids(out) == token_ids(ref_p) == token_ids(ref_d), text(out)
