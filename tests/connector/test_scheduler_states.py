@@ -32,24 +32,28 @@ BS = 4
 S = RequestState
 
 
-def producer(world: int = 2) -> KVConnectorScheduler:
+def producer(world: int = 2, state_groups: frozenset[int] = frozenset()) -> KVConnectorScheduler:
     credential = enrolled(ConnectorRole.PRODUCER, "P").packed()
     spec = ConnectorSpec(ConnectorRole.PRODUCER, "P", TransferConfig(token=TOKEN), credential)
     config = KVConnectorConfig(spec, exposure_lease_s=7.0)
-    sched = KVConnectorScheduler(config, BS, world)
+    sched = KVConnectorScheduler(config, BS, world, state_groups)
     sched.set_worker_endpoints(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"][:world])
     return sched
 
 
 def consumer(
-    policy: KVLoadFailure = KVLoadFailure.RECOMPUTE, world: int = 2, instance_id: str = "D"
+    policy: KVLoadFailure = KVLoadFailure.RECOMPUTE,
+    world: int = 2,
+    instance_id: str = "D",
+    state_groups: frozenset[int] = frozenset(),
+    block_size: int = BS,
 ) -> KVConnectorScheduler:
     credential = enrolled(ConnectorRole.CONSUMER, instance_id).packed()
     spec = ConnectorSpec(
         ConnectorRole.CONSUMER, instance_id, TransferConfig(token=TOKEN), credential
     )
     config = KVConnectorConfig(spec, kv_load_failure=policy)
-    return KVConnectorScheduler(config, BS, world)
+    return KVConnectorScheduler(config, block_size, world, state_groups)
 
 
 def report(*events: ConnectorEvent, sending: bool) -> KVWorkerOutput:

@@ -7,7 +7,9 @@ them. The request states themselves are the hand-over contract's
 
 from __future__ import annotations
 
+import importlib.util
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import pytest
@@ -183,3 +185,47 @@ def test_an_in_step_request_aborted_before_its_blocks_is_forgotten() -> None:
     assert decode.num_new_matched_tokens(req, 0) == (len(PROMPT) - 1, False)
     decode.request_finished(req, ((),), finished_ok=False)
     assert not decode.in_step and not decode.consumer.requests
+
+
+def vllm_prefill_request(rid: str) -> Any:
+    """vLLM's own Request where vLLM is installed (the adapter edits its prompt), else the
+    attributes the adapter reads and edits."""
+    params = {"do_remote_decode": True}
+    if importlib.util.find_spec("vllm") is None:
+        return SimpleNamespace(
+            request_id=rid,
+            kv_transfer_params=params,
+            prompt_token_ids=list(PROMPT),
+            _all_token_ids=list(PROMPT),
+            num_prompt_tokens=len(PROMPT),
+            num_computed_tokens=0,
+            output_token_ids=[],
+            num_tokens=len(PROMPT),
+        )
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    return Request(rid, list(PROMPT), sampling, None)
+
+
+def test_a_prefill_with_state_groups_computes_the_prompt_less_its_last_token() -> None:
+    """A prefill instance of an SSM hybrid (state group 1) drops the prompt's last token
+    before vLLM schedules it, and exposes those tokens (the decode computes the last one
+    from the state after them) and the state group's block whole."""
+    configs = ConnectorSettings().configs("p", ROLES["kv_both"])
+    prefill = SchedulerSide(configs, 32, 1, state_groups=frozenset({1}))
+    prefill.set_worker_endpoints(["tcp://127.0.0.1:5000"], ["c2libGluZyAw"])
+    req = vllm_prefill_request("p-1")
+    prefill.on_new_request(req)
+    assert req.prompt_token_ids == PROMPT[:-1] and req.num_prompt_tokens == len(PROMPT) - 1
+    assert req._all_token_ids == PROMPT[:-1]  # vLLM's request: num_tokens follows it
+    req.num_computed_tokens = req.num_prompt_tokens
+    if isinstance(req, SimpleNamespace):  # its first token sampled
+        req.output_token_ids = [7]
+    else:
+        req.append_output_token_ids(7)
+    delay, out = prefill.request_finished(req, ([7, 3, 11], [5]), finished_ok=True)
+    assert delay and out is not None
+    sends = prefill.build_orders(1)[0][P].reqs_to_send
+    assert [(e.block_ids, e.num_tokens) for e in sends] == [([7, 3, 11], 86), ([5], 32)]
