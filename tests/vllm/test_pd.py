@@ -337,3 +337,35 @@ def test_pd_ssm_hybrid_token_exact(tmp_path: Path) -> None:
     finally:
         prefill.stop()
         decode.stop()
+
+
+def test_an_ssm_state_between_tp_sizes_fails_its_pull_naming_both(tmp_path: Path) -> None:
+    """tiny-nemotron-h prefill tp 1 -> decode tp 2: a decode worker's state page holds
+    its own shard of each Mamba layer's state, not a part of the prefill's page, so the
+    state pull fails naming both instances' tp_size; under the recompute policy the
+    decode instance computes the prompt itself: the tokens of colocated vLLM."""
+    prefill = VLLMServer(
+        "tiny-nemotron-h", 1, 32, tmp_path / "prefill.log", kv_role="kv_producer",
+        first_core=0, workers_on_host=3, vllm_args=SSM_ARGS,
+    )  # fmt: skip
+    decode = VLLMServer(
+        "tiny-nemotron-h", 2, 32, tmp_path / "decode.log", kv_role="kv_consumer",
+        first_core=1, workers_on_host=3, vllm_args=SSM_ARGS, failure_policy="recompute",
+    )  # fmt: skip
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        since = len(decode.log_text())
+        _, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
+        ref = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
+        assert token_ids(out) == token_ids(ref), text(out)
+        log = decode.log_text()[since:]
+        assert (
+            "holds an SSM layer's state, moved as whole pages, but the prefill instance runs "
+            "tp_size=1, block_size=32 and this one tp_size=2, block_size=32"
+        ) in log, decode.log_tail()
+        assert not decode.pulled(since)
+        assert decode.metric("kvbridge_failed_pulls_total") == 2  # each decode worker's
+    finally:
+        prefill.stop()
+        decode.stop()
