@@ -222,6 +222,17 @@ class Proxy:
         self._log.close()
 
 
+def through_proxy(
+    prefill: VLLMServer, decode: VLLMServer, prompt: str, max_tokens: int, log_path: Path
+) -> dict[str, Any]:
+    """`prompt` sent through kvbridge's proxy in front of the pair, as a client would."""
+    proxy = Proxy(prefill, decode, log_path)
+    try:
+        return proxy.complete(prompt, max_tokens)
+    finally:
+        proxy.stop()
+
+
 def pd_completion(
     prefill: VLLMServer, decode: VLLMServer, prompt: str, max_tokens: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:

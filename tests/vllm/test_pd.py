@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,11 +33,11 @@ from kvbridge.vllm.cache import pipeline_layers
 from kvbridge.vllm.launch import HYBRID_ARGS, MLA_ARGS, SSM_ARGS
 from tests.vllm.harness import (
     MODELS,
-    Proxy,
     VLLMServer,
     pd_completion,
     pd_token_exact,
     text,
+    through_proxy,
     token_ids,
 )
 
@@ -232,11 +233,7 @@ def test_pd_token_exact(case: Case, tmp_path: Path) -> None:
         # prefix caching to be disabled"): nothing is held, the whole prompt is pulled.
         since = len(decode.log_text())
         longer = PROMPT + MORE
-        proxy = Proxy(prefill, decode, tmp_path / "proxy.log")
-        try:
-            out2 = proxy.complete(longer, MAX_TOKENS)
-        finally:
-            proxy.stop()
+        out2 = through_proxy(prefill, decode, longer, MAX_TOKENS, tmp_path / "proxy.log")
         ref2 = prefill.complete(longer, MAX_TOKENS, cache_salt="colocated")
         assert text(out2) == text(ref2)  # (the OpenAI API through the proxy carries text)
         n2 = out2["usage"]["prompt_tokens"]
@@ -288,6 +285,28 @@ def test_a_lost_prefill_is_recomputed_under_the_recompute_policy(tmp_path: Path)
         decode.stop()
 
 
+def ssm_pair(tmp_path: Path, decode_tp: int, **decode: Any) -> tuple[VLLMServer, VLLMServer]:
+    """tiny-nemotron-h prefill tp 1 -> decode `decode_tp` (its `decode` settings), both
+    ready, prefix caching off (`launch.SSM_ARGS`)."""
+    workers = 1 + decode_tp
+    prefill = VLLMServer(
+        "tiny-nemotron-h", 1, 32, tmp_path / "prefill.log", kv_role="kv_producer",
+        first_core=0, workers_on_host=workers, vllm_args=SSM_ARGS,
+    )  # fmt: skip
+    consumer = VLLMServer(
+        "tiny-nemotron-h", decode_tp, 32, tmp_path / "decode.log", kv_role="kv_consumer",
+        first_core=1, workers_on_host=workers, vllm_args=SSM_ARGS, **decode,
+    )  # fmt: skip
+    try:
+        prefill.wait_ready()
+        consumer.wait_ready()
+    except BaseException:
+        prefill.stop()
+        consumer.stop()
+        raise
+    return prefill, consumer
+
+
 def test_pd_ssm_hybrid_token_exact(tmp_path: Path) -> None:
     """An SSM hybrid (tiny-nemotron-h: Mamba-2 layers 0 and 4, attention layer 2) under
     vLLM's hybrid KV cache manager, prefill tp 1 -> decode tp 1: three KV cache groups
@@ -296,17 +315,8 @@ def test_pd_ssm_hybrid_token_exact(tmp_path: Path) -> None:
     Mamba layer's state after them (one page each, whole) and computes the last token
     itself: the tokens equal colocated vLLM's, and each decode worker pulled exactly
     the n - 1 tokens' attention KV and two state pages."""
-    prefill = VLLMServer(
-        "tiny-nemotron-h", 1, 32, tmp_path / "prefill.log", kv_role="kv_producer",
-        first_core=0, workers_on_host=2, vllm_args=SSM_ARGS,
-    )  # fmt: skip
-    decode = VLLMServer(
-        "tiny-nemotron-h", 1, 32, tmp_path / "decode.log", kv_role="kv_consumer",
-        first_core=1, workers_on_host=2, vllm_args=SSM_ARGS,
-    )  # fmt: skip
+    prefill, decode = ssm_pair(tmp_path, 1)
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
         since = len(decode.log_text())
         _, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
         ref_p = prefill.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
@@ -326,11 +336,7 @@ def test_pd_ssm_hybrid_token_exact(tmp_path: Path) -> None:
         # through kvbridge's proxy, a longer prompt (no prefix cache: pulled whole)
         since = len(decode.log_text())
         longer = PROMPT + MORE
-        proxy = Proxy(prefill, decode, tmp_path / "proxy.log")
-        try:
-            out2 = proxy.complete(longer, MAX_TOKENS)
-        finally:
-            proxy.stop()
+        out2 = through_proxy(prefill, decode, longer, MAX_TOKENS, tmp_path / "proxy.log")
         assert text(out2) == text(prefill.complete(longer, MAX_TOKENS, cache_salt="colocated"))
         n2 = out2["usage"]["prompt_tokens"]
         assert {(p.start_token, p.num_tokens) for p in decode.pulled(since)} == {(0, n2 - 1)}
@@ -344,17 +350,8 @@ def test_an_ssm_state_between_tp_sizes_fails_its_pull_naming_both(tmp_path: Path
     its own shard of each Mamba layer's state, not a part of the prefill's page, so the
     state pull fails naming both instances' tp_size; under the recompute policy the
     decode instance computes the prompt itself: the tokens of colocated vLLM."""
-    prefill = VLLMServer(
-        "tiny-nemotron-h", 1, 32, tmp_path / "prefill.log", kv_role="kv_producer",
-        first_core=0, workers_on_host=3, vllm_args=SSM_ARGS,
-    )  # fmt: skip
-    decode = VLLMServer(
-        "tiny-nemotron-h", 2, 32, tmp_path / "decode.log", kv_role="kv_consumer",
-        first_core=1, workers_on_host=3, vllm_args=SSM_ARGS, failure_policy="recompute",
-    )  # fmt: skip
+    prefill, decode = ssm_pair(tmp_path, 2, failure_policy="recompute")
     try:
-        prefill.wait_ready()
-        decode.wait_ready()
         since = len(decode.log_text())
         _, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
         ref = decode.complete(PROMPT, MAX_TOKENS, cache_salt="colocated")
