@@ -78,7 +78,8 @@ VLLM_PYTEST := $(VLLM_BIN)/pytest -q -p no:cacheprovider
 test-vllm: vllm-models
 	$(VLLM_PYTEST) tests/vllm/test_cache.py tests/vllm/test_layouts.py tests/vllm/test_stats.py \
 		tests/vllm/test_scheduler.py tests/vllm/test_hybrid.py tests/vllm/test_hybrid_failure.py \
-		tests/vllm/test_bench_log.py tests/vllm/test_device.py tests/test_gpu_suite.py
+		tests/vllm/test_bench_log.py tests/vllm/test_device.py tests/vllm/test_state_cache.py \
+		tests/vllm/test_state_groups.py tests/test_gpu_suite.py
 	$(VLLM_PYTEST) tests/connector/test_hosts.py -k "not engine"  # vLLM's own Request objects
 	for case in $$($(VLLM_PYTEST) --collect-only tests/vllm/test_pd.py | grep '::'); do \
 		flock /tmp/kvbridge-heavy.lock $(VLLM_PYTEST) -x "$$case" || exit 1; \

@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvbridge.connector import ConnectorRole, RoleWorkers
 from kvbridge.connector.roles import decode_reports, encode_reports
 from kvbridge.connector.stats import ExposureTally
+from kvbridge.errors import ConfigError
 from kvbridge.plan.geometry import load_model_spec
 from kvbridge.vllm.cache import CacheFormat, describe_kv_caches, pipeline_layers
 from kvbridge.vllm.scheduler import Orders, SchedulerSide, log
@@ -95,13 +96,29 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
 
 def state_groups(kv_cache_config: KVCacheConfig | None) -> frozenset[int]:
     """The KV cache groups of SSM layers (vLLM's `MambaSpec`: a conv and an SSM state per
-    request, no token axis)."""
+    request, no token axis), whose running state is a request's last block; ConfigError
+    for a group where it is not: Mamba cache mode "align" (a state per block of tokens,
+    vLLM's prefix caching of SSM hybrids) or speculative decoding's scratch blocks."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    return frozenset(
-        g for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, MambaSpec)
-    )
+    found = [g for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, MambaSpec)]
+    for g in found:
+        spec, layers = groups[g].kv_cache_spec, ", ".join(groups[g].layer_names)
+        if spec.mamba_cache_mode != "none":
+            raise ConfigError(
+                f"cache_config.mamba_cache_mode={spec.mamba_cache_mode!r} (KV cache group {g}: "
+                f"{layers}) is not served by KVBridgeConnector: it moves an SSM layer's "
+                "state as a request's one running block; use --no-enable-prefix-caching "
+                "(mamba_cache_mode 'none')"
+            )
+        if spec.num_speculative_blocks:
+            raise ConfigError(
+                f"speculative decoding with an SSM hybrid (KV cache group {g}: {layers} keeps "
+                f"num_speculative_blocks={spec.num_speculative_blocks} scratch blocks) is not "
+                "served by KVBridgeConnector; run the SSM hybrid without a speculative config"
+            )
+    return frozenset(found)
 
 
 class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -121,6 +138,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         check_vllm(vllm_config)
+        state_groups(kv_cache_config)  # refused at start-up, in every process
         settings = from_extra_config(dict(kv.kv_connector_extra_config))
         instance_id = settings.bound_instance_id(str(kv.engine_id))
         self.configs = settings.configs(instance_id, ROLES[str(kv.kv_role)])  # one per role

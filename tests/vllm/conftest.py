@@ -9,5 +9,11 @@ import importlib.util
 collect_ignore_glob = (
     []
     if importlib.util.find_spec("vllm")
-    else ["test_pd.py", "test_stats.py", "test_hybrid_failure.py", "test_pd_hosts.py"]
+    else [
+        "test_pd.py",
+        "test_stats.py",
+        "test_hybrid_failure.py",
+        "test_pd_hosts.py",
+        "test_state_groups.py",
+    ]
 )
