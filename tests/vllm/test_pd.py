@@ -285,12 +285,14 @@ def test_a_lost_prefill_is_recomputed_under_the_recompute_policy(tmp_path: Path)
         decode.stop()
 
 
-def ssm_pair(tmp_path: Path, decode_tp: int, **decode: Any) -> tuple[VLLMServer, VLLMServer]:
-    """tiny-nemotron-h prefill tp 1 -> decode `decode_tp` (its `decode` settings), both
-    ready, prefix caching off (`launch.SSM_ARGS`)."""
-    workers = 1 + decode_tp
+def ssm_pair(
+    tmp_path: Path, prefill_tp: int, decode_tp: int, **decode: Any
+) -> tuple[VLLMServer, VLLMServer]:
+    """tiny-nemotron-h prefill `prefill_tp` -> decode `decode_tp` (its `decode`
+    settings), both ready, prefix caching off (`launch.SSM_ARGS`)."""
+    workers = prefill_tp + decode_tp
     prefill = VLLMServer(
-        "tiny-nemotron-h", 1, 32, tmp_path / "prefill.log", kv_role="kv_producer",
+        "tiny-nemotron-h", prefill_tp, 32, tmp_path / "prefill.log", kv_role="kv_producer",
         first_core=0, workers_on_host=workers, vllm_args=SSM_ARGS,
     )  # fmt: skip
     consumer = VLLMServer(
@@ -307,15 +309,17 @@ def ssm_pair(tmp_path: Path, decode_tp: int, **decode: Any) -> tuple[VLLMServer,
     return prefill, consumer
 
 
-def test_pd_ssm_hybrid_token_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_pd_ssm_hybrid_token_exact(tp_size: int, tmp_path: Path) -> None:
     """An SSM hybrid (tiny-nemotron-h: Mamba-2 layers 0 and 4, attention layer 2) under
-    vLLM's hybrid KV cache manager, prefill tp 1 -> decode tp 1: three KV cache groups
-    (each Mamba layer's, the attention layer's) over one shared tensor. The prefill
-    computes the prompt less its last token, the decode pulls those tokens' KV and each
-    Mamba layer's state after them (one page each, whole) and computes the last token
-    itself: the tokens equal colocated vLLM's, and each decode worker pulled exactly
-    the n - 1 tokens' attention KV and two state pages."""
-    prefill, decode = ssm_pair(tmp_path, 1)
+    vLLM's hybrid KV cache manager, prefill tp -> decode the same tp: three KV cache
+    groups (each Mamba layer's, the attention layer's) over one shared tensor. The
+    prefill computes the prompt less its last token, the decode pulls those tokens' KV
+    and each Mamba layer's state after them (one page each, whole; at tp 2 each worker
+    its own shard) and computes the last token itself: the tokens equal colocated
+    vLLM's, and each decode worker pulled exactly its n - 1 tokens' attention KV and
+    two state pages."""
+    prefill, decode = ssm_pair(tmp_path, tp_size, tp_size)
     try:
         since = len(decode.log_text())
         _, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
@@ -325,12 +329,15 @@ def test_pd_ssm_hybrid_token_exact(tmp_path: Path) -> None:
         n = out["usage"]["prompt_tokens"]
         assert "Turning off hybrid kv cache manager" not in decode.log_text()
         pulls = decode.pulled(since)
-        assert {(p.rank, p.start_token, p.num_tokens) for p in pulls} == {(0, 0, n - 1)}
-        # one attention layer: 2 KV heads x K/V x 64 x float32 a token; a Mamba layer's
-        # state lies in a page of that tensor (vLLM pads it to 32 tokens of it)
-        token_bytes = 2 * 2 * 64 * 4
-        assert pulls[0].nbytes == (n - 1) * token_bytes + 2 * 32 * token_bytes
-        assert decode.metric("kvbridge_pull_bytes_sum") == pulls[0].nbytes
+        assert sorted((p.rank, p.start_token, p.num_tokens) for p in pulls) == [
+            (rank, 0, n - 1) for rank in range(tp_size)
+        ]
+        # one attention layer: a worker's KV heads (2 / tp) x K/V x 64 x float32 a token;
+        # a Mamba layer's state lies in a page of that tensor (32 tokens of it)
+        token_bytes = 2 // tp_size * 2 * 64 * 4
+        want = (n - 1) * token_bytes + 2 * 32 * token_bytes
+        assert [(p.nbytes, p.local_nbytes) for p in pulls] == [(want, 0)] * tp_size
+        assert decode.metric("kvbridge_pull_bytes_sum") == want * tp_size
         assert decode.metric("kvbridge_failed_pulls_total") == 0
 
         # through kvbridge's proxy, a longer prompt (no prefix cache: pulled whole)
@@ -339,7 +346,9 @@ def test_pd_ssm_hybrid_token_exact(tmp_path: Path) -> None:
         out2 = through_proxy(prefill, decode, longer, MAX_TOKENS, tmp_path / "proxy.log")
         assert text(out2) == text(prefill.complete(longer, MAX_TOKENS, cache_salt="colocated"))
         n2 = out2["usage"]["prompt_tokens"]
-        assert {(p.start_token, p.num_tokens) for p in decode.pulled(since)} == {(0, n2 - 1)}
+        pulled = decode.pulled(since)
+        assert {(p.start_token, p.num_tokens) for p in pulled} == {(0, n2 - 1)}
+        assert len(pulled) == tp_size
     finally:
         prefill.stop()
         decode.stop()
@@ -350,7 +359,7 @@ def test_an_ssm_state_between_tp_sizes_fails_its_pull_naming_both(tmp_path: Path
     its own shard of each Mamba layer's state, not a part of the prefill's page, so the
     state pull fails naming both instances' tp_size; under the recompute policy the
     decode instance computes the prompt itself: the tokens of colocated vLLM."""
-    prefill, decode = ssm_pair(tmp_path, 2, failure_policy="recompute")
+    prefill, decode = ssm_pair(tmp_path, 1, 2, failure_policy="recompute")
     try:
         since = len(decode.log_text())
         _, out = pd_completion(prefill, decode, PROMPT, MAX_TOKENS)
