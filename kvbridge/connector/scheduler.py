@@ -304,8 +304,9 @@ class KVConnectorScheduler:
 
     def covered_prompt(self, prompt_ids: list[int]) -> list[int]:
         """The tokens of a prompt a hand-over covers: all of them, or, with state groups,
-        all but the last (the decode recomputes it from the state after the others)."""
-        return prompt_ids[:-1] if self.state_groups and len(prompt_ids) > 1 else prompt_ids
+        all but the last (the decode recomputes it from the state after the others; a
+        one-token prompt: none, the decode computes it)."""
+        return prompt_ids[:-1] if self.state_groups else prompt_ids
 
     def _check(self, params: RemotePrefill, request_id: str, prompt_ids: list[int]) -> Capability:
         """The capability, checked: signed by a prefill instance our root enrolled,
@@ -365,6 +366,9 @@ class KVConnectorScheduler:
                 f"the prefix cache hit of {num_computed_tokens} tokens is not a whole number "
                 f"of blocks of {self.block_size}",
             )
+            return 0, False
+        if rec.num_tokens == 0:  # `covered_prompt` of a one-token prompt
+            self._refuse(rec, "the hand-over covers no token: the decode computes the prompt")
             return 0, False
         if num_computed_tokens >= rec.num_tokens:
             self._refuse(rec, "the decode instance holds the whole prompt")

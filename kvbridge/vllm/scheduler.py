@@ -106,7 +106,7 @@ class SchedulerSide(RoleSchedulers):
             if isinstance(handover, RemoteDecode) and self.producer is not None:
                 prompt = list(request.prompt_token_ids)
                 covered = self.producer.covered_prompt(prompt)
-                if len(covered) < len(prompt):
+                if 0 < len(covered) < len(prompt):  # (vLLM schedules no empty prompt)
                     truncate_prompt(request, len(prompt) - len(covered))
                 self.producer.add_request(rid, covered, handover)
             elif isinstance(handover, RemotePrefill) and self.consumer is not None:

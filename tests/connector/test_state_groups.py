@@ -78,3 +78,18 @@ def test_a_state_between_block_sizes_is_refused_before_any_pull() -> None:
         "r",
         "r#g1",
     ]
+
+
+def test_a_one_token_prompt_is_computed_by_the_decode() -> None:
+    """The decode recomputes a prompt's last token: of a one-token prompt, nothing is
+    left to pull (the state after it would be applied twice)."""
+    p = producer(world=1, state_groups=STATE)
+    p.add_request("r", p.covered_prompt([5]), RemoteDecode("D"))
+    delay, params = p.request_finished("r", [BlockTable([5]), BlockTable([8])], 42, False)
+    assert delay and isinstance(params, RemotePrefill)
+    c = consumer(world=1, state_groups=STATE)
+    c.add_request("d", [5], msgspec.structs.replace(params, request_id="r"))
+    assert c.get_num_new_matched_tokens("d", 0) == (0, False)
+    ended = c.pop_ended("d")
+    assert ended.state is S.RECOMPUTE and "covers no token" in ended.reason
+    assert [d.request_id for d in c.build_connector_meta().reqs_to_decline] == ["r", "r#g1"]
