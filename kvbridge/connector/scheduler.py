@@ -63,6 +63,7 @@ from kvbridge.settings import DEFAULT_CLAIM_S
 from kvbridge.transfer.capability import (
     BlockTable,
     Capability,
+    CapabilityExpired,
     Redeemed,
     issue,
     new_generation,
@@ -269,7 +270,9 @@ class KVConnectorScheduler:
         self, request_id: str, prompt_ids: list[int], params: KVTransferParams
     ) -> KVRequest:
         """Take a request with hand-over params. Decode: its capability is checked now
-        (CapabilityRefused: nothing will be pulled, nothing is held)."""
+        (CapabilityRefused: nothing will be pulled, nothing is held); a genuine one that
+        expired before this call is taken as a load that failed (`kv_load_failure`:
+        the prompt recomputed here, or the request failed), nothing pulled."""
         n = len(prompt_ids)
         if isinstance(params, RemoteDecode):
             self._need(ConnectorRole.PRODUCER, "RemoteDecode")
@@ -277,19 +280,27 @@ class KVConnectorScheduler:
             rec.prompt_digest = prompt_digest(prompt_ids)
             return self._new(rec)
         self._need(ConnectorRole.CONSUMER, "RemotePrefill")
-        cap = self._check(params, request_id, prompt_ids) if params.capability else None
-        return self._new(KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, n, params, cap))
+        rec = KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, n, params)
+        if params.capability:
+            try:
+                rec.capability = self._check(params, request_id, prompt_ids)
+            except CapabilityExpired as exc:  # genuine but late: a failed load, no refusal
+                rec.reason = f"KV not pulled: {exc}"
+        return self._new(rec)
 
     def _check(self, params: RemotePrefill, request_id: str, prompt_ids: list[int]) -> Capability:
         """The capability, checked: signed by a prefill instance our root enrolled,
         issued to this instance (or to no instance in particular: a prefill request that
-        named no reader), unexpired, for this request (`params.request_id`, or this id)
-        and its prompt (its token ids, not only their number), and not used before (a
-        capability opens one pull)."""
+        named no reader), for this request (`params.request_id`, or this id) and its
+        prompt (its token ids, not only their number), unexpired (CapabilityExpired if
+        all else holds), and not used before (a capability opens one pull)."""
         num_tokens = len(prompt_ids)
         request_id = params.request_id or request_id
+        expired = None
         try:
             cap = check_capability(params.capability, self.config.root, self.instance_id)
+        except CapabilityExpired as exc:  # checked as the rest; raised if all else holds
+            cap, expired = exc.cap, exc
         except AuthError as exc:
             raise CapabilityRefused(f"KV capability refused: {exc}") from None
         if cap.block_size <= 0 or not 0 <= cap.start_token <= cap.num_tokens:
@@ -307,6 +318,8 @@ class KVConnectorScheduler:
                 f"KV capability refused: it covers another prompt of {cap.num_tokens} tokens "
                 f"than the one request {request_id!r} names"
             )
+        if expired is not None:
+            raise expired
         try:
             self.redeemed.redeem(cap)
         except AuthError as exc:
@@ -322,8 +335,8 @@ class KVConnectorScheduler:
         will come; the request has gone to RECOMPUTE or FAILED (`pop_ended`)."""
         rec = self.requests[request_id]
         cap = rec.capability
-        if cap is None:
-            self._end_load(rec, "no KV to pull")
+        if cap is None:  # none given, or one that expired before this instance took it
+            self._end_load(rec, rec.reason or "no KV to pull")
             return 0, False
         if num_computed_tokens < cap.start_token:  # evicted since the router asked
             self._refuse(
