@@ -72,6 +72,7 @@ from kvbridge.settings import DEFAULT_CLAIM_S
 from kvbridge.transfer.capability import (
     BlockTable,
     Capability,
+    CapabilityExpired,
     Redeemed,
     issue,
     new_generation,
@@ -287,9 +288,11 @@ class KVConnectorScheduler:
         self, request_id: str, prompt_ids: list[int], params: KVTransferParams
     ) -> KVRequest:
         """Take a request with hand-over params. Decode: its capability is checked now
-        (CapabilityRefused: nothing will be pulled, nothing is held). With state groups
-        the prefill's `prompt_ids` are its prompt less the last token (the host computes
-        only those), and a decode pulls its prompt less its last token."""
+        (CapabilityRefused: nothing will be pulled, nothing is held); a genuine one that
+        expired before this call is taken as a load that failed (`kv_load_failure`:
+        the prompt recomputed here, or the request failed), nothing pulled. With state
+        groups the prefill's `prompt_ids` are its prompt less the last token (the host
+        computes only those), and a decode pulls its prompt less its last token."""
         if isinstance(params, RemoteDecode):
             self._need(ConnectorRole.PRODUCER, "RemoteDecode")
             rec = KVRequest(request_id, RequestState.PREFILLING, len(prompt_ids), params)
@@ -297,10 +300,13 @@ class KVConnectorScheduler:
             return self._new(rec)
         self._need(ConnectorRole.CONSUMER, "RemotePrefill")
         covered = self.covered_prompt(prompt_ids)
-        cap = self._check(params, request_id, covered) if params.capability else None
-        return self._new(
-            KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, len(covered), params, cap)
-        )
+        rec = KVRequest(request_id, RequestState.WAITING_FOR_REMOTE_KV, len(covered), params)
+        if params.capability:
+            try:
+                rec.capability = self._check(params, request_id, covered)
+            except CapabilityExpired as exc:  # genuine but late: a failed load, no refusal
+                rec.reason = f"KV not pulled: {exc}"
+        return self._new(rec)
 
     def covered_prompt(self, prompt_ids: list[int]) -> list[int]:
         """The tokens of a prompt a hand-over covers: all of them, or, with state groups,
@@ -311,13 +317,16 @@ class KVConnectorScheduler:
     def _check(self, params: RemotePrefill, request_id: str, prompt_ids: list[int]) -> Capability:
         """The capability, checked: signed by a prefill instance our root enrolled,
         issued to this instance (or to no instance in particular: a prefill request that
-        named no reader), unexpired, for this request (`params.request_id`, or this id)
-        and its prompt (its token ids, not only their number), and not used before (a
-        capability opens one pull)."""
+        named no reader), for this request (`params.request_id`, or this id) and its
+        prompt (its token ids, not only their number), unexpired (CapabilityExpired if
+        all else holds), and not used before (a capability opens one pull)."""
         num_tokens = len(prompt_ids)
         request_id = params.request_id or request_id
+        expired = None
         try:
             cap = check_capability(params.capability, self.config.root, self.instance_id)
+        except CapabilityExpired as exc:  # checked as the rest; raised if all else holds
+            cap, expired = exc.cap, exc
         except AuthError as exc:
             raise CapabilityRefused(f"KV capability refused: {exc}") from None
         if cap.block_size <= 0 or not 0 <= cap.start_token <= cap.num_tokens:
@@ -335,6 +344,8 @@ class KVConnectorScheduler:
                 f"KV capability refused: it covers another prompt of {cap.num_tokens} tokens "
                 f"than the one request {request_id!r} names"
             )
+        if expired is not None:
+            raise expired
         try:
             self.redeemed.redeem(cap)
         except AuthError as exc:
@@ -350,8 +361,8 @@ class KVConnectorScheduler:
         will come; the request has gone to RECOMPUTE or FAILED (`pop_ended`)."""
         rec = self.requests[request_id]
         cap = rec.capability
-        if cap is None:
-            self._end_load(rec, "no KV to pull")
+        if cap is None:  # none given, or one that expired before this instance took it
+            self._end_load(rec, rec.reason or "no KV to pull")
             return 0, False
         if num_computed_tokens < cap.start_token:  # evicted since the router asked
             self._refuse(

@@ -32,7 +32,7 @@ from kvbridge.harness.commands import (
 from kvbridge.plan.copylist import blocks_needed
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
-from kvbridge.plan.planner import make_plan
+from kvbridge.plan.planner import make_plan, whole_block_end
 
 
 @dataclass
@@ -76,21 +76,24 @@ def make_workload(
     spare_blocks: int = 3,
 ) -> Workload:
     """Shuffled, non-contiguous block ids: each side's block pool is a permutation with
-    spare blocks mixed in, so requests interleave and no request is contiguous by luck."""
+    spare blocks mixed in, so requests interleave and no request is contiguous by luck.
+    A pull reads its last block whole: each decode span's `read_end` says where the
+    zeros its producer wrote past the last token end (`whole_block_end`)."""
     rng = np.random.default_rng(seed)
+    end = whole_block_end(num_tokens, prefill.block_size, decode.block_size)
 
-    def side(block_size: int) -> tuple[list[Span], int]:
+    def side(block_size: int, read_end: int) -> tuple[list[Span], int]:
         need = blocks_needed(num_tokens, block_size)
         total = num_requests * need + spare_blocks
         pool = rng.permutation(total)
         spans = [
-            Span(pool[i * need : (i + 1) * need].tolist(), num_tokens, 1 + i)
+            Span(pool[i * need : (i + 1) * need].tolist(), num_tokens, 1 + i, read_end=read_end)
             for i in range(num_requests)
         ]
         return spans, total
 
-    p, pn = side(prefill.block_size)
-    d, dn = side(decode.block_size)
+    p, pn = side(prefill.block_size, 0)
+    d, dn = side(decode.block_size, end)
     return Workload(p, d, pn, dn)
 
 
@@ -110,15 +113,12 @@ def run_check(
     """Run the check (see module docstring); with `start_token`, partial pulls of tokens
     [start_token, num_tokens) that must leave each decode worker's earlier tokens as they
     were. `options` go to every worker (`WorkerSpec`)."""
-    plan = make_plan(model, prefill, decode)  # refuse an incompatible pair before spawning
+    make_plan(model, prefill, decode)  # refuse an incompatible pair before spawning
     work = make_workload(prefill, decode, num_requests, num_tokens, seed)
-    # each pull reads its last block whole: the decode slots past its last token get the
-    # zeros its producer wrote there (the prefill caches hold other bytes in them)
-    end = plan.read_end(num_tokens)
-    decode_spans = [
-        msgspec.structs.replace(s, start_token=start_token, read_end=end) for s in work.decode
-    ]
-    work = dataclasses.replace(work, decode=decode_spans)
+    if start_token:
+        work = dataclasses.replace(
+            work, decode=[msgspec.structs.replace(s, start_token=start_token) for s in work.decode]
+        )
     own = cluster is None
     c = cluster or Cluster()
     failures: list[str] = []

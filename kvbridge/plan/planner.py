@@ -96,6 +96,21 @@ class LocalCopy(_Cells):
     bytes_per_token: int
 
 
+def whole_block_end(num_tokens: int, prefill_block: int, decode_block: int) -> int:
+    """Where a pull of a request's first `num_tokens` tokens stops reading: on to the
+    end of the last block where both sides' last blocks go on,
+
+        min(ceil(n / bp) * bp, ceil(n / bd) * bd)      (bp, bd: the block sizes)
+
+    so the prompt's partial last block moves whole (a run per page, like a full block)
+    instead of cut at its last token (in a channel-major page: a run per channel). The
+    slots past the last token are the decode request's own, unused until it computes
+    them; the producer zeroes its own there before it exposes them (other requests' KV
+    may lie in them)."""
+    bp, bd = prefill_block, decode_block
+    return min(-(-num_tokens // bp) * bp, -(-num_tokens // bd) * bd)
+
+
 @dataclass(frozen=True)
 class TransferPlan:
     """Every read between the workers of a prefill and a decode instance.
@@ -147,18 +162,9 @@ class TransferPlan:
         return tuple(sorted({r.decode_rank for r in self.reads if r.prefill_rank == prefill_rank}))
 
     def read_end(self, num_tokens: int) -> int:
-        """Where a pull of a request's first `num_tokens` tokens stops reading: on to the
-        end of the last block where both sides' last blocks go on,
-
-            min(ceil(n / bp) * bp, ceil(n / bd) * bd)      (bp, bd: the block sizes)
-
-        so the prompt's partial last block moves whole (a run per page, like a full
-        block) instead of cut at its last token (in a channel-major page: a run per
-        channel). The slots past the last token are the decode request's own, unused
-        until it computes them; the producer zeroes its own there before it exposes
-        them (other requests' KV may lie in them)."""
-        bp, bd = self.prefill.block_size, self.decode.block_size
-        return min(-(-num_tokens // bp) * bp, -(-num_tokens // bd) * bd)
+        """Where a pull of a request's first `num_tokens` tokens stops reading
+        (`whole_block_end` of this pair's block sizes)."""
+        return whole_block_end(num_tokens, self.prefill.block_size, self.decode.block_size)
 
     @property
     def bytes_per_token(self) -> int:

@@ -52,6 +52,15 @@ class BlockTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     first_token: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class CapabilityExpired(AuthError):
+    """A capability a prefill instance our root enrolled signed for this reader, taken
+    after it expired (`cap`): genuine, but its blocks may be gone (the prefill's lease)."""
+
+    def __init__(self, message: str, cap: Capability) -> None:
+        super().__init__(message)
+        self.cap = cap
+
+
 def transfer_id(request_id: str, group: int) -> str:
     """The id cache group `group` of `request_id` is exposed and pulled under: the
     request's own for group 0, a suffixed one for the others."""
@@ -154,8 +163,8 @@ def check(data: bytes, root: bytes | None, reader: str, now: float | None = None
         )
     now = time.time() if now is None else now
     if now > cap.expires_at:
-        raise AuthError(
-            f"capability for {cap.request_id!r} expired {now - cap.expires_at:.1f} s ago"
+        raise CapabilityExpired(
+            f"capability for {cap.request_id!r} expired {now - cap.expires_at:.1f} s ago", cap
         )
     return cap
 

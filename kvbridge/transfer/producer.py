@@ -53,7 +53,6 @@ from kvbridge.plan.copylist import blocks_needed, copy_lists
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout
 from kvbridge.plan.planner import TransferPlan, make_plan
-from kvbridge.plan.slots import token_slots
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.credential import Credential
@@ -80,7 +79,7 @@ from kvbridge.transfer.regions import (
     CacheRegions,
     MemType,
     clear_slots,
-    read_end,
+    tail_slots,
     worker_shard_checked,
 )
 from kvbridge.transfer.sessions import Session, SessionRefused, SessionTable
@@ -258,21 +257,20 @@ class KVProducer:
 
     def _clear_tail(self, block_ids: tuple[int, ...], num_tokens: int, start_token: int) -> None:
         """Zero the slots past token `num_tokens` in the block holding its last token
-        (every layer, head and K/V half this worker holds), before they are exposed: a
-        reader reads that block whole (`TransferPlan.read_end`), and those slots may
-        still hold another request's KV. The block is this request's own (a partial
-        block is never shared) and nothing writes it while it is pinned. A device-memory
-        cache is not cleared; its readers stop at the last token (`read_end`)."""
-        bp = self.layout.block_size
-        last = (num_tokens - 1) // bp - start_token // bp  # index in block_ids
-        if num_tokens % bp == 0 or not 0 <= last < len(block_ids):
-            return
-        if self.regions.mem_type is not MemType.DRAM:
-            return
-        boxes = token_slots(
-            self.model, self.layout, self.shard, block_ids[last], num_tokens % bp, bp
-        )
-        clear_slots(self.regions, boxes)
+        (every layer, head and K/V half this worker holds) as it is exposed: a reader
+        may read that block whole (`regions.read_end`), and those slots may still hold
+        another request's KV. The block is this request's own (a partial block is never
+        shared) and nothing writes it while it is pinned. A READ that raced the expose
+        may still have read them; its decode worker zeroes its own copy of them
+        (`PullProgress`). A device-memory cache is not cleared; its readers stop at the
+        last token."""
+        if self.regions.mem_type is MemType.DRAM:
+            bp = self.layout.block_size
+            end = -(-num_tokens // bp) * bp  # no reader reads past it (`TransferPlan.read_end`)
+            boxes = tail_slots(
+                self.model, self.layout, self.shard, block_ids, start_token, num_tokens, end
+            )
+            clear_slots(self.regions, boxes)
 
     def cancel(self, request_id: str, reason: str) -> bool:
         """Release `request_id`'s blocks now (cause ABORTED): its router gave up on it
@@ -512,11 +510,13 @@ class KVProducer:
         skip = msg.start_token // bp - exp.start_token // bp
         if not 0 <= skip < len(exp.block_ids) or msg.start_token >= exp.num_tokens:
             return b""
-        end = read_end(plan, exp.num_tokens, self.regions.mem_type)  # what the reader read
+        # the prompt's bytes only: slots past it a reader may read too are zeroed by it
         # stand-in decode block ids: the source runs (and their order) do not depend on them
-        d_ids = np.arange(blocks_needed(end, bd, msg.start_token))
+        d_ids = np.arange(blocks_needed(exp.num_tokens, bd, msg.start_token))
         try:
-            lists = copy_lists(plan, msg.rank, exp.block_ids[skip:], d_ids, end, msg.start_token)
+            lists = copy_lists(
+                plan, msg.rank, exp.block_ids[skip:], d_ids, exp.num_tokens, msg.start_token
+            )
         except KVBridgeError as exc:
             log.warning("prefill worker %d: no digest of %r: %s", self.rank, msg.request_id, exc)
             return b""

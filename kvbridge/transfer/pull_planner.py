@@ -46,13 +46,13 @@ from kvbridge.transfer.staging import Staging
 log = logging.getLogger("kvbridge.transfer.consumer")
 
 
-def pull_end(pull: ActivePull) -> int:
-    """Where `pull` stops reading: its prompt's last block whole where the producer
-    instance's cache is host memory (`regions.read_end`); the same for a fan-out's
-    reader and its copiers."""
+def pull_end(pull: ActivePull, local: CacheRegions) -> int:
+    """Where `pull` into the cache `local` stops reading (`regions.read_end`): its
+    prompt's last block whole from and into host memory; the same for a fan-out's
+    reader and its copiers (one instance's caches lie in one kind of memory)."""
     inst = pull.instance
     assert inst.plan is not None and inst.worker0.regions is not None
-    return read_end(inst.plan, pull.num_tokens, inst.worker0.regions.mem_type)
+    return read_end(inst.plan, pull.num_tokens, inst.worker0.regions.mem_type, local.mem_type)
 
 
 def prompt_nbytes(pull: ActivePull, cl: CopyList) -> int:
@@ -138,7 +138,7 @@ class PullPlanner:
             self.rank,
             pull.producer_block_ids,
             pull.local_block_ids,
-            pull_end(pull),
+            pull_end(pull, self.regions),
             pull.start_token,
         )
         nbytes = ndesc = nunmerged = nidx = 0
@@ -221,7 +221,7 @@ class PullPlanner:
             pull.instance.plan,
             self.rank,
             pull.local_block_ids,
-            pull_end(pull),
+            pull_end(pull, self.regions),
             pull.start_token,
         ):
             for local, local_idx, remote, remote_idx in self._reads(

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.plan.copylist import CopyList, copy_lists
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.errors import TransferError
 from kvbridge.transfer.integrity import digest
@@ -54,7 +55,8 @@ from kvbridge.transfer.pull import (
     TransferResult,
     TransferState,
 )
-from kvbridge.transfer.pull_planner import PullPlanner
+from kvbridge.transfer.pull_planner import PullPlanner, pull_end
+from kvbridge.transfer.regions import clear_slots, tail_slots
 from kvbridge.transfer.siblings import Siblings
 from kvbridge.transfer.staging import Staging
 
@@ -85,6 +87,7 @@ class PullProgress:
         self._directory, self._planner = directory, planner
         self._siblings, self._notices = siblings, notices
         self._views = views  # to digest what we pulled
+        self._regions = worker.regions  # to zero the slots read past a prompt
         self._staging = staging  # where a converting plan's reads land, cast from there
         self.pulls: dict[str, ActivePull] = {}
         #: producers to meet afresh once no pull reads from them (`KVConsumer`)
@@ -207,7 +210,8 @@ class PullProgress:
         if pull.checked and pull.digests is None:  # while the producers digest theirs
             views = self._views if cast is None else self._staging.views(cast)
             t0 = time.perf_counter()
-            pull.digests = {p: digest(views, pull.copies[p], "dst") for p in pull.awaiting}
+            prompt = self._prompt_copies(pull)
+            pull.digests = {p: digest(views, prompt.get(p, []), "dst") for p in pull.awaiting}
             pull.clock.digest_s = time.perf_counter() - t0
         for p in sorted(pull.awaiting):
             peer = pull.instance.readers[p]
@@ -250,8 +254,44 @@ class PullProgress:
             t0 = time.perf_counter()
             self._staging.cast(pull)
             pull.clock.cast_s = time.perf_counter() - t0
+        self._zero_tail(pull)
         self.finish(pull, TransferState.DONE, "")
         return True
+
+    def _prompt_copies(self, pull: ActivePull) -> dict[int, list[CopyList]]:
+        """`pull`'s copy lists of its prompt's tokens only, by prefill rank: what the
+        producers digest (the slots it read past the prompt are zeroed here instead)."""
+        assert pull.instance.plan is not None
+        out: dict[int, list[CopyList]] = {}
+        for cl in copy_lists(
+            pull.instance.plan,
+            self.rank,
+            pull.producer_block_ids,
+            pull.local_block_ids,
+            pull.num_tokens,
+            pull.start_token,
+        ):
+            out.setdefault(cl.read.prefill_rank, []).append(cl)
+        return out
+
+    def _zero_tail(self, pull: ActivePull) -> None:
+        """Zero this worker's slots past `pull`'s prompt that it read whole
+        (`pull_end`): its producer zeroed them as it exposed them, but a READ that raced
+        the expose may have brought what they held before."""
+        plan = pull.instance.plan
+        assert plan is not None
+        end = pull_end(pull, self._regions)
+        shard = plan.decode_workers[self.rank]
+        boxes = tail_slots(
+            plan.model,
+            plan.decode,
+            shard,
+            pull.local_block_ids,
+            pull.start_token,
+            pull.num_tokens,
+            end,
+        )
+        clear_slots(self._regions, boxes)
 
     def _copy_from_source(self, pull: ActivePull) -> bool:
         """A fan-out's second hop: once `pull`'s source tells that the bytes are in its
@@ -294,6 +334,7 @@ class PullProgress:
             )
             return True
         if pull.source_confirmed:
+            self._zero_tail(pull)
             self.finish(pull, TransferState.DONE, "")
             return True
         return False

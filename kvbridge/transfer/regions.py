@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 from kvbridge.plan.geometry import ModelKVSpec
 from kvbridge.plan.layout import InstanceLayout, WorkerShard, num_regions, region_nbytes
 from kvbridge.plan.planner import TransferPlan
-from kvbridge.plan.slots import SlotBox
+from kvbridge.plan.slots import SlotBox, token_slots
 from kvbridge.transfer.errors import TransferError
 
 
@@ -141,9 +142,32 @@ def clear_slots(regions: CacheRegions, boxes: list[SlotBox]) -> None:
         view[...] = 0
 
 
-def read_end(plan: TransferPlan, num_tokens: int, producer: MemType) -> int:
-    """Where a pull of `num_tokens` tokens stops reading from a producer whose cache is
-    in `producer` memory: `plan.read_end` (the last block whole) from host memory, whose
-    producer zeroes the slots past the last token when it exposes them
-    (`KVProducer.expose`); exactly `num_tokens` from device memory, which it cannot."""
-    return plan.read_end(num_tokens) if producer is MemType.DRAM else num_tokens
+def read_end(plan: TransferPlan, num_tokens: int, producer: MemType, consumer: MemType) -> int:
+    """Where a decode worker's pull of `num_tokens` tokens stops reading from a producer
+    whose cache is in `producer` memory into its own in `consumer` memory:
+    `plan.read_end` (the last block whole) from host memory into host memory without a
+    cast, the decode worker zeroing its slots past the last token once the bytes are in
+    (`tail_slots`); exactly `num_tokens` otherwise (a device cache is not written from
+    here, a cast would convert the slots too)."""
+    whole = producer is MemType.DRAM and consumer is MemType.DRAM and plan.cast is None
+    return plan.read_end(num_tokens) if whole else num_tokens
+
+
+def tail_slots(
+    model: ModelKVSpec,
+    layout: InstanceLayout,
+    shard: WorkerShard,
+    block_ids: Sequence[int] | np.ndarray,
+    first_token: int,
+    num_tokens: int,
+    end: int,
+) -> list[SlotBox]:
+    """The boxes of slots [num_tokens, end) of a request's last block in `shard`'s cache
+    (`block_ids` hold its tokens from the block of `first_token` on); [] where the
+    prompt ends on a block boundary or `end` is `num_tokens`."""
+    bs = layout.block_size
+    last = (num_tokens - 1) // bs - first_token // bs  # index in block_ids
+    stop = min(end - (num_tokens - 1) // bs * bs, bs)
+    if num_tokens % bs == 0 or end <= num_tokens or not 0 <= last < len(block_ids):
+        return []
+    return token_slots(model, layout, shard, int(block_ids[last]), num_tokens % bs, stop)

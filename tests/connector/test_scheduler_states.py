@@ -4,6 +4,8 @@ as they arrive (a fake worker: typed `KVWorkerOutput`s). Beside the real-NIXL te
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 
@@ -293,6 +295,28 @@ def test_capabilities_are_checked_on_arrival() -> None:
     with pytest.raises(CapabilityRefused, match="KV capability refused"):
         other.add_request("r", list(range(10)), params)  # issued to D, not E
     assert not other.requests
+
+
+@pytest.mark.parametrize("policy", list(KVLoadFailure))
+def test_a_genuine_capability_taken_after_it_expired_is_a_failed_load(
+    policy: KVLoadFailure, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode instance too busy to take a prefilled request within `claim_s`: the
+    capability is its prefill's own but expired, so nothing is pulled and the request
+    goes the way a failed pull goes under `kv_load_failure` (recomputed here, or
+    failed), with the reason; not refused as a forgery is."""
+    params = decode_params()
+    late = time.time() + KVConnectorConfig.claim_s + 2
+    monkeypatch.setattr("kvbridge.transfer.capability.time.time", lambda: late)
+    c = consumer(policy)
+    rec = c.add_request("r", list(range(10)), params)
+    assert rec.capability is None and c.state("r") is S.WAITING_FOR_REMOTE_KV
+    assert c.get_num_new_matched_tokens("r", 0) == (0, False)
+    ended = c.pop_ended("r")
+    want = S.RECOMPUTE if policy is KVLoadFailure.RECOMPUTE else S.FAILED
+    assert ended.state is want
+    assert "KV not pulled" in ended.reason and "expired" in ended.reason, ended.reason
+    assert not c.build_connector_meta().reqs_to_recv
 
 
 def test_orders_and_reports_cross_a_process_boundary_as_typed_bytes() -> None:

@@ -19,7 +19,7 @@ from kvbridge.serve import wire
 from kvbridge.serve.backend import GenerateRequest, SamplingParams
 from kvbridge.serve.http_auth import SIGNATURE_HEADER, TIME_HEADER, SignedRequests
 from kvbridge.serve.metrics import metric_value
-from kvbridge.transfer.capability import Capability, issue
+from kvbridge.transfer.capability import Capability, issue, prompt_digest
 from kvbridge.transfer.messages import Hello, LayoutWire, ModelWire, Refused, Welcome
 from kvbridge.transfer.side_channel import SideChannelClient
 from tests.credentials import enrolled
@@ -108,21 +108,26 @@ def test_a_decode_instance_pulls_only_with_a_capability_issued_to_it(instances) 
             ),
             "issued to decode instance 'x'",
         ),
-        # expired
-        (
-            RemotePrefill(
-                victim.first_token_id,
-                issue(Capability("r-attacker", "p", ENDPOINT, [0], len(ids), me, 1.0), P),
-                victim.kv.instance_id,
-            ),
-            "expired",
-        ),
     ]
     for kv, words in forged:
         r = _generate(decode, attacker, result(kv))
         assert r.status_code == 403, r.text
         err = r.json()["error"]
         assert err["code"] == "capability_refused" and words in err["message"]
+    # a genuine capability for this very request and prompt, taken after it expired:
+    # nothing is pulled, the decode instance computes the prompt (its load failed)
+    late = Capability("r-late", "p", ENDPOINT, [0], len(ids), me, 1.0, 0, 16, prompt_digest(ids))
+    late_kv = RemotePrefill(victim.first_token_id, issue(late, P), victim.kv.instance_id)
+    r = _generate(
+        decode,
+        _gen("r-late", me),
+        wire.PrefillResult("r-late", ids, victim.first_token_id, "", None, late_kv, 1.0),
+    )
+    assert r.status_code == 200, r.text
+    last = [wire.event_decoder.decode(line) for line in r.text.splitlines() if line][-1]
+    assert last.finish_reason and not last.error, last
+    assert last.stages.kv_load_failed and last.stages.kv_bytes is None
+    assert last.kv_load_error is not None and "expired" in last.kv_load_error
     # the real reader with the real capability is served, and nothing stayed pinned
     r = _generate(decode, _gen("r-victim", me), victim)
     assert r.status_code == 200

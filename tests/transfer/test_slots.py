@@ -1,7 +1,8 @@
 """A pull reads its prompt's last block whole (`TransferPlan.read_end`): the producer
-zeroes that block's slots past the last token (`token_slots`, `clear_slots`) before it
-exposes them, so a reader gets this request's KV and zeros there, never the bytes
-another request left in them. On numpy caches in real layouts (vLLM's CPU pages with a
+zeroes that block's slots past the last token (`token_slots`, `clear_slots`) as it
+exposes them, and the reader zeroes its own copy of them once the bytes are in (a READ
+may race the expose), so the decode holds this request's KV and zeros there, never the
+bytes another request left in them. On numpy caches in real layouts (vLLM's CPU pages with a
 channel-major K half, cross-layer, per layer, MLA); tests/transfer/test_transfers.py
 moves the same with real NIXL agents."""
 
@@ -22,7 +23,13 @@ from kvbridge.plan.verifier import (
     fill_worker_cache,
     region_bytes,
 )
-from kvbridge.transfer.regions import CacheRegions, MemType, clear_slots, read_end
+from kvbridge.transfer.regions import (
+    CacheRegions,
+    MemType,
+    clear_slots,
+    read_end,
+    tail_slots,
+)
 from tests.plan.helpers import READ_ENDS
 
 SMOL = load_model_spec("smollm2-135m")
@@ -52,13 +59,47 @@ def test_clearing_a_blocks_tail_zeroes_exactly_those_slots(model, layout, first)
     assert np.array_equal(cache, want)
 
 
-def test_a_device_memory_cache_is_neither_cleared_nor_read_past_the_last_token():
+def test_only_host_memory_into_host_memory_without_a_cast_is_read_past_the_last_token():
     plan = make_plan(SMOL, lay(1, "BHLNC", 32), lay(1, "BHLNC", 32))
-    assert read_end(plan, 208, MemType.DRAM) == 224
-    assert read_end(plan, 208, MemType.VRAM) == 208
+    assert read_end(plan, 208, MemType.DRAM, MemType.DRAM) == 224
+    assert read_end(plan, 208, MemType.VRAM, MemType.DRAM) == 208
+    assert read_end(plan, 208, MemType.DRAM, MemType.VRAM) == 208
+    f32 = InstanceLayout(block_size=32, cache_layout="BHLNC", dtype="float32")
+    to_f32 = make_plan(SMOL, lay(1, "BHLNC", 32), f32)
+    assert to_f32.cast is not None and read_end(to_f32, 208, MemType.DRAM, MemType.DRAM) == 208
     vram = CacheRegions((1 << 20,), (4096,), MemType.VRAM)
     with pytest.raises(Exception, match="cannot clear slots of a VRAM cache"):
         clear_slots(vram, [])
+
+
+@pytest.mark.parametrize("layout", ["LBHKNC:K=CN", "BHLNC"])
+def test_a_read_that_raced_the_expose_is_zeroed_by_its_reader(layout):
+    """The READ came before the producer cleared its tail (the capability reached the
+    decode before the prefill worker took its expose order): the decode worker read the
+    bytes another request left there, and zeroes its own slots past the prompt
+    (`tail_slots`) before it reports the pull done."""
+    p_lay, d_lay = lay(1, layout, 32), lay(3, layout, 16)
+    plan = make_plan(SMOL, p_lay, d_lay)
+    n, end = 40, plan.read_end(40)
+    assert end == 48
+    p_ids, d_ids = np.array([5, 2]), np.array([7, 0, 3])
+    p = plan.prefill_workers[0]
+    src = fill_worker_cache(SMOL, p_lay, p, 8, [RequestSpan(p_ids, n, 5)], salt=1)  # not cleared
+    for d in plan.decode_workers:
+        initial = fill_worker_cache(SMOL, d_lay, d, 8, [], salt=100 + d.rank)
+        got = initial.copy()
+        apply_copy_lists(
+            region_bytes(src, num_regions(SMOL, p_lay, p)),
+            region_bytes(got, num_regions(SMOL, d_lay, d)),
+            copy_lists(plan, d.rank, p_ids, d_ids, end),
+        )
+        want = expected_decode_cache(
+            SMOL, d_lay, d, initial, [RequestSpan(d_ids, n, 5, read_end=end)]
+        )
+        assert not np.array_equal(got, want)  # the other request's bytes came along
+        regions = CacheRegions.from_array(got, num_regions(SMOL, d_lay, d))
+        clear_slots(regions, tail_slots(SMOL, d_lay, d, d_ids, 0, n, end))
+        assert np.array_equal(got, want), f"decode rank {d.rank}"
 
 
 @pytest.mark.parametrize("bp, bd, n, end", READ_ENDS)
