@@ -262,6 +262,8 @@ class PullProgress:
         """`pull`'s copy lists of its prompt's tokens only, by prefill rank: what the
         producers digest (the slots it read past the prompt are zeroed here instead)."""
         assert pull.instance.plan is not None
+        if pull_end(pull, self._regions) == pull.num_tokens:  # read the prompt only
+            return pull.copies
         out: dict[int, list[CopyList]] = {}
         for cl in copy_lists(
             pull.instance.plan,

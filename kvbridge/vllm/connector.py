@@ -138,7 +138,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         check_vllm(vllm_config)
-        state_groups(kv_cache_config)  # refused at start-up, in every process
+        #: the SSM layers' KV cache groups (refused settings at start-up, in every process)
+        self.state_groups = state_groups(kv_cache_config)
         settings = from_extra_config(dict(kv.kv_connector_extra_config))
         instance_id = settings.bound_instance_id(str(kv.engine_id))
         self.configs = settings.configs(instance_id, ROLES[str(kv.kv_role)])  # one per role
@@ -166,7 +167,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 self.block_size,
                 world_size,
                 log,
-                state_groups(kv_cache_config),
+                self.state_groups,
                 in_step_pulls=not self.reports_failed_requests,
             )
 
@@ -183,7 +184,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         pp_layers = pipeline_layers(model.num_layers, self.pp_size)
         config = self._kv_cache_config
         groups = [list(g.layer_names) for g in config.kv_cache_groups] if config else None
-        state_layers = frozenset(name for g in state_groups(config) for name in (groups or [])[g])
+        state_layers = frozenset(name for g in self.state_groups for name in (groups or [])[g])
         cache = describe_kv_caches(
             kv_caches,
             model,
