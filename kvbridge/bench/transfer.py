@@ -210,6 +210,10 @@ class Row:
     #: worker that finished each request last, unchecked pulls and checked ones
     phases_ms: dict[str, float] | None = None
     checked_phases_ms: dict[str, float] | None = None
+    #: unchecked timed pulls: (producer workers a fence word confirmed, producer
+    #: workers read from), summed over decode workers (`fence.py`; the rest waited
+    #: for the ReadAck)
+    fenced: tuple[int, int] = (0, 0)
 
     @property
     def name(self) -> str:
@@ -504,7 +508,8 @@ def _print_phases(args: argparse.Namespace, r: Row, label_mode: bool) -> None:
 
     if r.phases_ms is not None:
         print(f"{name}: where a pull's time goes (ms; the decode worker that ended last, "
-              f"median): {parts(r.phases_ms)}")  # fmt: skip
+              f"median): {parts(r.phases_ms)}; confirmed by the producers' fence words: "
+              f"{r.fenced[0]} of {r.fenced[1]} reads (the rest by ReadAck)")  # fmt: skip
     if r.checked_ms is None or r.checked_phases_ms is None:
         return
     print(f"  {r.num_checked} of the timed pulls were checked (--kv-integrity "
@@ -596,9 +601,13 @@ def _measure_pair(
         checked_s: list[float] = []  # checked pulls (integrity)
         phases: dict[bool, list[dict[str, float]]] = {False: [], True: []}
         cable: list[int] = []
+        fenced = [0, 0]
+        sources = sum(
+            len({r.prefill_rank for r in plan.reads_for(d.rank)}) for d in plan.decode_workers
+        )
         for i in range(repeat + 1):
             sent = hosts[0].bytes_sent() if hosts else 0
-            seconds, descs, last = _one_request(
+            seconds, descs, last, by_fence = _one_request(
                 c,
                 pre.endpoint,
                 pre.workers,
@@ -611,6 +620,9 @@ def _measure_pair(
                 first_s = seconds
                 continue  # warm-up: handshakes
             (checked_s if last.checked else plan_s).append(seconds)
+            if not last.checked:
+                fenced[0] += by_fence
+                fenced[1] += sources
             phases[last.checked].append(last.phases)
             cable.append(hosts[0].bytes_sent() - sent if hosts else 0)
             raw_s.append(_raw(c, plan, pre.workers, dec.workers, per_decode, readers, False))
@@ -641,6 +653,7 @@ def _measure_pair(
         checked_ms=statistics.median(checked_s) * 1e3 if checked_s else None,
         phases_ms=_median_phases(phases[False]),
         checked_phases_ms=_median_phases(phases[True]),
+        fenced=(fenced[0], fenced[1]),
     )
 
 
@@ -766,10 +779,11 @@ def _print_floor(floor: cma_floor.CmaFloor | None, run_bytes: int, num_runs: int
 
 def _one_request(
     c: Cluster, endpoint: str, prefill: list, decode: list, rid: str, p: Span, d: Span
-) -> tuple[float, tuple[int, int, int], Finished]:
+) -> tuple[float, tuple[int, int, int], Finished, int]:
     """Expose, then pull one request: seconds from the Pulls sent to every decode
-    worker's outcome, descriptor counts, and the report of the worker whose pull took
-    longest (its phases are where the request's time went)."""
+    worker's outcome, descriptor counts, the report of the worker whose pull took
+    longest (its phases are where the request's time went), and how many producer
+    workers' fence words confirmed the pulls."""
     from kvbridge.harness.commands import Expose, Finished, Pull, Released
 
     for w in prefill:
@@ -793,4 +807,5 @@ def _one_request(
             sum(f.num_indices for f in results),
         ),
         last,
+        sum(f.fenced for f in results),
     )

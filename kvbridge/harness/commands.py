@@ -159,6 +159,7 @@ class Finished(msgspec.Struct, tag=True):
     local_nbytes: int = 0  # copied from a sibling's cache (a fan-out)
     checked: bool = False  # its bytes were checked against the producers' digests
     phases: dict[str, float] = {}  # `PullPhases`' fields: where its time went
+    fenced: int = 0  # producer workers whose fence word confirmed it (`fence.py`)
 
 
 class Verified(msgspec.Struct, tag=True):

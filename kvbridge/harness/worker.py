@@ -244,6 +244,7 @@ class _Worker:
                                 r.local_nbytes,
                                 r.checked,
                                 dataclasses.asdict(r.phases),
+                                r.fenced,
                             ),
                         )
         finally:

@@ -49,7 +49,7 @@ class Transport(Protocol):
     def peer_regions(self, regions: CacheRegions) -> CacheRegions: ...
     def add_peer(self, metadata: bytes) -> str: ...
     def remove_peer(self, peer: str) -> None: ...
-    def prep_local(self, descs: np.ndarray) -> Any: ...
+    def prep_local(self, descs: np.ndarray, mem_type: MemType | None = None) -> Any: ...
     def prep_remote(self, peer: str, descs: np.ndarray, mem_type: MemType) -> Any: ...
     def release_dlist(self, handle: Any) -> None: ...
     def read(
@@ -59,6 +59,7 @@ class Transport(Protocol):
     def release(self, xfer: Any) -> bool: ...
     def send_notif(self, peer: str, msg: bytes) -> None: ...
     def notifs(self) -> dict[str, list[bytes]]: ...
+    def fence_words(self) -> tuple[np.ndarray, int] | None: ...
     def close(self) -> None: ...
 
 
@@ -91,6 +92,7 @@ class NixlTransport:
         self.name = name
         self.regions = regions
         self._mem = regions.mem_type.value
+        self._fence: np.ndarray | None = None
         cfg = nixl_agent_config(enable_prog_thread=False, backends=[], capture_telemetry=False)
         try:
             self._agent = nixl_agent(name, cfg)
@@ -114,6 +116,19 @@ class NixlTransport:
     def metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
+    def fence_words(self) -> tuple[np.ndarray, int]:
+        """This worker's fence words (`fence.SLOTS` uint64 of host memory, registered at
+        the first call: make it before handshakes) and where peers read them: a
+        producer's, written as it exposes and releases; a consumer's, where its READs of
+        producers' words land (`fence.py`)."""
+        if self._fence is None:
+            from kvbridge.transfer.fence import SLOTS  # (fence.py reads through a Transport)
+
+            words = np.zeros(SLOTS, dtype=np.uint64)
+            self.register(CacheRegions.from_array(words))
+            self._fence = words
+        return self._fence, int(self._fence.ctypes.data)
+
     def peer_regions(self, regions: CacheRegions) -> CacheRegions:
         """Where peers address `regions` (registered here: the same addresses)."""
         return regions
@@ -136,9 +151,12 @@ class NixlTransport:
         except Exception as exc:  # the peer may be gone already
             log.debug("remove_remote_agent(%s): %s", peer, exc)
 
-    def prep_local(self, descs: np.ndarray) -> Any:
+    def prep_local(self, descs: np.ndarray, mem_type: MemType | None = None) -> Any:
+        """Prepare descriptors of our memory: the cache's type unless `mem_type` says
+        (host memory beside a GPU cache, e.g. the fence words)."""
+        mem = self._mem if mem_type is None else mem_type.value
         try:
-            return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem)
+            return self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem)
         except Exception as exc:
             raise TransferError(
                 f"NIXL could not prepare {len(descs)} descriptors: {type(exc).__name__}: {exc}"

@@ -40,6 +40,7 @@ from kvbridge.plan.layout import InstanceLayout
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.fence import FenceReader
 from kvbridge.transfer.identity import Identity, bound_fingerprint
 from kvbridge.transfer.integrity import is_checked, region_views
 from kvbridge.transfer.introductions import Introductions
@@ -128,8 +129,9 @@ class KVConsumer:
         # failure notices producers cut off could not be told, paid after the heal
         self.owed = self._notices.owed
         self.staging = Staging(worker)  # a converting plan's reads land there
+        self._fence = FenceReader(transport)  # confirms pulls by producers' fence words
         self._planner = PullPlanner(
-            worker, self.directory, self._siblings, self._notices, self.staging
+            worker, self.directory, self._siblings, self._notices, self.staging, self._fence
         )
         self._introductions = Introductions(worker, self.directory, self._planner)
         self._progress = PullProgress(
@@ -140,6 +142,7 @@ class KVConsumer:
             self._notices,
             self._views,
             self.staging,
+            self._fence,
         )
         self._pulls = self._progress.pulls  # by request id, until reported
 
@@ -301,6 +304,7 @@ class KVConsumer:
         self.directory.close()
         self._siblings.close()
         self._planner.close(self._introductions.close())
+        self._fence.close()
         return self._progress.take_results()
 
     def _forget_unreachable(self) -> None:

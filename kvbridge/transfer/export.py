@@ -164,6 +164,8 @@ class ExportInit(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     size: int  # the segment's, registered whole (the cache regions lie in it)
     fd: int  # the segment's memfd, opened read-only, inherited
     events_fd: int  # the pipe it writes frames to, inherited
+    fence_fd: int  # the worker's fence words (`fence.py`): a memfd opened read-only
+    fence_size: int
     net_device: str | None = None
     backend_params: dict[str, str] = {}
 
@@ -172,6 +174,7 @@ class ExportReady(msgspec.Struct, frozen=True, tag="ready"):
     agent_name: str
     metadata: bytes
     base: int  # where the segment is mapped in the export process
+    fence_base: int  # where the fence words are mapped there
     sandboxed: bool  # its seccomp filter is installed (`sandbox.py`)
 
 
@@ -228,6 +231,11 @@ class ExportedTransport:
         # what the export process gets: the segment opened read-only, so no mapping of
         # it there can ever be made writable (mprotect checks the file's mode)
         self._ro_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDONLY | os.O_CLOEXEC)
+        from kvbridge.transfer.fence import SLOTS
+
+        # the fence words the worker writes, exported beside the KV (`fence.py`)
+        self._fence = SharedSegment(SLOTS * 8, "kvbridge-fence")
+        self._fence_ro_fd = os.open(f"/proc/self/fd/{self._fence.fd}", os.O_RDONLY | os.O_CLOEXEC)
         self._base_name = name
         self._backend_params = dict(backend_params or {})
         self._net_device = net_device
@@ -236,6 +244,8 @@ class ExportedTransport:
             self._child = self._start(name)
         except BaseException:
             os.close(self._ro_fd)
+            os.close(self._fence_ro_fd)
+            os.close(self._fence.fd)
             raise
         self.name = name
 
@@ -253,6 +263,12 @@ class ExportedTransport:
         base = self._child.ready.base
         offs = self._segment.offsets(regions)
         return CacheRegions(tuple(base + o for o, _ in offs), regions.lengths, regions.mem_type, 0)
+
+    def fence_words(self) -> tuple[np.ndarray, int]:
+        """The worker's fence words (written here) and where peers read them: the
+        export process's mapping of them."""
+        assert self._child.ready is not None
+        return self._fence.array.view(np.uint64), self._child.ready.fence_base
 
     def notifs(self) -> dict[str, list[bytes]]:
         """Ask the export process to poll its agent; take the notifications it sent so
@@ -275,6 +291,8 @@ class ExportedTransport:
         _stop(self._child)
         if self._ro_fd >= 0:
             os.close(self._ro_fd)
+            os.close(self._fence_ro_fd)
+            os.close(self._fence.fd)  # its pages go with the mapping
             self._ro_fd = -1
 
     def add_peer(self, metadata: bytes) -> str:
@@ -286,7 +304,7 @@ class ExportedTransport:
     def register(self, regions: CacheRegions) -> None:
         raise self._producer_only("register")
 
-    def prep_local(self, descs: np.ndarray) -> Any:
+    def prep_local(self, descs: np.ndarray, mem_type: MemType | None = None) -> Any:
         raise self._producer_only("prep_local")
 
     def prep_remote(self, peer: str, descs: np.ndarray, mem_type: MemType) -> Any:
@@ -344,6 +362,8 @@ class ExportedTransport:
             size=self._segment.size,
             fd=self._ro_fd,
             events_fd=wfd,
+            fence_fd=self._fence_ro_fd,
+            fence_size=self._fence.size,
             net_device=self._net_device,
             backend_params=self._backend_params,
         )
@@ -360,7 +380,7 @@ class ExportedTransport:
                 [sys.executable, "-m", "kvbridge.transfer.export", msgspec.json.encode(init)],
                 stdin=subprocess.PIPE,
                 stdout=2,  # UCX may log to stdout: onto our stderr, off any pipe of ours
-                pass_fds=(self._ro_fd, wfd),
+                pass_fds=(self._ro_fd, self._fence_ro_fd, wfd),
                 env=env,
             )
         except OSError as exc:
@@ -496,9 +516,14 @@ def main(argv: list[str]) -> int:
         view = np.frombuffer(seg, dtype=np.uint8)
         int(view[:: mmap.PAGESIZE].sum())  # map every page now, not at peers' first READs
         base = int(view.ctypes.data)
+        fence = mmap.mmap(
+            init.fence_fd, init.fence_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ
+        )
+        os.close(init.fence_fd)
+        fence_base = int(np.frombuffer(fence, dtype=np.uint8).ctypes.data)
         agent = NixlTransport(
             init.agent_name,
-            CacheRegions((base,), (init.size,)),
+            CacheRegions((base, fence_base), (init.size, init.fence_size)),
             init.backend_params,
             init.net_device,
         )
@@ -506,7 +531,7 @@ def main(argv: list[str]) -> int:
         from kvbridge.transfer.sandbox import deny_escape
 
         sandboxed = deny_escape()  # from here on: no file opened, no other process reached
-        _send(init.events_fd, ExportReady(init.agent_name, metadata, base, sandboxed))
+        _send(init.events_fd, ExportReady(init.agent_name, metadata, base, fence_base, sandboxed))
     except Exception as exc:
         _send(init.events_fd, ExportFailed(f"{type(exc).__name__}: {exc}"))
         return 1

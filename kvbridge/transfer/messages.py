@@ -32,8 +32,9 @@ from kvbridge.transfer.errors import AuthError, ProtocolError
 #: producer confirmed; 5 plans a fan-out on the decode host (`Hello.decode_hosts`): a
 #: version-4 producer would wait for ReadDones of workers that copy on their host; 6
 #: reads a pull's last block whole (`TransferPlan.read_end`): a version-5 producer
-#: leaves another request's KV in the slots past the last token and digests fewer bytes.
-PROTOCOL_VERSION = 6
+#: leaves another request's KV in the slots past the last token and digests fewer bytes;
+#: 7 advertises a producer's fence words (`Welcome.fence_words`, `fence.py`).
+PROTOCOL_VERSION = 7
 
 #: Bounds on untrusted fields (a worker holds at most this many cache regions, ...).
 MAX_REGIONS = 4096
@@ -136,6 +137,8 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=
     `regions[r]` is (base address, length in bytes) of cache region r (see
     `CacheLayout`: the regions are the combinations of the axes before B);
     `worker_endpoints[p]` is the side channel of the producer instance's worker p.
+    `fence_words` is where its `fence.SLOTS` fence words lie (0: it has none, its
+    readers wait for ReadAcks).
     """
 
     instance_id: Name
@@ -151,6 +154,7 @@ class Welcome(msgspec.Struct, frozen=True, tag="welcome", forbid_unknown_fields=
     worker_endpoints: Annotated[list[Name], msgspec.Meta(max_length=MAX_WORKERS)]
     hello_nonce: Nonce
     nonce: Nonce
+    fence_words: U64 = 0
     #: the prefill instance's certificate, and its key's signature over this Welcome
     #: with `signature` empty (`credential.signed_by_prefill`); empty without a credential
     certificate: Annotated[bytes, msgspec.Meta(max_length=1024)] = b""

@@ -104,6 +104,12 @@ class ProducerWorker:
     acks: collections.OrderedDict[tuple[str, int], ReadAck] = field(
         default_factory=collections.OrderedDict
     )
+    #: its fence words prepared for reading (`fence.py`; None: it has none)
+    fence: Any = None
+    #: pulls its fence word confirmed: their ReadAcks are dropped as they come
+    fenced: collections.OrderedDict[tuple[str, int], None] = field(
+        default_factory=collections.OrderedDict
+    )
 
     def sign(self, msg: ReadDone | Meet) -> bytes:
         """`msg` as this session's signed notification to the worker."""
@@ -200,6 +206,9 @@ class ProducerDirectory:
         for handle in w.remote_dlists.values():
             self.transport.release_dlist(handle)
         w.remote_dlists.clear()
+        if w.fence is not None:
+            self.transport.release_dlist(w.fence)
+            w.fence = None
         if w.agent:
             self.transport.remove_peer(w.agent)
         for inst in list(self._instances.values()):
@@ -347,9 +356,13 @@ class ProducerDirectory:
                     type(msg).__name__,
                 )
                 continue
+            key = (msg.request_id, msg.generation)
+            if key in w.fenced:  # its fence word confirmed that pull already
+                del w.fenced[key]
+                continue
             # the answer to our one ReadDone of that exposure; a later one answers a
             # duplicate (never ours to believe over the first)
-            w.acks.setdefault((msg.request_id, msg.generation), msg)
+            w.acks.setdefault(key, msg)
             while len(w.acks) > MAX_ACKS:
                 w.acks.popitem(last=False)
 

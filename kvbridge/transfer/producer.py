@@ -24,7 +24,9 @@ generation) was still pinned when the ReadDone arrived (its reads ended before i
 sent, and began after the exposure was pinned, so the bytes read were held throughout);
 False, with the reason, for a request released meanwhile (lease expired, aborted),
 another generation, or a refused notification. A consumer uses its pulled bytes only
-after every producer worker it read from answered held.
+after every producer worker it read from answered held, or its fence word showed the
+exposure held when the reads ended (`fence.py`: written here at expose and release,
+before the blocks go back).
 
 Who may notify: every notification is signed with the key of the handshake session
 of the decode worker that sends it (`sessions.py`), names this worker as receiver, is
@@ -57,6 +59,7 @@ from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.credential import Credential
 from kvbridge.transfer.errors import ProtocolError, TransferError
+from kvbridge.transfer.fence import FenceTable
 from kvbridge.transfer.identity import binding_refusal, bound_fingerprint
 from kvbridge.transfer.integrity import digest, region_views
 from kvbridge.transfer.messages import (
@@ -165,6 +168,8 @@ class KVProducer:
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self.on_release = on_release
         self._clock = clock
+        words = transport.fence_words()  # registered now, before any handshake
+        self._fence = FenceTable(words[0]) if words is not None else None
         #: the instance's credential: signs each Welcome (None: open mode, unsigned)
         self.credential = credential
         self._exposed: dict[str, _Exposure] = {}
@@ -249,6 +254,8 @@ class KVProducer:
         self._exposed[request_id] = _Exposure(
             ids, num_tokens, self._clock() + lease, lease, reader, generation, start_token
         )
+        if self._fence is not None:
+            self._fence.hold(request_id, generation)
         if reader is not None and bound_fingerprint(reader) is not None:
             self._named[reader] += 1
             self._sessions.reserve(reader)
@@ -316,6 +323,8 @@ class KVProducer:
     # -- internals ---------------------------------------------------------------------
     def _release(self, request_id: str, cause: ReleaseCause, reason: str) -> None:
         exp = self._exposed.pop(request_id)
+        if self._fence is not None:  # before the blocks go back (`fence.py`)
+            self._fence.release(request_id, exp.generation, cause is ReleaseCause.COMPLETED)
         if exp.reader is not None and exp.reader in self._named:
             self._named[exp.reader] -= 1
             if not self._named[exp.reader]:
@@ -592,6 +601,7 @@ class KVProducer:
             )
             return Refused(kind=exc.kind, reason=str(exc))
         exported = self.transport.peer_regions(self.regions)
+        fence = self.transport.fence_words()  # (an export process's may move: asked here)
         cred = self.credential
         welcome = Welcome(
             instance_id=self.instance_id,
@@ -607,6 +617,7 @@ class KVProducer:
             worker_endpoints=self.worker_endpoints,
             hello_nonce=msg.nonce,
             nonce=nonce,
+            fence_words=fence[1] if fence is not None else 0,
             certificate=cred.certificate if cred is not None else b"",
         )
         if cred is None:

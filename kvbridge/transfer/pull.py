@@ -21,6 +21,7 @@ import numpy as np
 from kvbridge.plan.copylist import CopyList
 from kvbridge.transfer.agent import Transport
 from kvbridge.transfer.config import TransferConfig
+from kvbridge.transfer.fence import FenceRead
 from kvbridge.transfer.peers import PeerState, ProducerInstance
 from kvbridge.transfer.regions import CacheRegions
 
@@ -151,6 +152,7 @@ class TransferResult:
     phases: PullPhases = PullPhases()
     handshake: bool = False  # it waited for a handshake with its producer instance
     cold_peers: int = 0  # producer workers it was the first READ from (`ActivePull`)
+    fenced: int = 0  # producer workers whose fence word confirmed it (`fence.py`)
 
 
 @dataclass
@@ -178,6 +180,10 @@ class ActivePull:
     silent: set[int] = field(default_factory=set)
     # prefill ranks we read bytes from that have not yet answered held (`ReadAck`)
     awaiting: set[int] = field(default_factory=set)
+    # prefill rank -> the READ of its fence word carrying our ReadDone, posted once its
+    # READs are done, until it is (`fence.py`)
+    fences: dict[int, FenceRead] = field(default_factory=dict)
+    fenced: int = 0  # prefill ranks whose fence word confirmed the pull
     copies: dict[int, list[CopyList]] = field(default_factory=dict)  # prefill rank -> lists
     digests: dict[int, bytes] | None = None  # of what we read, per prefill rank (checked)
     stats: tuple[int, int, int, int] = (0, 0, 0, 0)

@@ -36,6 +36,7 @@ from kvbridge.transfer.descriptors import (
     unit_size,
 )
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.fence import FenceReader
 from kvbridge.transfer.notices import ProducerNotices
 from kvbridge.transfer.peers import ProducerDirectory, ProducerInstance, ProducerWorker
 from kvbridge.transfer.pull import LOCAL, ActivePull, DecodeWorker, TransferState
@@ -76,11 +77,13 @@ class PullPlanner:
         siblings: Siblings,
         notices: ProducerNotices,
         staging: Staging,
+        fence: FenceReader,
     ) -> None:
         self.rank, self.regions, self.num_blocks = worker.rank, worker.regions, worker.num_blocks
         self.transport, self.config = worker.transport, worker.config
         self._directory, self._siblings, self._notices = directory, siblings, notices
         self._staging = staging
+        self._fence = fence
         # by (first address of the regions cut, unit): the cache's, a staging buffer's
         self._local_dlists: dict[tuple[int, int], Any] = {}
         self._orphan_dlists: list[Any] = []  # of READs still uncancelled at close
@@ -93,6 +96,10 @@ class PullPlanner:
         cut that fine would hold ~a descriptor per token and head, and take seconds."""
         assert inst.plan is not None
         inst.prepared = True
+        for peer in inst.readers.values():  # their fence words (`fence.py`), if any
+            assert peer.welcome is not None
+            if peer.fence is None and peer.welcome.fence_words:
+                peer.fence = self._fence.remote(peer.agent, peer.welcome.fence_words)
         local = self.local_regions(inst)
         bp, bd = inst.plan.prefill.block_size, inst.plan.decode.block_size
         tokens = math.lcm(bp, bd)
@@ -179,7 +186,9 @@ class PullPlanner:
         # A prefill worker read by one READ gets the notification with it; one read by
         # several (whole blocks + a block cut inside) gets it after the last completes.
         reads_of = Counter(p for p, _, _ in posts)
-        pull.silent = {p for p, n in reads_of.items() if n > 1}
+        # ... and one with fence words gets it on the READ of its word (`PullProgress`)
+        fenced = {p for p in reads_of if inst.readers[p].fence is not None and not pull.checked}
+        pull.silent = {p for p, n in reads_of.items() if n > 1} | fenced
         pull.awaiting = set(reads_of)
         pull.cold_peers = sum(not inst.readers[p].warm for p in reads_of)
         for p, peer, (local, local_idx, remote, remote_idx) in posts:

@@ -23,7 +23,10 @@ with `ReadAck(held=True)` for the pull's generation (the capability's); `held=Fa
 fails it at once as stale (`PullFailure.STALE`, its reason naming the exposure), and an
 answer that never comes fails it at the liveness or transfer bound like a READ. A
 checked pull whose bytes differ from the producer's digest of them fails as
-`PullFailure.INTEGRITY`. A fan-out's copier (`siblings.py`) is DONE once its READs from
+`PullFailure.INTEGRITY`. An unchecked pull need not wait for the ReadAcks: once its
+READs are done it READs each producer worker's fence word (`fence.py`), and a word that
+shows the exposure held confirms that worker at once (any other word leaves it to the
+ReadAck). A fan-out's copier (`siblings.py`) is DONE once its READs from
 its source's cache are done and the source's pull is confirmed.
 """
 
@@ -37,10 +40,12 @@ from kvbridge.errors import KVBridgeError
 from kvbridge.plan.copylist import CopyList, copy_lists
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.fence import FenceReader
 from kvbridge.transfer.integrity import digest
 from kvbridge.transfer.messages import spec_error
 from kvbridge.transfer.notices import ProducerNotices
 from kvbridge.transfer.peers import (
+    MAX_ACKS,
     PeerState,
     ProducerDirectory,
     ProducerInstance,
@@ -81,6 +86,7 @@ class PullProgress:
         notices: ProducerNotices,
         views: list[Any],
         staging: Staging,
+        fence: FenceReader,
     ) -> None:
         self.rank, self.transport, self.config = worker.rank, worker.transport, worker.config
         self._clock = worker.clock
@@ -89,6 +95,7 @@ class PullProgress:
         self._views = views  # to digest what we pulled
         self._regions = worker.regions  # to zero the slots read past a prompt
         self._staging = staging  # where a converting plan's reads land, cast from there
+        self._fence = fence  # reads producers' fence words
         self.pulls: dict[str, ActivePull] = {}
         #: producers to meet afresh once no pull reads from them (`KVConsumer`)
         self.remeet: dict[str, tuple[ProducerInstance, str]] = {}
@@ -174,8 +181,7 @@ class PullProgress:
                     if p not in pull.silent:
                         pull.notified.add(p)
                     elif all(q != p for q, _ in pull.xfers.values()):  # p's last READ
-                        peer = inst.readers[p]
-                        self._notices.notify(pull, p, peer, self._notices.done(pull, peer))
+                        self._read_all(pull, p)
                 elif st is XferState.ERR:
                     peer = inst.readers[p]
                     reason = (
@@ -213,6 +219,7 @@ class PullProgress:
             prompt = self._prompt_copies(pull)
             pull.digests = {p: digest(views, prompt.get(p, []), "dst") for p in pull.awaiting}
             pull.clock.digest_s = time.perf_counter() - t0
+        self._read_fences(pull)
         for p in sorted(pull.awaiting):
             peer = pull.instance.readers[p]
             ack = peer.acks.get((pull.request_id, pull.generation))
@@ -257,6 +264,46 @@ class PullProgress:
         self._zero_tail(pull)
         self.finish(pull, TransferState.DONE, "")
         return True
+
+    def _read_all(self, pull: ActivePull, p: int) -> None:
+        """Every READ of `pull` from prefill worker `p` is done: send our ReadDone, on a
+        READ of `p`'s fence word if it has fence words and the pull is not checked (the
+        word may confirm the pull before the ReadAck comes, `_read_fences`), else on its
+        own. (The READ of the word follows the READs of the bytes: a READ posted after a
+        notification waits for the producer's next poll, so none rides on them.)"""
+        peer = pull.instance.readers[p]
+        done = self._notices.done(pull, peer)
+        read = None
+        if peer.fence is not None and not pull.checked:
+            read = self._fence.post(peer.fence, pull.request_id, pull.generation, done)
+        if read is not None:
+            pull.fences[p] = read
+        else:
+            self._notices.notify(pull, p, peer, done)
+
+    def _read_fences(self, pull: ActivePull) -> None:
+        """Check the READs of fence words `pull` posted: one done carried our ReadDone
+        (that worker is told), and a word that confirms takes its worker off `awaiting`
+        (its ReadAck is dropped as it comes); one that failed leaves the ReadDone to be
+        sent on its own and the ReadAck to decide."""
+        for p, read in list(pull.fences.items()):
+            state, held = self._fence.check(read)
+            if state is XferState.PROC:
+                continue
+            del pull.fences[p]
+            peer = pull.instance.readers[p]
+            if state is not XferState.DONE:
+                self._notices.notify(pull, p, peer, self._notices.done(pull, peer))
+                continue
+            pull.notified.add(p)
+            if held:
+                key = (pull.request_id, pull.generation)
+                pull.awaiting.discard(p)
+                pull.fenced += 1
+                peer.acks.pop(key, None)
+                peer.fenced[key] = None
+                while len(peer.fenced) > MAX_ACKS:
+                    peer.fenced.popitem(last=False)
 
     def _prompt_copies(self, pull: ActivePull) -> dict[int, list[CopyList]]:
         """`pull`'s copy lists of its prompt's tokens only, by prefill rank: what the
@@ -392,6 +439,9 @@ class PullProgress:
             self._siblings.tell_copiers(pull, state, reason)
             self._siblings.take_ready(pull.request_id, pull.generation)
         pull.xfers = {i: px for i, px in pull.xfers.items() if not self.transport.release(px[1])}
+        for read in pull.fences.values():  # (their ReadDone unsent: told as given up)
+            self._fence.drop(read)
+        pull.fences.clear()
         if pull.xfers and not final:
             pull.retry_at = self._clock() + RELEASE_RETRY_S
             if first:
@@ -445,5 +495,6 @@ class PullProgress:
                 pull.clock.phases(time.perf_counter()),
                 pull.handshake,
                 pull.cold_peers,
+                pull.fenced,
             )
         )

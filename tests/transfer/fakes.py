@@ -57,7 +57,7 @@ class FakeTransport:
     def remove_peer(self, peer: str) -> None:
         self.peers.remove(peer)
 
-    def prep_local(self, descs: np.ndarray) -> Any:
+    def prep_local(self, descs: np.ndarray, mem_type: MemType | None = None) -> Any:
         return ("local", len(descs))
 
     def prep_remote(self, peer: str, descs: np.ndarray, mem_type: MemType) -> Any:
@@ -84,6 +84,9 @@ class FakeTransport:
     def notifs(self) -> dict[str, list[bytes]]:
         out, self.inbox = self.inbox, {}
         return out
+
+    def fence_words(self) -> None:
+        return None  # no fence words: its pulls wait for ReadAcks, which tests inject
 
     def close(self) -> None:
         pass

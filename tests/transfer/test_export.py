@@ -57,11 +57,11 @@ def test_an_export_process_that_breaks_the_protocol_is_replaced_not_believed(bad
     proc = subprocess.Popen(["sleep", "60"])
     child = _Child(proc, rfd)
     try:
-        ready = ExportReady("P-prefill-0", b"metadata", 0x1000, True)
+        ready = ExportReady("P-prefill-0", b"metadata", 0x1000, 0x9000, True)
         frames = [ready, ExportNotifs([("D-0", b"done")])]
         data = b"".join(_HEADER.pack(len(f)) + f for f in map(_encoder.encode, frames))
         if bad == "ready again":
-            bad = _encoder.encode(ExportReady("P-prefill-0", b"elsewhere", 0x2000, True))
+            bad = _encoder.encode(ExportReady("P-prefill-0", b"elsewhere", 0x2000, 0xA000, True))
         os.write(wfd, data + _HEADER.pack(len(bad)) + bad + data)
         got = ExportedTransport._read(child)
         assert got == frames and child.ready == ready  # what came before, then nothing

@@ -614,13 +614,21 @@ def test_a_capability_binds_its_prompt_and_opens_one_pull() -> None:
 # -- what a token holder reaches with a prefill worker's NIXL metadata (real agents) -------
 def widened(welcome: Welcome) -> bytes:
     """The Welcome's agent metadata with its region's bounds widened to the whole address
-    space (what an attacker edits in its own copy; software transports do not check)."""
-    (addr, length), md = welcome.regions[0], welcome.agent_metadata
-    at = md.find(addr.to_bytes(8, "little") + length.to_bytes(8, "little"))
-    assert at > 0, "the region's address and length are in the metadata"
-    return (
-        md[:at] + (0x1000).to_bytes(8, "little") + (1 << 47).to_bytes(8, "little") + md[at + 16 :]
-    )
+    space (what an attacker edits in its own copy; software transports do not check), and
+    the fence words' registration moved out of the way (below the widened region)."""
+    from kvbridge.transfer.fence import SLOTS
+
+    def at(md: bytes, addr: int, length: int) -> int:
+        i = md.find(addr.to_bytes(8, "little") + length.to_bytes(8, "little"))
+        assert i > 0, "the region's address and length are in the metadata"
+        return i
+
+    md = welcome.agent_metadata
+    (addr, length), fence = welcome.regions[0], welcome.fence_words
+    i = at(md, fence, SLOTS * 8)
+    md = md[:i] + (0x10).to_bytes(8, "little") + (8).to_bytes(8, "little") + md[i + 16 :]
+    i = at(md, addr, length)
+    return md[:i] + (0x1000).to_bytes(8, "little") + (1 << 47).to_bytes(8, "little") + md[i + 16 :]
 
 
 class Attacker:
