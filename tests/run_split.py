@@ -3,8 +3,11 @@ one core of two (its tests wait on processes starting, links, leases and timeout
 
 The first process runs the packages that hold the most memory, one after the other (the
 serve package's shared instances, about 10 GB; the engine package's oracle and tp 9
-engines, about 9 GB); the second runs every other package (the test hosts' three-host
-deployment, about 4 GB, among them), so the two never add up to the machine's 24 GiB.
+engines, about 9 GB), then the parallel package (worker groups of up to nine processes,
+after the engine package let go of its engines) and the GPU suite's collection checks
+(pytest in subprocesses), so that both processes end near the same time; the second runs
+every other package (the test hosts' three-host deployment, about 4 GB, among them), so
+the two never add up to the machine's 24 GiB.
 Each process's output is printed whole once both end (Ctrl-C or SIGTERM stops both,
 and what they wrote is still printed); the exit status is the first failure's (a half
 that collected no test is none). Options after the script's name go to both processes.
@@ -23,14 +26,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: pytest's exit status when it collected no test (e.g. `-k` matched only the other half).
 NO_TESTS = 5
-#: The first process's packages, in order; the second runs all the others.
-HEAVY = ("tests/serve", "tests/engine")
+#: The first process's packages and files, in order; the second runs all the others.
+FIRST = ("tests/serve", "tests/engine", "tests/parallel", "tests/test_gpu_suite.py")
 
 
 def commands(extra: list[str]) -> list[list[str]]:
     pytest = [sys.executable, "-m", "pytest", *extra]
-    rest = [arg for package in HEAVY for arg in ("--ignore", package)]
-    return [[*pytest, *HEAVY], [*pytest, "tests", *rest]]
+    rest = [arg for path in FIRST for arg in ("--ignore", path)]
+    return [[*pytest, *FIRST], [*pytest, "tests", *rest]]
 
 
 def main(argv: list[str]) -> int:

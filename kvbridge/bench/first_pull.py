@@ -129,12 +129,14 @@ def _answers(dep: Hosts, host: TestHost) -> bool:
 
 def start(dep: Hosts, order: str, timeout_s: float) -> None:
     """(Re)start `dep` in `order`; returns once the proxy and both instances answer
-    /health 200 (what an operator's readiness check waits for)."""
+    /health 200 (what an operator's readiness check waits for). An instance to restart
+    that died already is started again under the others as they are."""
     restart = order.removesuffix("-restart")
     if restart != order:
-        if not all(h.is_running for h in (dep.prefill, dep.decode, dep.proxy)):
-            start(dep, "with", timeout_s)  # something to restart an instance of
         host = getattr(dep, restart)
+        others = [h for h in (dep.prefill, dep.decode, dep.proxy) if h is not host]
+        if not all(h.is_running for h in others):
+            start(dep, "with", timeout_s)  # something to restart an instance under
         host.kill()
         dep.start_role(restart)
         dep.wait_healthy(timeout_s)

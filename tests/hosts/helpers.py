@@ -31,6 +31,17 @@ MAX_QUEUED = 64
 VERIFY = client_context(TOKEN)
 
 
+#: How each instance role starts: prefill tp 1, decode tp 3. Prefill blocks a cut link
+#: strands are freed when the decode workers meet the prefill again after the heal, else
+#: by the lease: keep it short (but past the slow-link pull, ~18 s, which the lease would
+#: cut short); each instance holds up to MAX_QUEUED requests (64 streams fit, a burst
+#: does not).
+INSTANCE_SETTINGS: dict[str, dict[str, Any]] = {
+    "prefill": {"tp": 1, "lease_s": 40, "max_queued_requests": MAX_QUEUED},
+    "decode": {"tp": 3, "max_queued_requests": MAX_QUEUED},
+}
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -52,6 +63,11 @@ class ThreeHosts:
     proxy: TestHost
     #: each instance host's credential file (by host name), as the operator gave it
     credentials: dict[str, str] = field(default_factory=dict)
+    #: what each instance role's next start takes besides `INSTANCE_SETTINGS` (by role):
+    #: a test sets it before the role restarts
+    settings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: what each instance role's running process was started with (by role)
+    started_with: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def serve(self, timeout_s: float) -> None:
         """Return once the three roles serve: as they are if each one runs and answers
@@ -73,16 +89,10 @@ class ThreeHosts:
             auth = ["--auth-token-file", TOKEN_FILE]
             argv = ["--role", "proxy", "--host", px.address, "--port", str(PORT)]
             px.start(serve([*argv, *upstream, *auth]))
-        elif role == "prefill":
-            # prefill blocks a cut link strands are freed when the decode workers meet
-            # the prefill again after the heal, else by the lease: keep it short (but
-            # past the slow-link pull, ~18 s, which the lease would cut short); each
-            # instance holds up to MAX_QUEUED requests (64 streams fit, a burst does not)
-            self.start_instance(
-                self.prefill, "prefill", 1, lease_s=40, max_queued_requests=MAX_QUEUED
-            )
         else:
-            self.start_instance(self.decode, "decode", 3, max_queued_requests=MAX_QUEUED)
+            settings = {**INSTANCE_SETTINGS[role], **self.settings.get(role, {})}
+            self.start_instance(getattr(self, role), role, **settings)
+            self.started_with[role] = settings
 
     def start_instance(self, host: TestHost, role: str, tp: int, **overrides: Any) -> None:
         config = small_instance(role, tp, kv_cache_mb=128, host=host.address, port=PORT)

@@ -2,7 +2,8 @@
 with `kvbridge serve --role ...`: the KV crosses a real link over TCP, and the link is
 slowed, cut and healed under it. One deployment serves the whole module, in order: the
 first tests start it in each start order and leave it serving the others; a later test
-kills the prefill host.
+kills the prefill host, and the restart orders start each instance again as the
+paused-readers test needs it (the last tests go on with that).
 
 The first pull in every start order (`kvbridge bench first-pull` times them): the proxy
 started with the instances, before them, after them, and each instance restarted under
@@ -47,10 +48,28 @@ LIVENESS_S = 5.0
 TLS_APPLICATION_DATA = b"\x17\x03\x03"
 
 
-@pytest.mark.parametrize("order", ORDERS)
+#: The orders that start the whole deployment, and those that restart one instance under
+#: the others (after the kill test, as the paused-readers test needs them).
+STARTS = tuple(order for order in ORDERS if not order.endswith("-restart"))
+RESTARTS = tuple(order for order in ORDERS if order.endswith("-restart"))
+#: What each instance starts with for the paused-readers test (and the tests after it):
+#: the prefill with a lease shorter than the pause, the decode with a liveness bound
+#: longer than it, so the pause reads as what it is, not as a dead prefill; the decode
+#: at tp 9 (three workers read over the link, six copy from them: the fan-out).
+PAUSABLE: dict[str, dict[str, float]] = {
+    "prefill": {"lease_s": 4, "claim_s": 3},
+    "decode": {"tp": 9, "liveness_timeout_s": 120},
+}
+
+
+@pytest.mark.parametrize("order", STARTS)
 def test_the_first_pull_finds_warm_paths(hosts: ThreeHosts, order: str) -> None:
-    """Each order (re)starts the module's deployment; the last leaves it serving as the
-    `three_hosts` fixture starts it (the tests below go on with it)."""
+    """Each order starts the module's deployment afresh; the last leaves it serving as
+    the `three_hosts` fixture starts it (the tests below go on with it)."""
+    _check_first_pulls(hosts, order)
+
+
+def _check_first_pulls(hosts: ThreeHosts, order: str) -> None:
     sent = hosts.prefill.bytes_sent()
     series = run_order(hosts, order, requests=3)
     crossed = hosts.prefill.bytes_sent() - sent
@@ -351,23 +370,36 @@ def test_a_killed_prefill_host_leaves_decode_and_proxy_answering(
     dep.wait_released(dep.decode, 60)
 
 
+@pytest.mark.parametrize("order", RESTARTS)
+def test_the_first_pull_after_an_instance_restart_finds_warm_paths(
+    three_hosts: ThreeHosts, order: str
+) -> None:
+    """After the kill test (the prefill host lies dead: its restart is its start again),
+    each instance restarts under the serving others with the `PAUSABLE` settings, which
+    the paused-readers test below goes on with (the decode-restart's first pulls fan out
+    over its tp 9 workers)."""
+    role = order.removesuffix("-restart")
+    three_hosts.settings[role] = PAUSABLE[role]
+    _check_first_pulls(three_hosts, order)
+    assert three_hosts.started_with[role].items() >= PAUSABLE[role].items()
+
+
 def test_decode_workers_paused_past_the_lease_use_no_stale_byte(three_hosts: ThreeHosts) -> None:
     """Issue #22's fence through `kvbridge serve` across hosts: the decode host's workers
     are paused (SIGSTOP) in the middle of a pull until the prefill's lease freed the
     blocks, and another request is prefilled into the freed cache meanwhile. On resume
     the paused READs finish, but the prefill answers that it no longer held what they
     read: the pull is failed as stale, recomputed, counted on the proxy's /metrics, and
-    both answers equal colocated generation. (After the kill test: both instances start
-    again, the prefill with a lease shorter than the pause, the decode with a liveness
-    bound longer than it, so the pause reads as what it is, not as a dead prefill. The
-    decode instance runs at tp 9, so it fans out: the workers that copy from a stale
-    reader fail with it and copy nothing.)"""
+    both answers equal colocated generation. The instances run with the `PAUSABLE`
+    settings (the restart orders started them so; run without them, this test restarts
+    them so). The decode instance runs at tp 9, so it fans out: the workers that copy
+    from a stale reader fail with it and copy nothing."""
     dep = three_hosts
-    dep.prefill.kill()
-    dep.decode.kill()
-    dep.start_instance(dep.prefill, "prefill", 1, lease_s=4, claim_s=3)
-    # tp 9: three workers read over the link, six copy from them (the next test's fan-out)
-    dep.start_instance(dep.decode, "decode", 9, liveness_timeout_s=120)
+    for role, settings in PAUSABLE.items():
+        if not dep.started_with[role].items() >= settings.items():
+            dep.settings[role] = settings
+            getattr(dep, role).kill()
+            dep.start_role(role)
     dep.wait_introduced(900)
     stale_before = dep.metric(dep.proxy, "kv_stale_pulls_total")
     expired_before = dep.metric(dep.prefill, "kv_releases_total", cause="lease_expired")
@@ -421,12 +453,12 @@ def test_a_decode_instance_at_tp_9_takes_each_kv_byte_over_the_link_once(
     three_hosts: ThreeHosts,
 ) -> None:
     """Issue #22 item 2 through `kvbridge serve` across hosts: the decode instance runs
-    at tp 9 since the test before, holding each of SmolLM2's 3 KV heads on three workers.
-    With the prefill on another host it fans out (`--kv-fan-out auto`): one of a head's
-    holders reads it from the prefill host, the other two copy it from that worker's
-    cache on the decode host. The prefill host's cable carries the distinct KV once
-    (three times before), the answer equals colocated generation, and the proxy counts
-    both hops."""
+    at tp 9 since the decode-restart order, holding each of SmolLM2's 3 KV heads on three
+    workers. With the prefill on another host it fans out (`--kv-fan-out auto`): one of a
+    head's holders reads it from the prefill host, the other two copy it from that
+    worker's cache on the decode host. The prefill host's cable carries the distinct KV
+    once (three times before), the answer equals colocated generation, and the proxy
+    counts both hops."""
     dep = three_hosts
     assert len(dep.worker_pids(dep.decode)) == 9
     prompt = "Fanned out. " + LONG_PROMPT
