@@ -119,10 +119,10 @@ class FenceReader:
         """Producer `agent`'s words at `address`, prepared (the caller releases it)."""
         return self.transport.prep_remote(agent, word_descs(address), MemType.DRAM)
 
-    def post(self, remote: Any, request_id: str, generation: int, notif: bytes) -> FenceRead | None:
+    def post(self, remote: Any, request_id: str, generation: int) -> FenceRead | None:
         """READ the word exposure (`request_id`, `generation`) owns on the producer whose
-        words `remote` prepares, `notif` (the ReadDone) riding on it; None if there is no
-        word free here or NIXL refused (the caller sends the ReadDone on its own)."""
+        words `remote` prepares; None if there is no word free here or NIXL refused (the
+        ReadAck decides)."""
         if self._local is None or not self._free:
             return None
         local = self._free.pop()
@@ -131,7 +131,7 @@ class FenceReader:
         self._words[local] = 0
         try:
             xfer, _ = self.transport.read(
-                self._local, np.array([local], np.int32), remote, np.array([slot], np.int32), notif
+                self._local, np.array([local], np.int32), remote, np.array([slot], np.int32), b""
             )
         except TransferError as exc:
             log.debug("a fence READ of %r failed: %s; its ReadAck decides", request_id, exc)

@@ -186,7 +186,7 @@ class PullPlanner:
         # A prefill worker read by one READ gets the notification with it; one read by
         # several (whole blocks + a block cut inside) gets it after the last completes.
         reads_of = Counter(p for p, _, _ in posts)
-        # ... and one with fence words gets it on the READ of its word (`PullProgress`)
+        # ... and one with fence words gets it after the READ of its word (`PullProgress`)
         fenced = {p for p in reads_of if inst.readers[p].fence is not None and not pull.checked}
         pull.silent = {p for p, n in reads_of.items() if n > 1} | fenced
         pull.awaiting = set(reads_of)

@@ -266,37 +266,35 @@ class PullProgress:
         return True
 
     def _read_all(self, pull: ActivePull, p: int) -> None:
-        """Every READ of `pull` from prefill worker `p` is done: send our ReadDone, on a
-        READ of `p`'s fence word if it has fence words and the pull is not checked (the
-        word may confirm the pull before the ReadAck comes, `_read_fences`), else on its
-        own. (The READ of the word follows the READs of the bytes: a READ posted after a
-        notification waits for the producer's next poll, so none rides on them.)"""
+        """Every READ of `pull` from prefill worker `p` is done: READ `p`'s fence word if
+        it has fence words and the pull is not checked (the word may confirm the pull
+        before the ReadAck comes), then send our ReadDone. A READ posted after a
+        notification waits for the producer's next poll, and one still running when a
+        notification is sent may too: the READ of the word is checked once before the
+        ReadDone goes (on one host it is done by then), and at each poll after
+        (`_read_fences`)."""
         peer = pull.instance.readers[p]
-        done = self._notices.done(pull, peer)
-        read = None
         if peer.fence is not None and not pull.checked:
-            read = self._fence.post(peer.fence, pull.request_id, pull.generation, done)
-        if read is not None:
-            pull.fences[p] = read
-        else:
-            self._notices.notify(pull, p, peer, done)
+            read = self._fence.post(peer.fence, pull.request_id, pull.generation)
+            if read is not None:
+                pull.fences[p] = read
+                self._read_fences(pull, p)
+        self._notices.notify(pull, p, peer, self._notices.done(pull, peer))
 
-    def _read_fences(self, pull: ActivePull) -> None:
-        """Check the READs of fence words `pull` posted: one done carried our ReadDone
-        (that worker is told), and a word that confirms takes its worker off `awaiting`
-        (its ReadAck is dropped as it comes); one that failed leaves the ReadDone to be
-        sent on its own and the ReadAck to decide."""
+    def _read_fences(self, pull: ActivePull, only: int | None = None) -> None:
+        """Check the READs of fence words `pull` posted (`only` that of prefill worker
+        `only`, if given): a word that confirms takes its worker off `awaiting` (its
+        ReadAck is dropped as it comes); any other word, or a failed READ, leaves the
+        ReadAck to decide."""
         for p, read in list(pull.fences.items()):
+            if only is not None and p != only:
+                continue
             state, held = self._fence.check(read)
             if state is XferState.PROC:
                 continue
             del pull.fences[p]
-            peer = pull.instance.readers[p]
-            if state is not XferState.DONE:
-                self._notices.notify(pull, p, peer, self._notices.done(pull, peer))
-                continue
-            pull.notified.add(p)
             if held:
+                peer = pull.instance.readers[p]
                 key = (pull.request_id, pull.generation)
                 pull.awaiting.discard(p)
                 pull.fenced += 1
@@ -439,7 +437,7 @@ class PullProgress:
             self._siblings.tell_copiers(pull, state, reason)
             self._siblings.take_ready(pull.request_id, pull.generation)
         pull.xfers = {i: px for i, px in pull.xfers.items() if not self.transport.release(px[1])}
-        for read in pull.fences.values():  # (their ReadDone unsent: told as given up)
+        for read in pull.fences.values():
             self._fence.drop(read)
         pull.fences.clear()
         if pull.xfers and not final:

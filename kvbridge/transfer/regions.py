@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -132,14 +133,16 @@ def clear_slots(regions: CacheRegions, boxes: list[SlotBox]) -> None:
                 f"slots at offset {box.offset} (+{box.span} bytes) lie outside region "
                 f"{box.region} of {regions.lengths[box.region]} bytes"
             )
-        raw = (ctypes.c_uint8 * box.span).from_address(regions.addresses[box.region] + box.offset)
-        view = np.lib.stride_tricks.as_strided(
-            np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8),
-            box.shape,
-            box.strides,
-            writeable=True,
-        )
-        view[...] = 0
+        buf = _host_bytes(regions.addresses[box.region], regions.lengths[box.region])
+        np.ndarray(box.shape, np.uint8, buf, box.offset, box.strides)[...] = 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _host_bytes(address: int, length: int) -> np.ndarray:
+    """The `length` bytes of host memory at `address` as a writable uint8 array (made
+    once per region: a pull's tail is dozens of boxes, one per region and half)."""
+    raw = (ctypes.c_uint8 * length).from_address(address)
+    return np.frombuffer(memoryview(raw).cast("B"), dtype=np.uint8)
 
 
 def read_end(plan: TransferPlan, num_tokens: int, producer: MemType, consumer: MemType) -> int:

@@ -119,7 +119,7 @@ def until(c: KVConsumer, p: KVProducer | None, timeout_s: float = 20) -> list[Tr
 def test_a_pull_is_confirmed_by_the_fence_word_without_a_readack(pair: Pair, monkeypatch) -> None:
     """The producer answers no ReadDone (its ReadAcks are never sent): the pull is DONE
     all the same, confirmed by the word its READ found held; the producer then released
-    the exposure as completed (the ReadDone rode on the READ of the word)."""
+    the exposure as completed (the ReadDone followed the READ of the word)."""
     p, c, _ = pair
     monkeypatch.setattr(p, "_ack", lambda *a, **k: None)
     p.expose("r", [5, 6], 20, generation=2)
