@@ -46,6 +46,7 @@ import numpy as np
 
 from kvbridge.transfer.agent import XferState
 from kvbridge.transfer.errors import TransferError
+from kvbridge.transfer.fence import SLOTS
 from kvbridge.transfer.regions import CacheRegions, MemType
 
 log = logging.getLogger("kvbridge.transfer.export")
@@ -231,8 +232,6 @@ class ExportedTransport:
         # what the export process gets: the segment opened read-only, so no mapping of
         # it there can ever be made writable (mprotect checks the file's mode)
         self._ro_fd = os.open(f"/proc/self/fd/{segment.fd}", os.O_RDONLY | os.O_CLOEXEC)
-        from kvbridge.transfer.fence import SLOTS
-
         # the fence words the worker writes, exported beside the KV (`fence.py`)
         self._fence = SharedSegment(SLOTS * 8, "kvbridge-fence")
         self._fence_ro_fd = os.open(f"/proc/self/fd/{self._fence.fd}", os.O_RDONLY | os.O_CLOEXEC)

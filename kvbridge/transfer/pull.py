@@ -180,8 +180,8 @@ class ActivePull:
     silent: set[int] = field(default_factory=set)
     # prefill ranks we read bytes from that have not yet answered held (`ReadAck`)
     awaiting: set[int] = field(default_factory=set)
-    # prefill rank -> the READ of its fence word carrying our ReadDone, posted once its
-    # READs are done, until it is (`fence.py`)
+    # prefill rank -> the READ of its fence word, posted once its READs are done, until
+    # it is checked (`fence.py`)
     fences: dict[int, FenceRead] = field(default_factory=dict)
     fenced: int = 0  # prefill ranks whose fence word confirmed the pull
     copies: dict[int, list[CopyList]] = field(default_factory=dict)  # prefill rank -> lists

@@ -3,7 +3,8 @@
 Once per producer instance the descriptor lists a whole-block request needs are
 prepared, over units of the gcd of its copies' offsets, lengths and region sizes
 (`descriptors.py`). Per pull one NIXL READ is posted per producer worker, indexing those
-lists and carrying the `ReadDone` notification to that worker. A pull reads its
+lists and carrying the `ReadDone` notification to that worker, unless the worker has
+fence words: its ReadDone then follows the READ of its word (`PullProgress`). A pull reads its
 prompt's last block whole where both sides' blocks go on (`TransferPlan.read_end`), so
 it is whole units too at equal block sizes; copies that are not (a pull that starts or
 ends inside a block of one side only) go in a second READ with descriptor lists of

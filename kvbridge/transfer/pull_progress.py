@@ -278,17 +278,14 @@ class PullProgress:
             read = self._fence.post(peer.fence, pull.request_id, pull.generation)
             if read is not None:
                 pull.fences[p] = read
-                self._read_fences(pull, p)
+                self._read_fences(pull)
         self._notices.notify(pull, p, peer, self._notices.done(pull, peer))
 
-    def _read_fences(self, pull: ActivePull, only: int | None = None) -> None:
-        """Check the READs of fence words `pull` posted (`only` that of prefill worker
-        `only`, if given): a word that confirms takes its worker off `awaiting` (its
-        ReadAck is dropped as it comes); any other word, or a failed READ, leaves the
-        ReadAck to decide."""
+    def _read_fences(self, pull: ActivePull) -> None:
+        """Check the READs of fence words `pull` posted: a word that confirms takes its
+        worker off `awaiting` (its ReadAck is dropped as it comes); any other word, or a
+        failed READ, leaves the ReadAck to decide."""
         for p, read in list(pull.fences.items()):
-            if only is not None and p != only:
-                continue
             state, held = self._fence.check(read)
             if state is XferState.PROC:
                 continue
