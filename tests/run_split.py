@@ -7,7 +7,9 @@ engines, about 9 GB), then the parallel package (worker groups of up to nine pro
 after the engine package let go of its engines) and the GPU suite's collection checks
 (pytest in subprocesses), so that both processes end near the same time; the second runs
 every other package (the test hosts' three-host deployment, about 4 GB, among them), so
-the two never add up to the machine's 24 GiB.
+the two never add up to the machine's 24 GiB. The second starts with the packages that
+start no process (the planner's, the contract's), while the first starts the serve
+package's two dozen workers: the two cores go to that start rather than to another.
 Each process's output is printed whole once both end (Ctrl-C or SIGTERM stops both,
 and what they wrote is still printed); the exit status is the first failure's (a half
 that collected no test is none). Options after the script's name go to both processes.
@@ -28,12 +30,25 @@ ROOT = Path(__file__).resolve().parent.parent
 NO_TESTS = 5
 #: The first process's packages and files, in order; the second runs all the others.
 FIRST = ("tests/serve", "tests/engine", "tests/parallel", "tests/test_gpu_suite.py")
+#: The second process's first packages (they start no process), then the others by name.
+SECOND_EARLY = ("tests/plan", "tests/connector")
+
+
+def second() -> list[str]:
+    """The second process's packages and test files: `SECOND_EARLY`, then every other
+    one under tests/ that `FIRST` does not hold."""
+    found = sorted(
+        f"tests/{p.name}"
+        for p in Path(ROOT, "tests").iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.name.startswith("test_") and p.suffix == ".py")
+    )
+    return [*SECOND_EARLY, *(p for p in found if p not in FIRST + SECOND_EARLY)]
 
 
 def commands(extra: list[str]) -> list[list[str]]:
     pytest = [sys.executable, "-m", "pytest", *extra]
-    rest = [arg for path in FIRST for arg in ("--ignore", path)]
-    return [[*pytest, *FIRST], [*pytest, "tests", *rest]]
+    return [[*pytest, *FIRST], [*pytest, *second()]]
 
 
 def main(argv: list[str]) -> int:

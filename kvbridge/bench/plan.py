@@ -4,8 +4,8 @@ An 80-layer model (8 KV heads, head_dim 128, bf16), prefill tp 8 -> decode tp 16
 size 16, for the BHLNC, LBHNC (HND) and LBNHC (NHD) cache layouts; checks that merged
 descriptors equal the contiguous runs. Then what a KV dtype converted in flight costs a
 decode worker per pull (`plan.cast`): the cast of its copy lists' runs of a
-`CAST_TOKENS`-token request from its staging into its cache, against a memcpy of the same
-bytes in the same run.
+`CAST_TOKENS`-token request (or `--tokens`, if shorter) from its staging into its cache,
+against a memcpy of the same bytes in the same run.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from kvbridge.plan.layout import CacheLayout, InstanceLayout, cache_shape, num_r
 from kvbridge.plan.planner import make_plan
 from kvbridge.plan.verifier import count_contiguous_runs, region_bytes
 
-#: the request the cast is timed on (one decode worker's share of it is cast)
+#: the longest request the cast is timed on (one decode worker's share of it is cast;
+#: `--tokens` if shorter)
 CAST_TOKENS = 2048
 #: the (prefill, decode) cache dtypes the cast is timed between
 CAST_PAIRS = (("bfloat16", "float16"), ("bfloat16", "float32"), ("float32", "bfloat16"))
@@ -110,17 +111,17 @@ def run_plan_bench(args: argparse.Namespace) -> int:
         f"{unmerged} descriptors, {merged} merged, {runs} contiguous runs"
     )
     print("merged == contiguous runs: " + ("yes" if ok else "NO"))
-    _time_casts(model, args.repeat)
+    _time_casts(model, min(tokens, CAST_TOKENS), args.repeat)
     return 0 if ok else 1
 
 
-def _time_casts(model: ModelKVSpec, repeat: int) -> None:
-    """The cast of decode worker 0's share of a `CAST_TOKENS`-token pull, prefill tp 8
-    -> decode tp 16 of another cache dtype, against a memcpy of the bytes it reads."""
-    need = CAST_TOKENS // 16
+def _time_casts(model: ModelKVSpec, tokens: int, repeat: int) -> None:
+    """The cast of decode worker 0's share of a `tokens`-token pull, prefill tp 8 ->
+    decode tp 16 of another cache dtype, against a memcpy of the bytes it reads."""
+    need = -(-tokens // 16)
     ids = np.random.default_rng(1).permutation(2 * need)[:need]
     print(
-        f"the cast of decode worker 0's share of a {CAST_TOKENS}-token pull into a cache of "
+        f"the cast of decode worker 0's share of a {tokens}-token pull into a cache of "
         f"another dtype, against a memcpy of the same bytes (median of {repeat}):"
     )
     normals: dict[int, np.ndarray] = {}  # the staged values by size (drawn once: seed 2)
@@ -134,7 +135,7 @@ def _time_casts(model: ModelKVSpec, repeat: int) -> None:
             plan = make_plan(model, prefill, decode)
             assert plan.cast is not None
             d = plan.decode_workers[0]
-            lists = copy_lists(plan, 0, ids, ids, CAST_TOKENS)
+            lists = copy_lists(plan, 0, ids, ids, tokens)
             runs = [
                 np.concatenate([getattr(cl, f) for cl in lists])
                 for f in ("dst_regions", "dst_offsets", "lengths")

@@ -178,7 +178,7 @@ def test_bad_config_file(tmp_path: Path):
 
 
 def test_bench_plan_prints_figures():
-    out = kvbridge("bench", "plan", "--tokens", "4096", "--repeat", "1")
+    out = kvbridge("bench", "plan", "--tokens", "1024", "--repeat", "1")
     assert out.returncode == 0, out.stderr
     assert "merged == contiguous runs: yes" in out.stdout
     assert all(name in out.stdout for name in ("BHLNC", "LBHNC", "LBNHC"))
