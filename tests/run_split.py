@@ -2,15 +2,15 @@
 the other, since one process uses about 85 % of one core of two (its tests wait on
 processes starting, links, leases and timeouts).
 
-Two packages hold most of the memory: the serve package's shared instances (about 10
-GB) and the engine package's oracle and engines (about 9 GB); side by side they reached
-21 GB of the machine's 24 GiB. So the engine package starts only once the serve package
-has ended, and each of them runs beside lighter work: the first lane runs the serve
-package, then the test hosts' three-host deployment (about 4 GB) and the parallel
-package; the second runs every other package and file, starting with those that start
-no process (the planner's, the contract's: the two cores go to the serve package's two
-dozen workers starting meanwhile), then the engine package. Both lanes end near the same
-time.
+Two packages hold most of the memory: the serve package's shared instances (about 10 GB)
+and the engine package's oracle and engines (about 9 GB); side by side they reached 21
+GB of the machine's 24 GiB. So the engine package starts only once the serve package has
+ended, and each of them runs beside lighter work: the first lane runs the serve package,
+then the test hosts' three-host deployment (about 4 GB), the parallel package and the
+GPU suite's collection checks; the second runs every other package and file, starting
+with those that start no process (the planner's, the contract's: the two cores go to the
+serve package's two dozen workers starting meanwhile), then the engine package. Both
+lanes end near the same time.
 
 Each step's output is printed whole once all end (Ctrl-C or SIGTERM stops the running
 steps and starts no other; what they wrote is still printed); the exit status is the
@@ -52,7 +52,7 @@ EARLY = ("tests/plan", "tests/connector")
 LANES: tuple[tuple[Step, ...], ...] = (
     (
         Step("serve", ("tests/serve",)),
-        Step("hosts", ("tests/hosts", "tests/parallel")),
+        Step("hosts", ("tests/hosts", "tests/parallel", "tests/test_gpu_suite.py")),
     ),
     (
         Step("others"),

@@ -13,7 +13,6 @@ for nobody. That isolates what the switches alone cost on this machine.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from kvbridge.engine.parallel.base import Communicator
+from kvbridge.engine.parallel.worker_group import worker_context
 
 START_TIMEOUT_S = 600.0
 LEAVE_CORE_S = 1e-5
@@ -99,7 +99,7 @@ def floor_step_s(
 ) -> float:
     """Seconds per decode step of the slowest of `config.tp_size` ranks computing their
     shards at the same time with free collectives (see the module doc for `leave_core`)."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()  # torch imported once, in the fork server
     tp = config.tp_size
     barrier = ctx.Barrier(tp)
     out = ctx.Queue()

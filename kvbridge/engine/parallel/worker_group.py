@@ -69,12 +69,13 @@ class _Answers:
 FORKSERVER_PRELOAD = ["torch", "kvbridge.engine.parallel.worker"]
 
 
-def _worker_context() -> mp.context.ForkServerContext:
+def worker_context() -> mp.context.ForkServerContext:
     """Workers fork from multiprocessing's fork server (one per driver process, started
     at its first group; it holds no thread, lock or device state of the driver's): a
     fresh interpreter's state like "spawn", without re-importing torch in each. Each
     worker still takes the driver's `sys.path` and main module, and its environment as it
-    is when the group starts (`worker_main` applies it)."""
+    is when the group starts (`worker_main` applies it). Other processes that load a
+    model's shard (the benchmark's floor ranks) fork from it too."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     return ctx
@@ -180,7 +181,7 @@ class WorkerGroup:
         self._finalizer = weakref.finalize(
             self, _shutdown, self._procs, self._conns, self._segment, buffers
         )
-        ctx = _worker_context()
+        ctx = worker_context()
         try:
             for rank in range(world_size):
                 self._reply_buffers.append(ReplyBuffer.create(reply_max_bytes))
