@@ -9,17 +9,25 @@ goes first, the wait is cancelled and `ClientGone` raised, and the handler drops
 request. `ClosingStreamingResponse` runs a cleanup once its stream ends however it
 ends, even when the caller left before the first chunk (then the body's generator never
 starts, and its own `finally` would never run).
+
+A server's first streamed response loads the modules that sending it uses (Starlette
+starts a task group in anyio, which imports its asyncio backend then): 10-20 ms of CPU in
+the serving thread. On a decode instance that response starts as its request's pull
+does, and that thread, at the process's priority, takes the cores from the tp workers'
+threads that carry the pull's orders (at compute priority, `cpu_share.py`): the first
+pull waits for it. `warm_up_streaming`, run by the apps' lifespans at start-up, sends
+one response to nowhere, so that work is done before the first request.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from kvbridge.errors import KVBridgeError
 
@@ -73,3 +81,25 @@ class ClosingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._on_close()
+
+
+async def warm_up_streaming() -> None:
+    """Send one `ClosingStreamingResponse` to nowhere, as an HTTP server would send it
+    (ASGI spec 2.3, uvicorn's HTTP protocols': the response listens for the caller's
+    disconnect meanwhile), so a server's first real one loads nothing."""
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"{}"
+
+    async def receive() -> Message:
+        await asyncio.Event().wait()  # the caller never leaves; the stream ends first
+        return {"type": "http.disconnect"}
+
+    async def send(_: Message) -> None:
+        pass
+
+    async def closed() -> None:
+        pass
+
+    scope: Scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    await ClosingStreamingResponse(body(), on_close=closed)(scope, receive, send)

@@ -38,7 +38,12 @@ from kvbridge.serve.admission import Overloaded, overloaded_response
 from kvbridge.serve.backend import PROTOCOL_VERSION, GenerateEvent, GenerateRequest
 from kvbridge.serve.body_limit import BodyLimit
 from kvbridge.serve.config import Role
-from kvbridge.serve.disconnect import ClientGone, ClosingStreamingResponse, until_disconnected
+from kvbridge.serve.disconnect import (
+    ClientGone,
+    ClosingStreamingResponse,
+    until_disconnected,
+    warm_up_streaming,
+)
 from kvbridge.serve.engine_loop import EngineFailedError
 from kvbridge.serve.http_auth import RequireSignature
 from kvbridge.serve.http_errors import error_response, install_error_handlers
@@ -73,8 +78,14 @@ _connect_decoder = msgspec.json.Decoder(_ConnectBody)
 _cancel_decoder = msgspec.json.Decoder(_CancelBody)
 
 
+@contextlib.asynccontextmanager
+async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
+    await warm_up_streaming()  # the first /internal/generate loads nothing beside its pull
+    yield
+
+
 def build_app(inst: Instance) -> FastAPI:
-    app = FastAPI(title=f"kvbridge {inst.role.value} instance")
+    app = FastAPI(title=f"kvbridge {inst.role.value} instance", lifespan=_lifespan)
     app.state.instance = inst
     app.add_middleware(BodyLimit, max_bytes=inst.max_body_bytes, path_limits=CONTROL_BODY_LIMITS)
     if inst.token is not None:  # outermost: refuses from the headers, before any read

@@ -38,6 +38,7 @@ from kvbridge.serve.body_limit import (
     BodyLimit,
     mib_to_bytes,
 )
+from kvbridge.serve.disconnect import warm_up_streaming
 from kvbridge.serve.http_auth import RequireApiKey, bearer_key
 from kvbridge.serve.http_errors import error_response, install_error_handlers
 from kvbridge.serve.isolation import IsolationError, PrefixCacheIsolation, namespace
@@ -68,6 +69,7 @@ def make_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await warm_up_streaming()  # the first streamed answer loads nothing
         await backend.start()
         try:
             yield
