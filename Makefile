@@ -33,8 +33,9 @@ typecheck: setup
 unit: setup
 	$(BIN)/python tests/run_split.py -q
 
-# The checks and the suite at once: the suite's two processes leave part of two cores
-# idle (their tests wait on processes starting, links, leases), which ruff and mypy fill.
+# The checks and the suite at once: the suite's two lanes of pytest processes leave part
+# of two cores idle (their tests wait on processes starting, links, leases), which ruff
+# and mypy fill.
 # Each target's output is printed whole when it ends.
 test: setup
 	$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck unit

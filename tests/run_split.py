@@ -9,8 +9,8 @@ ended, and each of them runs beside lighter work: the first lane runs the serve 
 then the test hosts' three-host deployment (about 4 GB), the parallel package and the
 GPU suite's collection checks; the second runs every other package and file, starting
 with those that start no process (the planner's, the contract's: the two cores go to the
-serve package's two dozen workers starting meanwhile), then the engine package. Both
-lanes end near the same time.
+serve package's two dozen workers starting meanwhile), then the engine package. The
+split keeps the two lanes' ends within a minute of each other (docs/benchmarks.md).
 
 Each step's output is printed whole once all end (Ctrl-C or SIGTERM stops the running
 steps and starts no other; what they wrote is still printed); the exit status is the
@@ -101,7 +101,7 @@ def main(argv: list[str]) -> int:
 
     def ended(name: str) -> bool:
         run = runs.get(name)
-        return run is not None and run.proc.poll() is not None
+        return run is not None and run.ended is not None
 
     tmp = Path(tempfile.mkdtemp(prefix="kvbridge-suite-"))
     print(f"===== {len(LANES)} lanes of pytest processes; their output is in {tmp}", flush=True)

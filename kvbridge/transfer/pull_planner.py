@@ -4,16 +4,16 @@ Once per producer instance the descriptor lists a whole-block request needs are
 prepared, over units of the gcd of its copies' offsets, lengths and region sizes
 (`descriptors.py`). Per pull one NIXL READ is posted per producer worker, indexing those
 lists and carrying the `ReadDone` notification to that worker, unless the worker has
-fence words: its ReadDone then follows the READ of its word (`PullProgress`). A pull reads its
-prompt's last block whole where both sides' blocks go on (`TransferPlan.read_end`), so
-it is whole units too at equal block sizes; copies that are not (a pull that starts or
-ends inside a block of one side only) go in a second READ with descriptor lists of
-their own, released with the pull; a worker read twice gets its notification once its
-last READ is done (`PullProgress`). A fan-out's copier READs its bytes from the
-source's cache on this host the same way (`copy`). Note that with UCX's cma transport a
-READ is copied inside `transfer()`, so a `post` of a large READ takes its copy time.
-A plan that converts the KV dtype (`TransferPlan.cast`) reads into the worker's staging
-buffer of the prefill's dtype (`staging.py`) instead of its cache.
+fence words: its ReadDone then follows the READ of its word (`PullProgress`). A pull
+reads its prompt's last block whole where both sides' blocks go on
+(`TransferPlan.read_end`), so it is whole units too at equal block sizes; copies that
+are not (a pull that starts or ends inside a block of one side only) go in a second READ
+with descriptor lists of their own, released with the pull; a worker read twice gets its
+notification once its last READ is done (`PullProgress`). A fan-out's copier READs its
+bytes from the source's cache on this host the same way (`copy`). Note that with UCX's
+cma transport a READ is copied inside `transfer()`, so a `post` of a large READ takes
+its copy time. A plan that converts the KV dtype (`TransferPlan.cast`) reads into the
+worker's staging buffer of the prefill's dtype (`staging.py`) instead of its cache.
 """
 
 from __future__ import annotations
