@@ -9,17 +9,25 @@ ended, and each of them runs beside lighter work: the first lane runs the serve 
 then the test hosts' three-host deployment (about 4 GB), the parallel package and the
 GPU suite's collection checks; the second runs every other package and file, starting
 with those that start no process (the planner's, the contract's: the two cores go to the
-serve package's two dozen workers starting meanwhile), then the engine package. The
+serve package's two dozen workers starting meanwhile), then makes the engine tests'
+oracle (transformers' conversion of the GGUF, 20-40 s of CPU on a machine that has none
+saved: `tests/engine/oracle.py`) while the serve package ends, then the engine package. The
 split keeps the two lanes' ends within a minute of each other (docs/benchmarks.md).
+
+The steps run with `OMP_NUM_THREADS=1` unless it is set: every engine then computes with
+one torch thread (`EngineConfig.torch_threads`). OpenMP's threads spin while they wait,
+so an engine's two threads beside the other lane's processes made its steps 2-4x slower
+than one thread (docs/benchmarks.md, "Measurements behind the defaults").
 
 Each step's output is printed whole once all end (Ctrl-C or SIGTERM stops the running
 steps and starts no other; what they wrote is still printed); the exit status is the
 first failure's (a step that collected no test is none). Options after the script's
-name go to every step.
+name go to every pytest step.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -39,12 +47,14 @@ POLL_S = 0.5
 @dataclass(frozen=True)
 class Step:
     """One pytest process: `paths` (none: every package and test file under tests/ that
-    no other step names, those in `EARLY` first), started once its lane's previous step
-    and every step in `after` have ended."""
+    no other step names, those in `EARLY` first), or with `module` that module run alone
+    (`python -m`; the options are pytest's, not its); started once its lane's previous
+    step and every step in `after` have ended."""
 
     name: str
     paths: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+    module: str = ""
 
 
 #: The packages the "others" step runs first (they start no process).
@@ -56,6 +66,7 @@ LANES: tuple[tuple[Step, ...], ...] = (
     ),
     (
         Step("others"),
+        Step("oracle", module="tests.engine.oracle"),
         Step("engine", ("tests/engine",), after=("serve",)),
     ),
 )
@@ -75,6 +86,8 @@ def others() -> list[str]:
 
 
 def command(step: Step, extra: list[str]) -> list[str]:
+    if step.module:
+        return [sys.executable, "-m", step.module]
     return [sys.executable, "-m", "pytest", *extra, *(step.paths or others())]
 
 
@@ -103,6 +116,8 @@ def main(argv: list[str]) -> int:
         run = runs.get(name)
         return run is not None and run.ended is not None
 
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", "1")
     tmp = Path(tempfile.mkdtemp(prefix="kvbridge-suite-"))
     print(f"===== {len(LANES)} lanes of pytest processes; their output is in {tmp}", flush=True)
     old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -123,7 +138,9 @@ def main(argv: list[str]) -> int:
                 cmd = command(step, argv)
                 log = Path(tmp, f"{step.name}.log")
                 with open(log, "wb") as out:
-                    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+                    proc = subprocess.Popen(
+                        cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+                    )
                 runs[step.name] = _Run(step, cmd, proc, log)
             if not busy:
                 break

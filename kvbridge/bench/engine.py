@@ -68,7 +68,9 @@ class _Transformers:
         self.start_s = time.perf_counter() - t0
         self.x = torch.tensor([ids])
         self.decode_tokens = args.decode_tokens
-        self.threads = args.threads or 2
+        from kvbridge.bench.engine_args import engine_config
+
+        self.threads = engine_config(args, tp_size=1).torch_threads()  # the tp-1 engine's
         self._generate(2)  # warm-up
 
     def _generate(self, n: int) -> float:
@@ -115,8 +117,8 @@ def _bench_engine(args: argparse.Namespace, tp: int, hf: _Transformers | None) -
         params = SamplingParams(max_tokens=args.decode_tokens + 1, ignore_eos=True)
         ttfts, steps, hf_ttfts, hf_steps = [], [], [], []
         for _ in range(args.repeat):
-            if tp == 1:
-                torch.set_num_threads(args.threads or 2)
+            if tp == 1:  # the transformers baseline set its own between the runs
+                torch.set_num_threads(config.torch_threads())
             out = engine.generate([ids], params)[0]
             ttfts.append(out.ttft_s)
             steps.append((out.total_s - out.ttft_s) / args.decode_tokens)

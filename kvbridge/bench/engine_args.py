@@ -60,7 +60,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads per worker (default 2 at tp 1, else 1)",
+        help="torch threads per worker (default: OMP_NUM_THREADS if set, else 2 at tp 1 and 1 per worker otherwise)",
     )
 
 

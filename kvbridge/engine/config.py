@@ -7,6 +7,7 @@ smollm2 share it: RMSNorm, RoPE, GQA attention, SwiGLU MLP), built from what
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,7 +154,7 @@ class EngineConfig:
     max_model_len: int | None = None
     prefill_chunk_size: int = 512
     kv_dtype: str = "float32"
-    num_threads: int | None = None  # None: 2 for tp 1 in-process, 1 per worker otherwise
+    num_threads: int | None = None  # torch threads per worker: `torch_threads()`
     kv_cache_mb: int = 256
     worker_timeout_s: float = 300.0
     enable_prefix_caching: bool = True  # reuse the K/V of prompts' common full blocks
@@ -184,6 +185,19 @@ class EngineConfig:
                 raise ModelLoadError(f"{f}={getattr(self, f)} must be a positive integer")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ModelLoadError(f"num_blocks={self.num_blocks} must be a positive integer")
+
+    def torch_threads(self) -> int:
+        """Torch threads per worker: `num_threads`; if None, `OMP_NUM_THREADS` where it
+        is set (as torch itself reads it), else 2 at tp 1 (the engine in its process) and
+        1 per worker otherwise. OpenMP's threads spin while they wait: two per engine on
+        a host whose cores other processes keep busy made a step 2-4x slower than one
+        (measured: docs/benchmarks.md, "Measurements behind the defaults")."""
+        if self.num_threads is not None:
+            return self.num_threads
+        env = os.environ.get("OMP_NUM_THREADS", "")
+        if env.isdigit() and int(env) > 0:
+            return int(env)
+        return 2 if self.tp_size == 1 else 1
 
     def layout(self) -> InstanceLayout:
         return InstanceLayout(

@@ -93,7 +93,7 @@ class InProcessExecutor(Executor):
         progress: Progress | None = None,
         connector: ConnectorSpec | None = None,
     ) -> None:
-        torch.set_num_threads(config.num_threads or 2)
+        torch.set_num_threads(config.torch_threads())
         self.runner = ModelRunner(
             model_path, config, SingleProcessCommunicator(), progress, shares_kv(connector)
         )

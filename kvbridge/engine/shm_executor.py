@@ -111,7 +111,7 @@ class ShmExecutor(Executor):
                 msgspec.msgpack.encode(init),
                 start_timeout=config.worker_timeout_s,
                 call_timeout=config.worker_timeout_s,
-                num_threads=config.num_threads or 1,
+                num_threads=config.torch_threads(),
                 on_progress=on_progress,
             )
             infos = [info_decoder.decode(r) for r in self.group.call("info")]

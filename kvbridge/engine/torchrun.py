@@ -78,7 +78,7 @@ def _init_from_env(config: EngineConfig) -> None:
             f"torchrun WORLD_SIZE={world} but tp_size={config.tp_size}; "
             f"pass --tp {world} or --nproc-per-node {config.tp_size}"
         )
-    torch.set_num_threads(config.num_threads or 1)
+    torch.set_num_threads(config.torch_threads())
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=config.worker_timeout_s))
 

@@ -13,7 +13,8 @@ from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.sequence import FinishReason
 from kvbridge.errors import KVBridgeError, LayoutError
 
-from .conftest import PROMPTS, Oracle
+from .conftest import PROMPTS
+from .oracle import Oracle
 
 GREEDY8 = SamplingParams(max_tokens=8)
 
@@ -154,6 +155,19 @@ def test_a_channel_major_cache_layout_is_refused_with_the_token_major_one() -> N
         ModelLoadError, match=r"cache_layout='LBHKNC:K=CN' keeps a half channel-major.*use LBHKNC"
     ):
         EngineConfig(cache_layout="LBHKNC:K=CN")
+
+
+def test_torch_threads_are_the_setting_then_omp_num_threads_then_2_at_tp_1_else_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert [EngineConfig(tp_size=tp).torch_threads() for tp in (1, 3)] == [2, 1]
+    for unusable in ("", "0", "two"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+        assert EngineConfig(tp_size=1).torch_threads() == 2, unusable
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert [EngineConfig(tp_size=tp).torch_threads() for tp in (1, 3)] == [3, 3]
+    assert EngineConfig(tp_size=3, num_threads=4).torch_threads() == 4
 
 
 @pytest.mark.parametrize(

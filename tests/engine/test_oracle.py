@@ -13,7 +13,8 @@ from kvbridge.engine.sampling import SamplingParams
 from kvbridge.engine.tokenizer import Tokenizer
 from kvbridge.engine.weights import resolve_model
 
-from .conftest import PROMPTS, Oracle
+from .conftest import PROMPTS
+from .oracle import Oracle
 
 pytestmark = pytest.mark.slow
 
