@@ -6,13 +6,13 @@ Two packages hold most of the memory: the serve package's shared instances (abou
 and the engine package's oracle and engines (about 9 GB); side by side they reached 21
 GB of the machine's 24 GiB. So the engine package starts only once the serve package has
 ended, and each of them runs beside lighter work: the first lane runs the serve package,
-then the test hosts' three-host deployment (about 4 GB), the parallel package and the
-GPU suite's collection checks; the second runs every other package and file, starting
-with those that start no process (the planner's, the contract's: the two cores go to the
+then the test hosts' three-host deployment (about 4 GB) and the parallel package; the
+second runs every other package and file, starting with those that start no process (the planner's, the contract's: the two cores go to the
 serve package's two dozen workers starting meanwhile), then makes the engine tests'
 oracle (transformers' conversion of the GGUF, 20-40 s of CPU on a machine that has none
-saved: `tests/engine/oracle.py`) while the serve package ends, then the engine package. The
-split keeps the two lanes' ends within a minute of each other (docs/benchmarks.md).
+saved: `tests/engine/oracle.py`) while the serve package ends, then the engine package
+and the GPU suite's collection checks. The split keeps the two lanes' ends within a
+minute of each other (docs/benchmarks.md).
 
 The steps run with `OMP_NUM_THREADS=1` unless it is set: every engine then computes with
 one torch thread (`EngineConfig.torch_threads`). OpenMP's threads spin while they wait,
@@ -62,12 +62,13 @@ EARLY = ("tests/plan", "tests/connector")
 LANES: tuple[tuple[Step, ...], ...] = (
     (
         Step("serve", ("tests/serve",)),
-        Step("hosts", ("tests/hosts", "tests/parallel", "tests/test_gpu_suite.py")),
+        Step("hosts", ("tests/hosts", "tests/parallel")),
     ),
     (
         Step("others"),
         Step("oracle", module="tests.engine.oracle"),
         Step("engine", ("tests/engine",), after=("serve",)),
+        Step("gpu-suite", ("tests/test_gpu_suite.py",)),
     ),
 )
 
