@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvbridge.errors import KVBridgeError, WorkerError
+from kvbridge.heap import freeze_start_up
 from kvbridge.serve import wire
 from kvbridge.serve.admission import Overloaded, overloaded_response
 from kvbridge.serve.backend import PROTOCOL_VERSION, GenerateEvent, GenerateRequest
@@ -81,6 +82,7 @@ _cancel_decoder = msgspec.json.Decoder(_CancelBody)
 @contextlib.asynccontextmanager
 async def _lifespan(_: FastAPI) -> AsyncIterator[None]:
     await warm_up_streaming()  # the first /internal/generate loads nothing beside its pull
+    freeze_start_up()  # later full collections skip what start-up made
     yield
 
 

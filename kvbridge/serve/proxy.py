@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvbridge.errors import KVBridgeError
+from kvbridge.heap import freeze_start_up
 from kvbridge.serve import openai_protocol as oai
 from kvbridge.serve import openai_responses as resp
 from kvbridge.serve.api_keys import ApiKeys
@@ -71,6 +72,7 @@ def make_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await warm_up_streaming()  # the first streamed answer loads nothing
         await backend.start()
+        freeze_start_up()  # later full collections skip what start-up made
         try:
             yield
         finally:

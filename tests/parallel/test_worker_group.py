@@ -60,6 +60,8 @@ def test_nine_workers_calls_replies_and_collectives() -> None:
         assert group.call("echo", b"y", ranks=[4, 0]) == [b"init|4|y", b"init|0|y"]
         # the workers' pids are the processes the driver sees
         assert [int(p) for p in group.call("pid")] == pids
+        # each froze its start-up objects before it reported ready (`kvbridge.heap`)
+        assert all(int(n) > 1000 for n in group.call("frozen"))
         # all_reduce through ctx.comm: every rank gets 1 + 2 + ... + 9
         replies = group.call("sum", b"576")
         for reply in replies:

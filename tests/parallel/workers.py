@@ -6,6 +6,7 @@ driven by `run_ranks` in the tests) and WorkerGroup targets (`*_worker(ctx)`).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -168,7 +169,7 @@ def run_scenarios(
 
 def echo_worker(ctx: WorkerContext) -> None:
     """Serves: echo, sum (all_reduce of rank+1 over the group), raise, exit, sleep,
-    stress, pid, env (a variable's value in the worker)."""
+    stress, pid, frozen, env (a variable's value in the worker)."""
     prefix = ctx.init_payload
     ctx.report_progress(f"init with {len(prefix)} bytes")
 
@@ -196,6 +197,8 @@ def echo_worker(ctx: WorkerContext) -> None:
             return json.dumps(SCENARIOS["stress"](ctx.comm, json.loads(payload))).encode()
         if method == "pid":
             return str(os.getpid()).encode()
+        if method == "frozen":  # objects kept out of garbage collections (kvbridge.heap)
+            return str(gc.get_freeze_count()).encode()
         if method == "env":
             return os.environ.get(payload.decode(), "<unset>").encode()
         raise KeyError(f"unknown method {method!r}")

@@ -1,7 +1,8 @@
 """A server's first streamed response loads nothing: the apps stream one response to
 nowhere at start-up (`disconnect.warm_up_streaming`), so the modules sending it needs
 (anyio's asyncio backend, which Starlette's first task group imports) are loaded before
-the first request, not beside its pull.
+the first request, not beside its pull; and their start-up ends by freezing what it made
+out of later garbage collections (`kvbridge.heap`).
 
 Each check runs in a fresh interpreter (this one has those modules loaded already) and
 compares `sys.modules` before and after the first response it streams."""
@@ -18,7 +19,7 @@ from typing import Any
 #: spec 2.3, the caller's disconnect listened for) after `prepare()`, and prints the
 #: modules that response loaded, and those prepare() loaded.
 _FIRST_RESPONSE = """
-import asyncio, json, sys
+import asyncio, gc, json, sys
 
 from kvbridge.serve.disconnect import ClosingStreamingResponse
 
@@ -51,6 +52,7 @@ async def main():
         "loaded": sorted(loaded),
         "bodies": [m.get("body", b"").decode() for m in sent if m["type"] == "http.response.body"],
         "closed": sent[-1]["type"] == "closed",
+        "frozen": gc.get_freeze_count(),
     }}))
 
 asyncio.run(main())
@@ -75,6 +77,7 @@ def test_without_the_warm_up_the_first_streamed_response_loads_modules() -> None
     anyio's asyncio backend (and what it imports)."""
     got = _first_response("async def prepare():\n    pass\n")
     assert "anyio._backends._asyncio" in got["loaded"], got
+    assert got["frozen"] == 0, got
 
 
 def test_after_the_warm_up_the_first_streamed_response_loads_nothing() -> None:
@@ -106,6 +109,7 @@ def test_the_proxy_warms_up_at_start_up() -> None:
     )
     assert "anyio._backends._asyncio" in got["prepared"], got
     assert got["loaded"] == [], got
+    assert got["frozen"] > 10_000, got  # and froze what start-up made (`kvbridge.heap`)
 
 
 def test_an_instance_warms_up_at_start_up() -> None:
@@ -135,3 +139,4 @@ def test_an_instance_warms_up_at_start_up() -> None:
     )
     assert "anyio._backends._asyncio" in got["prepared"], got
     assert got["loaded"] == [], got
+    assert got["frozen"] > 100_000, got  # the engine's objects too (`kvbridge.heap`)

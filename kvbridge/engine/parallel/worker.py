@@ -37,6 +37,7 @@ from kvbridge.engine.parallel.errors import PeerAbortedError, PeerDiedError
 from kvbridge.engine.parallel.reply_buffer import SHM_MIN_BYTES, CallBuffer, ReplyBuffer
 from kvbridge.engine.parallel.shm_comm import ShmCommunicator
 from kvbridge.engine.parallel.shm_segment import unlink_segment
+from kvbridge.heap import freeze_start_up
 
 _FRAME = struct.Struct("<B3xIQ")
 _LENGTH = struct.Struct("<Q")
@@ -126,6 +127,7 @@ class WorkerContext:
         is unusable afterwards (the driver reports it broken).
         """
         conn = self.conn
+        freeze_start_up()  # later full collections skip the model and what loaded it
         conn.send_bytes(encode_frame(Kind.READY))
         idle_wait_s = idle_interval_s
         last_check = time.monotonic()
