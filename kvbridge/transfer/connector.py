@@ -28,7 +28,8 @@ worker's memory, a notification to it and a handshake progress only while that w
 polls its agent. Each `WorkerConnector` therefore runs a `ProgressThread`
 (`progress.py`) that polls while the engine computes, at the cadence its state needs:
 `BUSY_POLL_S` while a transfer is pending (woken at once by a Pull, Expose, Connect or
-Decline), `IDLE_POLL_S` for an idle producer (it answers handshakes, runs leases),
+Decline), `IDLE_POLL_S` for an idle producer (it answers handshakes; `DORMANT_POLL_S`
+once nothing happened for `DORMANT_AFTER_S`),
 `CONSUMER_IDLE_S` for an idle consumer, blocked on an event in between. One lock
 serializes the thread's polls with the driver's requests (NIXL's agent has no lock of
 its own here); a driver's Poll then only collects what the thread found, so the
@@ -72,8 +73,17 @@ if TYPE_CHECKING:
     from kvbridge.transfer.progress import ProgressThread
     from kvbridge.transfer.regions import CacheRegions
 
-#: How often an idle producer worker polls its side channel and leases (seconds).
+#: How often an idle producer worker polls its side channel (seconds), for
+#: `DORMANT_AFTER_S` after a peer was last heard from or a request exposed or released.
 IDLE_POLL_S = 0.05
+#: How often a producer worker idle for longer polls: each wake-up of a sleeping thread
+#: costs 0.1-0.2 ms of CPU on a virtual machine's core (docs/benchmarks.md), so a
+#: producer that nobody talks to costs a tenth of a core percent instead of half a
+#: percent; the first message after the pause waits up to this long, the next ones
+#: `IDLE_POLL_S`.
+DORMANT_POLL_S = 0.5
+#: How long after its last activity an idle producer worker keeps `IDLE_POLL_S`.
+DORMANT_AFTER_S = 10.0
 #: How often a worker polls while one of its transfers is pending (seconds).
 BUSY_POLL_S = 0.001
 #: How often an idle consumer worker polls (nothing is pending; a pull wakes it).
@@ -350,7 +360,7 @@ class WorkerConnector:
             from kvbridge.transfer.progress import ProgressThread
 
             self.progress = ProgressThread(
-                self._progress_step, f"kv-progress-{spec.role.value}-{rank}"
+                self._progress_step, f"kvb-{spec.role.value}-{rank}"
             ).start()
 
     @staticmethod
@@ -541,10 +551,13 @@ class WorkerConnector:
     def poll_interval(self) -> float:
         """BUSY_POLL_S while a transfer is pending (a read from this worker's memory
         progresses only while it polls); IDLE_POLL_S for an idle producer (it answers
-        handshakes and runs leases); CONSUMER_IDLE_S for an idle consumer, which has
+        handshakes), DORMANT_POLL_S once it has been idle for DORMANT_AFTER_S; CONSUMER_IDLE_S for an idle consumer, which has
         nothing to progress until the next pull (a driver call, which wakes the worker)."""
         if self.producer is not None:
-            return BUSY_POLL_S if self.producer.num_pinned_blocks > 0 else IDLE_POLL_S
+            if self.producer.num_pinned_blocks > 0:
+                return BUSY_POLL_S
+            quiet_s = time.monotonic() - self.producer.active_at
+            return IDLE_POLL_S if quiet_s < DORMANT_AFTER_S else DORMANT_POLL_S
         if self.consumer is not None and self.consumer.is_busy:
             return BUSY_POLL_S
         return CONSUMER_IDLE_S

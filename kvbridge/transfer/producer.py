@@ -168,6 +168,8 @@ class KVProducer:
         self.transport, self.config, self.instance_id = transport, config, instance_id
         self.on_release = on_release
         self._clock = clock
+        #: when a peer was last heard from or a request exposed or released (`clock`)
+        self.active_at = clock()
         words = transport.fence_words()  # registered now, before any handshake
         self._fence = FenceTable(words[0]) if words is not None else None
         #: the instance's credential: signs each Welcome (None: open mode, unsigned)
@@ -251,6 +253,7 @@ class KVProducer:
             )
         self._clear_tail(ids, num_tokens, start_token)
         lease = self.config.lease_s if lease_s is None else lease_s
+        self.active_at = self._clock()
         self._exposed[request_id] = _Exposure(
             ids, num_tokens, self._clock() + lease, lease, reader, generation, start_token
         )
@@ -297,13 +300,17 @@ class KVProducer:
         return self._server.num_rejected
 
     def poll(self, timeout_ms: int = 0) -> list[Release]:
-        """Serve the side channel, take notifications, enforce leases; returns new releases."""
+        """Serve the side channel, take notifications, enforce leases; returns new releases.
+        `active_at` becomes now when a side-channel message or a notification came."""
         start = len(self.releases)
-        self._server.poll(timeout_ms)
+        heard = self._server.poll(timeout_ms)
         for sender, msgs in self.transport.notifs().items():
             for raw in msgs:
+                heard += 1
                 self._on_notif(sender, raw)
         now = self._clock()
+        if heard:
+            self.active_at = now
         while self._early:  # forget early notifications no expose claimed within a lease
             rid, early = next(iter(self._early.items()))
             if early and early[0][0] + self.config.lease_s > now:
@@ -323,6 +330,7 @@ class KVProducer:
     # -- internals ---------------------------------------------------------------------
     def _release(self, request_id: str, cause: ReleaseCause, reason: str) -> None:
         exp = self._exposed.pop(request_id)
+        self.active_at = self._clock()
         if self._fence is not None:  # before the blocks go back (`fence.py`)
             self._fence.release(request_id, exp.generation, cause is ReleaseCause.COMPLETED)
         if exp.reader is not None and exp.reader in self._named:

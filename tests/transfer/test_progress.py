@@ -24,10 +24,12 @@ import pytest
 from kvbridge.connector import KVRequest, RemoteDecode, RequestState
 from kvbridge.plan.layout import CacheLayout, InstanceLayout, cache_shape, num_regions
 from kvbridge.plan.planner import make_plan
+from kvbridge.transfer import connector as connector_mod
 from kvbridge.transfer.config import TransferConfig
 from kvbridge.transfer.connector import (
     BUSY_POLL_S,
     CONSUMER_IDLE_S,
+    DORMANT_POLL_S,
     IDLE_POLL_S,
     STARVED_S,
     Cancel,
@@ -305,6 +307,46 @@ def test_a_thread_the_host_did_not_run_in_time_says_so(
     assert thread.num_late_wakes == 1  # the second wait ended 5 s after it began
     (record,) = [r for r in caplog.records if "later than asked" in r.getMessage()]
     assert "kv-progress-test ran 5.0 s later than asked" in record.getMessage()
+
+
+def test_an_idle_producer_polls_less_once_nothing_reached_it_and_again_when_something_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each wake-up of a sleeping thread costs CPU: a producer nobody talks to polls at
+    `DORMANT_POLL_S`; a notification (or a side-channel message), an exposure or a
+    release brings back `IDLE_POLL_S`."""
+    monkeypatch.setattr(connector_mod, "DORMANT_AFTER_S", 0.3)
+    transport = FakeTransport("prefill0")
+    conn = make(ConnectorRole.PRODUCER, transport)
+    try:
+        assert conn.poll_interval() == IDLE_POLL_S  # just started: peers are coming
+        wait_until("the dormant cadence", lambda: waiting_for(conn, DORMANT_POLL_S))
+        transport.inbox = {"decode0": [b"not a message of ours"]}
+        conn.handle(Poll())  # (the thread may take it first: either poll hears it)
+        wait_until("heard", lambda: not transport.inbox)
+        wait_until("the idle cadence again", lambda: conn.poll_interval() == IDLE_POLL_S)
+        wait_until("dormant again", lambda: conn.poll_interval() == DORMANT_POLL_S)
+        conn.handle(Expose("r1", [1], 4))
+        assert conn.poll_interval() == BUSY_POLL_S
+        conn.handle(Cancel("r1", "test"))
+        assert conn.poll_interval() == IDLE_POLL_S  # a release is activity too
+    finally:
+        conn.close()
+
+
+def test_the_thread_carries_its_name_where_the_os_shows_it() -> None:
+    """top -H and perf show the progress thread by its own name, not its process's (in
+    a vLLM worker: "VLLM::Worker")."""
+    seen: list[str] = []
+
+    def step() -> float:
+        seen.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text())
+        return 10.0
+
+    thread = ProgressThread(step, "kvb-consumer-12").start()
+    wait_until("a poll", lambda: thread.num_polls >= 1)
+    assert thread.close()
+    assert seen == ["kvb-consumer-12\n"]
 
 
 def test_a_connector_made_by_a_pinned_thread_runs_its_threads_on_every_cpu() -> None:
