@@ -64,9 +64,27 @@ _ENV_NAMES = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "HOME", "T
 _HEADER = struct.Struct("<I")
 #: `SharedSegment.adopt` moves only buffers at least this large (an allocator gives them
 #: pages of their own: glibc maps anything above its largest mmap threshold, 32 MiB,
-#: apart), or whose both ends are page-aligned
+#: apart, unless its heap has that much free), or whose both ends are page-aligned, and
+#: never the heap's pages (`heap_range`)
 ADOPT_MIN_BYTES = 32 << 20
 _MAP_FIXED = 0x10
+
+
+def heap_range() -> tuple[int, int] | None:
+    """This process's heap (the brk area, "[heap]" in /proc/self/maps), or None where
+    there is none to read. glibc serves even a buffer over its mmap threshold from there
+    when the heap holds that much freed memory (after large buffers were freed: the
+    threshold rises to their size), and grows and trims the heap in place: pages of it
+    replaced by another mapping break that."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if line.rstrip().endswith("[heap]"):
+                    lo, hi = line.split()[0].split("-")
+                    return int(lo, 16), int(hi, 16)
+    except OSError:
+        return None
+    return None
 
 
 class SharedSegment:
@@ -109,6 +127,15 @@ class SharedSegment:
                 f"a buffer of {nbytes} bytes at {address:#x} may share pages with other "
                 f"memory (it is smaller than {ADOPT_MIN_BYTES} bytes and not page-aligned), "
                 "so it is not moved into shared memory"
+            )
+        heap = heap_range()
+        if heap is not None and start < heap[1] and heap[0] < end:
+            raise TransferError(
+                f"a buffer of {nbytes} bytes at {address:#x} lies in the process's heap "
+                f"({heap[0]:#x}-{heap[1]:#x}: the allocator served it from memory it had "
+                "freed), whose pages the allocator keeps using and may give back, so it is "
+                "not moved into shared memory; allocate it before other large buffers are "
+                "freed, or with mmap"
             )
         seg = cls.__new__(cls)
         seg.size = end - start

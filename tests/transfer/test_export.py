@@ -21,11 +21,15 @@ from kvbridge.transfer.export import (
     SharedSegment,
     _Child,
     _encoder,
+    heap_range,
 )
 
 
 def test_memory_an_engine_allocated_moves_into_shared_memory_in_place() -> None:
-    cache = np.empty(ADOPT_MIN_BYTES // 8 + 3, dtype=np.uint64)  # the allocator's own pages
+    # pages of its own, its start after a 16-byte header (as glibc maps a large buffer;
+    # np.empty could come from the heap here, after other tests freed large buffers)
+    pages = mmap.mmap(-1, ADOPT_MIN_BYTES + 2 * mmap.PAGESIZE)
+    cache = np.frombuffer(pages, dtype=np.uint64, count=ADOPT_MIN_BYTES // 8 + 3, offset=16)
     cache[:] = np.arange(cache.size, dtype=np.uint64)
     address, before = cache.ctypes.data, cache.copy()
     segment = SharedSegment.adopt(address, cache.nbytes)
@@ -39,6 +43,17 @@ def test_memory_an_engine_allocated_moves_into_shared_memory_in_place() -> None:
     assert int(np.frombuffer(other, dtype=np.uint64, count=1, offset=off)[0]) == 0xFEED
     del seen
     other.close()
+
+
+def test_the_heaps_pages_are_never_moved() -> None:
+    """glibc serves even a buffer over ADOPT_MIN_BYTES from its heap once it holds that
+    much freed memory, and grows and trims the heap in place: its pages stay where they
+    are, whatever the size (the check comes before any byte is copied)."""
+    heap = heap_range()
+    assert heap is not None, "a Linux process has a [heap] in /proc/self/maps"
+    start = heap[0]  # page-aligned: only the heap check can refuse it
+    with pytest.raises(TransferError, match=r"lies in the process's heap.*or with mmap"):
+        SharedSegment.adopt(start, heap[1] - heap[0])
 
 
 def test_a_small_buffer_that_may_share_pages_is_not_moved() -> None:
