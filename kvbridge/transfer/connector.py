@@ -551,13 +551,13 @@ class WorkerConnector:
     def poll_interval(self) -> float:
         """BUSY_POLL_S while a transfer is pending (a read from this worker's memory
         progresses only while it polls); IDLE_POLL_S for an idle producer (it answers
-        handshakes), DORMANT_POLL_S once it has been idle for DORMANT_AFTER_S; CONSUMER_IDLE_S for an idle consumer, which has
-        nothing to progress until the next pull (a driver call, which wakes the worker)."""
+        handshakes), DORMANT_POLL_S once it has been idle for DORMANT_AFTER_S;
+        CONSUMER_IDLE_S for an idle consumer, which has nothing to progress until the next
+        pull (a driver call, which wakes the worker)."""
         if self.producer is not None:
             if self.producer.num_pinned_blocks > 0:
                 return BUSY_POLL_S
-            quiet_s = time.monotonic() - self.producer.active_at
-            return IDLE_POLL_S if quiet_s < DORMANT_AFTER_S else DORMANT_POLL_S
+            return IDLE_POLL_S if self.producer.quiet_s() < DORMANT_AFTER_S else DORMANT_POLL_S
         if self.consumer is not None and self.consumer.is_busy:
             return BUSY_POLL_S
         return CONSUMER_IDLE_S

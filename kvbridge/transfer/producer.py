@@ -294,6 +294,10 @@ class KVProducer:
     def num_pinned_blocks(self) -> int:
         return sum(len(e.block_ids) for e in self._exposed.values())
 
+    def quiet_s(self) -> float:
+        """How long since `active_at` (by this producer's clock)."""
+        return self._clock() - self.active_at
+
     @property
     def num_rejected(self) -> int:
         """Side-channel messages rejected so far (malformed, oversized, unauthenticated)."""
